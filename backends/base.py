@@ -1,0 +1,97 @@
+"""The backend contract: per-step metadata shared by all layers, and the backend interface.
+
+KV cache layout (one for every backend): per layer K and V `[num_blocks, block_size, H_kv, D]`.
+Slot `s` is token `s % block_size` of block `s // block_size`.
+"""
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the model runner; every layer's backend call shares it.
+
+    B sequences, T query tokens in one flat batch; sequence i's queries are
+    `query_start_loc[i]:query_start_loc[i+1]`, decodes (one query token) first.
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step's write
+    context_lens: torch.Tensor  # [B] int32: tokens in the cache before this step
+    block_table: torch.Tensor  # [B, max_blocks] int32, entries past a sequence's blocks are 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V goes to
+    positions: torch.Tensor  # [T] int64: position of each query token in its sequence
+    token_seq_idx: torch.Tensor  # [T] int32: which sequence each query token belongs to
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int  # sequences with one query token; they come first
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    block_size: int
+    # Host copies, so backends can size things without a device sync.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, H_kv, D] at `slot_mapping` [T] in the paged caches (shared by all backends)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv_slots(meta: AttentionMetadata, seq_start: int, seq_end: int, max_len: int) -> torch.Tensor:
+    """Cache slots [n, max_len] of the first `max_len` tokens of sequences seq_start..seq_end-1;
+    positions past a sequence's length point at a valid slot and must be masked."""
+    pos = torch.arange(max_len, device=meta.block_table.device)
+    table = meta.block_table[seq_start:seq_end, : -(-max_len // meta.block_size)].long()
+    return table[:, pos // meta.block_size] * meta.block_size + pos % meta.block_size
+
+
+class AttentionBackend(ABC):
+    """A paged-attention implementation. Subclasses set `name`, say what they cannot run
+    in `unavailable_reason`, build per-step state in `prepare` and attend in `forward`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 block_size: int, device: torch.device, dtype: torch.dtype):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device | str, dtype: torch.dtype, head_dim: int,
+                           block_size: int, **kwargs) -> str | None:
+        """Why this backend cannot run with these settings, or None when it can."""
+        return None
+
+    @classmethod
+    def provider(cls) -> str:
+        """What does the work, with its version (reported next to every number)."""
+        return f"torch {torch.__version__}"
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Per-step state derived from `meta`; called once per step, shared by all layers."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: Any) -> torch.Tensor:
+        """q [T, H, D] attends causally to its sequence's cached K/V; returns [T, H, D]."""

@@ -1,0 +1,41 @@
+"""The ground truth: one sequence at a time, its pages gathered, softmax in fp32."""
+from dataclasses import dataclass
+
+import torch
+
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata, gather_kv_slots
+
+
+@dataclass(slots=True)
+class _Seq:
+    q_start: int
+    q_end: int
+    context_len: int
+    kv_slots: torch.Tensor  # [seq_len] cache slots of this sequence's tokens
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def prepare(self, meta: AttentionMetadata) -> list[_Seq]:
+        qsl = meta.query_start_loc_cpu
+        return [
+            _Seq(qsl[i], qsl[i + 1], meta.context_lens_cpu[i], gather_kv_slots(meta, i, i + 1, seq_len)[0])
+            for i, seq_len in enumerate(meta.seq_lens_cpu)
+        ]
+
+    def forward(self, q, k_cache, v_cache, state: list[_Seq]) -> torch.Tensor:
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        for s in state:
+            qi = q[s.q_start:s.q_end].float().transpose(0, 1)  # [H, q, D]
+            k = k_flat[s.kv_slots].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+            v = v_flat[s.kv_slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            scores = (qi @ k.transpose(1, 2)) * self.scale  # [H, q, S]
+            q_pos = s.context_len + torch.arange(qi.shape[1], device=q.device)
+            kv_pos = torch.arange(k.shape[1], device=q.device)
+            scores.masked_fill_(kv_pos[None, :] > q_pos[:, None], float("-inf"))
+            out[s.q_start:s.q_end] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+        return out

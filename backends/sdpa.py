@@ -1,0 +1,61 @@
+"""Gather-then-SDPA: copy each sequence's pages into a padded batch, then one
+`scaled_dot_product_attention` call with a causal + length mask.
+
+Decodes and prefills are separate padded groups, so one long prefill does not pad every
+decode to its query length.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata, gather_kv_slots
+
+
+@dataclass(slots=True)
+class _Group:
+    token_start: int
+    token_end: int
+    q_dest: torch.Tensor  # [tokens] row of each query token in the padded [n * max_q] batch
+    kv_slots: torch.Tensor  # [n, max_kv] cache slots to gather
+    mask: torch.Tensor  # [n, 1, max_q, max_kv] True = attend
+    num_seqs: int
+    max_q: int
+
+
+class SDPABackend(AttentionBackend):
+    name = "sdpa"
+
+    def prepare(self, meta: AttentionMetadata) -> list[_Group]:
+        groups = []
+        qsl = meta.query_start_loc_cpu
+        for start, end in ((0, meta.num_decodes), (meta.num_decodes, meta.num_seqs)):
+            if start == end:
+                continue
+            max_q = max(qsl[i + 1] - qsl[i] for i in range(start, end))
+            max_kv = max(meta.seq_lens_cpu[start:end])
+            t0, t1 = qsl[start], qsl[end]
+            seq = meta.token_seq_idx[t0:t1].long()
+            q_local = torch.arange(t0, t1, device=seq.device) - meta.query_start_loc[seq]
+            q_dest = (seq - start) * max_q + q_local
+            q_pos = meta.context_lens[start:end, None] + torch.arange(max_q, device=seq.device)  # [n, max_q]
+            kv_pos = torch.arange(max_kv, device=seq.device)
+            mask = (kv_pos <= q_pos[..., None]) & (kv_pos < meta.seq_lens[start:end, None, None])
+            groups.append(_Group(t0, t1, q_dest, gather_kv_slots(meta, start, end, max_kv),
+                                 mask.unsqueeze(1), end - start, max_q))
+        return groups
+
+    def forward(self, q, k_cache, v_cache, state: list[_Group]) -> torch.Tensor:
+        out = torch.empty_like(q)
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        for g in state:
+            q_pad = q.new_zeros(g.num_seqs * g.max_q, self.num_heads, self.head_dim)
+            q_pad[g.q_dest] = q[g.token_start:g.token_end]
+            q_pad = q_pad.view(g.num_seqs, g.max_q, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k_flat[g.kv_slots].transpose(1, 2)  # [n, H_kv, max_kv, D]
+            v = v_flat[g.kv_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=g.mask, scale=self.scale,
+                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            out[g.token_start:g.token_end] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[g.q_dest]
+        return out

@@ -1,0 +1,255 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out."""
+import itertools
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+from pagedbench.backends.registry import get_backend
+from pagedbench.block_manager import BlockManager, blocks_needed
+from pagedbench.config import EngineConfig
+from pagedbench.loader import build_model, resolve_model_config
+from pagedbench.model_runner import ModelRunner, kv_bytes_per_block
+from pagedbench.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedbench.sampler import Sampler, SamplingBatch
+from pagedbench.sampling_params import SamplingParams
+from pagedbench.scheduler import Scheduler
+from pagedbench.sequence import Sequence
+from pagedbench.tokenizer import detokenize_incrementally, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device_dtype(device: str | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    """Defaults: cuda if available else cpu; bf16 on cuda, fp32 on cpu."""
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise ValueError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but CUDA is not available")
+    if dtype is None:
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dev, dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return dev, DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters and wall time (seconds) per part of the step, summed over steps."""
+
+    steps: int = 0
+    preemptions: int = 0
+    peak_blocks_used: int = 0
+    scheduled_tokens: int = 0
+    time_schedule: float = 0.0
+    time_metadata: float = 0.0
+    time_backend_prepare: float = 0.0
+    time_forward: float = 0.0
+    time_sample: float = 0.0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        self.model_config, path = resolve_model_config(config.model)
+        cfg = self.model_config
+        backend_cls = get_backend(config.backend)
+        reason = backend_cls.unavailable_reason(self.device, self.dtype, cfg.head_dim, config.block_size,
+                                                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+        if reason:
+            raise ValueError(f"backend {config.backend!r} is unavailable here: {reason}")
+        self.tokenizer = load_tokenizer(path) if path is not None else None
+
+        max_len_cap = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > max_len_cap:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {max_len_cap}")
+        rope_len = config.max_model_len or max_len_cap
+        self.model = build_model(cfg, path, self.device, self.dtype, rope_len, config.seed)
+
+        bs = config.block_size
+        num_blocks = config.num_blocks or self._auto_num_blocks(config.max_model_len or max_len_cap)
+        if config.max_model_len is None:  # as long as the model allows and the cache holds
+            self.max_model_len = min(max_len_cap, num_blocks * bs)
+        else:
+            self.max_model_len = config.max_model_len
+            if num_blocks < blocks_needed(self.max_model_len, bs):
+                raise ValueError(
+                    f"KV cache of {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens cannot hold one "
+                    f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower max_model_len"
+                )
+        self.num_blocks = num_blocks
+        backend = backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, bs,
+                              self.device, self.dtype)
+        self.runner = ModelRunner(self.model, backend, num_blocks, bs, self.device, self.dtype)
+        self.block_manager = BlockManager(num_blocks, bs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.device, config.seed)
+        self.stats = EngineStats()
+        self.sync_timing = False  # synchronize the device around timed parts (for breakdowns)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    @property
+    def backend(self):
+        return self.runner.backend
+
+    def _auto_num_blocks(self, max_model_len: int) -> int:
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.cpu_kv_cache_bytes
+        useful = self.config.max_num_seqs * blocks_needed(max_model_len, self.config.block_size)
+        n = min(budget // per_block, useful)
+        if n < 1:
+            raise ValueError(f"no memory for even one KV block ({per_block} bytes)")
+        return n
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} is a preset without a tokenizer; "
+                                 "pass {'prompt_token_ids': [...]} prompts")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raises ValueError (and changes nothing) when it is invalid."""
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        self.validate_request(token_ids, params)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, text, token_ids, params)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+        self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns outputs of the requests that progressed."""
+        st = self.stats
+        t0 = self._now()
+        sched = self.scheduler.schedule()
+        st.preemptions += sched.num_preempted
+        if sched.empty:
+            return []
+        t1 = self._now()
+        inputs = self.runner.prepare(sched)
+        t2 = self._now()
+        state = self.backend.prepare(inputs.metadata)
+        t3 = self._now()
+        logits = self.runner.run(inputs, state)
+        t4 = self._now()
+        sampling_seqs = [sched.seqs[i] for i in inputs.sampling_rows]
+        tokens = []
+        if sampling_seqs:
+            batch = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)
+            tokens = self.sampler(logits, batch).tolist()
+        t5 = time.perf_counter()
+        st.steps += 1
+        st.scheduled_tokens += sched.total_tokens
+        st.peak_blocks_used = max(st.peak_blocks_used, self.block_manager.num_used_blocks)
+        st.time_schedule += t1 - t0
+        st.time_metadata += t2 - t1
+        st.time_backend_prepare += t3 - t2
+        st.time_forward += t4 - t3
+        st.time_sample += t5 - t4
+
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            seq.num_computed_tokens += n
+        outputs = []
+        for seq, token in zip(sampling_seqs, tokens):
+            self._append_token(seq, token, t5)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
+        p = seq.params
+        if not p.ignore_eos and token in self.model_config.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif token in p.stop_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif p.stop and new_text:
+            # Only the new text and the longest stop string's worth before it can complete a match.
+            start = max(0, len(seq.output_text) - len(new_text) - max(map(len, p.stop)) + 1)
+            hits = [(seq.output_text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                seq.output_text = seq.output_text[:i]
+                self.scheduler.finish(seq, "stop", s)
+        if not seq.finished and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            self.scheduler.finish(seq, "length")
+        if seq.finished and self.tokenizer is not None and not isinstance(seq.stop_reason, str):
+            detokenize_incrementally(self.tokenizer, seq, flush=True)  # text held back for a partial character
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        if seq.finished:
+            self._requests.pop(seq.request_id, None)
+        completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
+        metrics = None
+        if seq.finished:
+            metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.token_times,
+                                     seq.token_times[-1], seq.num_preemptions)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.finished, metrics)

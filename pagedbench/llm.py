@@ -1,0 +1,49 @@
+"""The offline entry point, with vLLM's names: LLM(model).generate(prompts, params)."""
+import torch
+from tqdm.auto import tqdm
+
+from pagedbench.config import EngineConfig
+from pagedbench.engine import LLMEngine
+from pagedbench.outputs import RequestOutput
+from pagedbench.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, backend: str = "sdpa", device: str | None = None,
+                 dtype: str | torch.dtype | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 seed: int = 0):
+        self.engine = LLMEngine(EngineConfig(
+            model=model, backend=backend, device=device, dtype=dtype, block_size=block_size,
+            num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, seed=seed,
+        ))
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order. Every prompt is validated before
+        any is queued, so a bad one raises ValueError without starting the others."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        tokenized = []
+        for prompt, params in zip(prompts, sampling_params):
+            text, token_ids = engine.tokenize(prompt)
+            engine.validate_request(token_ids, params)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+        ids = [engine.add_request(p, sp) for p, sp in zip(tokenized, sampling_params)]
+        wanted, results = set(ids), {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while len(results) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]

@@ -1,0 +1,69 @@
+"""Build the model from a Hugging Face directory (config.json + safetensors) or a preset."""
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagedbench.config import ModelConfig
+from pagedbench.model import CausalLM
+from pagedbench.presets import PRESETS
+
+
+def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
+    """(config, model directory or None for a preset)."""
+    if model in PRESETS:
+        return ModelConfig.from_dict(PRESETS[model]), None
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r} is neither a directory nor a preset ({', '.join(PRESETS)})")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {model!r} has no config.json")
+    if not list(path.glob("*.safetensors")):
+        raise ValueError(f"model directory {model!r} has no *.safetensors weights")
+    return ModelConfig.from_dir(path), path
+
+
+def build_model(cfg: ModelConfig, path: Path | None, device: torch.device, dtype: torch.dtype,
+                max_positions: int, seed: int) -> CausalLM:
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if path is None:
+        _init_random(model, seed)
+    else:
+        _load_safetensors(model, path)
+    return model.eval().requires_grad_(False)
+
+
+def _init_random(model: CausalLM, seed: int) -> None:
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+
+
+def _load_safetensors(model: CausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    loaded = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name not in params:
+                    if "rotary_emb" in name or (tied and name == "lm_head.weight"):
+                        continue
+                    raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                tensor = f.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"weights missing from {path}: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,104 @@
+"""Owns the model, the paged KV cache and the backend; turns a SchedulerOutput into one
+flat token batch plus its AttentionMetadata, built once per step."""
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata
+from pagedbench.config import ModelConfig
+from pagedbench.model import AttentionContext, CausalLM
+from pagedbench.scheduler import SchedulerOutput
+from pagedbench.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    logits_indices: torch.Tensor  # [S] last scheduled token of each sequence that samples
+    sampling_rows: list[int]  # which scheduled sequences sample this step (their prefill is complete)
+    metadata: AttentionMetadata
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, backend: AttentionBackend, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype):
+        cfg = model.config
+        self.model, self.backend = model, backend
+        self.block_size, self.device = block_size, device
+        # One allocation; each layer's K and V are views [num_blocks, block_size, H_kv, D].
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    device=device, dtype=dtype)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        return prepare_step(sched.seqs, sched.num_tokens, self.block_size, self.device)
+
+    def run(self, inputs: StepInputs, backend_state) -> torch.Tensor:
+        """fp32 logits [len(sampling_rows), vocab]."""
+        ctx = AttentionContext(self.backend, backend_state, inputs.metadata.slot_mapping, self.kv_caches)
+        return self.model(inputs.input_ids, inputs.positions, ctx, inputs.logits_indices)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def prepare_step(seqs: list[Sequence], num_new: list[int], block_size: int, device: torch.device) -> StepInputs:
+    """Flat inputs and AttentionMetadata for running `num_new[i]` more tokens of `seqs[i]`
+    (decodes first). Host-side numpy, then one copy per tensor: no device sync."""
+    _to = functools.partial(_to_device, device=device)
+    context = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+    q_lens = np.array(num_new, dtype=np.int64)
+    seq_lens = context + q_lens
+    qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    num_tokens = int(qsl[-1])
+    token_seq = np.repeat(np.arange(len(seqs)), q_lens)
+    positions = np.arange(num_tokens) - qsl[token_seq] + context[token_seq]
+    input_ids = np.fromiter(
+        (t for s, c, n in zip(seqs, context, q_lens) for t in s.token_ids[c:c + n]), dtype=np.int64, count=num_tokens
+    )
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        block_table[i, :len(s.block_table)] = s.block_table
+    slot_mapping = block_table[token_seq, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+    sampling_rows = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
+    num_decodes = int((q_lens == 1).sum())
+    meta = AttentionMetadata(
+        query_start_loc=_to(qsl.astype(np.int32)),
+        seq_lens=_to(seq_lens.astype(np.int32)),
+        context_lens=_to(context.astype(np.int32)),
+        block_table=_to(block_table),
+        slot_mapping=_to(slot_mapping),
+        positions=_to(positions),
+        token_seq_idx=_to(token_seq.astype(np.int32)),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        num_prefills=len(seqs) - num_decodes,
+        num_prefill_tokens=num_tokens - num_decodes,
+        block_size=block_size,
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+        context_lens_cpu=context.tolist(),
+    )
+    return StepInputs(
+        input_ids=_to(input_ids),
+        positions=meta.positions,
+        logits_indices=_to(qsl[1:][sampling_rows] - 1),
+        sampling_rows=sampling_rows,
+        metadata=meta,
+    )

@@ -1,0 +1,114 @@
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedbench.block_manager import BlockManager
+from pagedbench.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The work of one step: `seqs[i]` runs its next `num_tokens[i]` tokens.
+    Decodes (one token) come first, then prefill chunks."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Continuous batching under one token budget per step, with chunked prefill and
+    preemption by recompute (newest first)."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        # Running decodes first, then running prefill chunks, each oldest first.
+        candidates = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens != 1, s.arrival_time))
+        for seq in candidates:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + n, scheduled, out):
+                continue  # seq itself was preempted
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            self._add(out, seq, n, scheduled)
+            budget -= n
+        # Admit waiting requests while budget, blocks and max_num_seqs allow, unless this
+        # step already had to preempt (admitting would only preempt again).
+        while self.waiting and budget > 0 and not out.num_preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add(out, seq, n, scheduled)
+            budget -= n
+        # Decodes first in the batch (a one-token prefill chunk is a decode to attention).
+        order = sorted(range(len(out.seqs)), key=lambda i: out.num_tokens[i] != 1)
+        out.seqs = [out.seqs[i] for i in order]
+        out.num_tokens = [out.num_tokens[i] for i in order]
+        return out
+
+    @staticmethod
+    def _add(out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[int]) -> None:
+        out.seqs.append(seq)
+        out.num_tokens.append(n)
+        scheduled.add(id(seq))
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput) -> bool:
+        """Preempt the newest unscheduled running sequences until `seq` can hold
+        `num_tokens`; False when `seq` itself had to go."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            victim = max(victims, key=lambda s: s.arrival_time) if victims else seq
+            self.preempt(victim)
+            out.num_preempted += 1
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks; it goes back to the front of the queue and recomputes."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.block_manager.free(seq)

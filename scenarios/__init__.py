@@ -1,0 +1,1 @@
+"""Workload definitions (TOML files) shipped with pagedbench."""

@@ -1,0 +1,85 @@
+"""Tiny random-weight Hugging Face models (saved with save_pretrained) and a trained tokenizer,
+built once per test session; Hugging Face's own greedy outputs as the reference."""
+import json
+
+import pytest
+import torch
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "paged attention stores keys and values in fixed size blocks",
+    "a scheduler batches requests continuously and preempts when memory runs out",
+    "flex attention builds a block mask from the page table",
+    "hello world, this is a tiny tokenizer trained for tests",
+] * 20
+
+# name -> (config class name, config kwargs); initializer_range 0.2 keeps logits far from ties.
+TINY_MODELS = {
+    "llama": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,  # GQA
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )),
+    "qwen3": ("Qwen3Config", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32,  # MQA, explicit head_dim != hidden/heads
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )),
+    "qwen2": ("Qwen2Config", dict(
+        num_attention_heads=4, num_key_value_heads=4,  # MHA with q/k/v bias
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )),
+}
+VOCAB = 320
+
+
+def train_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def build_hf_model(name, path):
+    import transformers
+
+    cls_name, extra = TINY_MODELS[name]
+    config = getattr(transformers, cls_name)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(str(path))
+    train_tokenizer(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """name -> (model directory, HF model in fp32)."""
+    root = tmp_path_factory.mktemp("models")
+    return {name: (str(root / name), build_hf_model(name, root / name)) for name in TINY_MODELS}
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens):
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def write_legacy_config(src, dst):
+    """Rewrite a transformers-5 config.json into the older top-level rope_theta/rope_scaling form."""
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = rope
+    (dst / "config.json").write_text(json.dumps(cfg))
