@@ -1,0 +1,5 @@
+import sys
+
+from pagedbench.cli import main
+
+sys.exit(main())
