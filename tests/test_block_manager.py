@@ -1,0 +1,105 @@
+"""Block manager and scheduler invariants under random workloads (hypothesis)."""
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedbench.block_manager import BlockManager, blocks_needed
+from pagedbench.sampling_params import SamplingParams
+from pagedbench.scheduler import Scheduler
+from pagedbench.sequence import Sequence, SequenceStatus
+
+
+def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -> None:
+    held = Counter(b for s in live for b in s.block_table)
+    assert all(bm.ref_counts[b] == held.get(b, 0) for b in range(bm.num_blocks)), "ref counts disagree with tables"
+    free = list(bm.free_blocks)
+    assert len(free) == len(set(free)), "a block is on the free list twice"
+    assert set(free) == {b for b in range(bm.num_blocks) if bm.ref_counts[b] == 0}, "free list != unreferenced"
+    for s in sched.running:
+        assert s.status is SequenceStatus.RUNNING
+        assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, bm.block_size)
+    for s in sched.waiting:
+        assert s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    max_len = draw(st.integers(1, 64))
+    num_blocks = blocks_needed(max_len, block_size) + draw(st.integers(0, 12))
+    requests = draw(st.lists(st.tuples(st.integers(1, max_len), st.integers(1, 20), st.integers(0, 6)),
+                             min_size=1, max_size=12))
+    return block_size, max_len, num_blocks, draw(st.integers(1, 40)), draw(st.integers(1, 6)), requests
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads())
+def test_scheduler_and_block_manager_invariants(workload):
+    block_size, max_len, num_blocks, budget, max_seqs, requests = workload
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(bm, max_seqs, budget)
+    live: list[Sequence] = []
+    pending = list(enumerate(requests))
+    for step in range(10_000):
+        while pending and pending[0][1][2] <= step:  # (prompt_len, max_tokens, arrival step)
+            i, (prompt_len, max_tokens, _) = pending.pop(0)
+            seq = Sequence(str(i), None, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+            seq.arrival_time = float(i)
+            sched.add(seq)
+            live.append(seq)
+        if not sched.has_unfinished() and not pending:
+            break
+        out = sched.schedule()
+        assert out.total_tokens <= budget and len(sched.running) <= max_seqs
+        assert len({id(s) for s in out.seqs}) == len(out.seqs), "a sequence scheduled twice"
+        assert all(s.status is SequenceStatus.RUNNING for s in out.seqs)
+        ones = [n == 1 for n in out.num_tokens]
+        assert ones == sorted(ones, reverse=True), "decodes must come first"
+        if sched.has_unfinished():
+            assert not out.empty, "scheduler stalled with work left"
+        for s, n in zip(out.seqs, out.num_tokens):
+            assert 1 <= n <= s.num_uncomputed_tokens
+            s.num_computed_tokens += n
+            assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, block_size)
+            if s.num_computed_tokens == s.num_tokens:  # the prompt is done: a token is sampled
+                s.token_ids.append(0)
+                if s.num_output_tokens >= s.params.max_tokens or s.num_tokens >= max_len:
+                    sched.finish(s, "length")
+                    live.remove(s)
+        check_invariants(bm, sched, live)
+    else:
+        raise AssertionError("workload did not finish")
+    assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts), "blocks leaked"
+
+
+def test_preemption_frees_newest_first_and_recomputes():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    old, new = (Sequence(str(i), None, [1, 2, 3, 4], SamplingParams()) for i in range(2))
+    new.arrival_time = old.arrival_time + 1
+    sched.add(old)
+    sched.add(new)
+    out = sched.schedule()
+    assert out.seqs == [old, new] and bm.num_free_blocks == 0
+    for s in (old, new):
+        s.num_computed_tokens = 4
+        s.token_ids.append(9)
+    out = sched.schedule()  # old needs a third block: the newest sequence makes room
+    assert out.seqs == [old] and out.num_preempted == 1
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and not new.block_table
+    assert list(sched.waiting) == [new] and new.num_preemptions == 1
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    seq = Sequence("a", None, [1], SamplingParams())
+    bm.allocate(seq, 1)
+    table = list(seq.block_table)
+    bm.free(seq)
+    seq.block_table = table
+    try:
+        bm.free(seq)
+    except AssertionError:
+        return
+    raise AssertionError("double free went unnoticed")

@@ -1,0 +1,21 @@
+"""The `pagedbench` command end to end (small workloads)."""
+from pagedbench.cli import main
+
+
+def test_run_prints_throughput_table(capsys):
+    assert main(["run", "--num-prompts", "3", "--input-len", "20", "--output-len", "5", "--no-warmup"]) == 0
+    out = capsys.readouterr().out
+    assert "output tok/s" in out and "total tok/s" in out
+    row = next(line for line in out.splitlines() if line.startswith("| sdpa"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "3" and cells[4] == "15"  # requests, output tokens
+
+
+def test_backends_lists_every_backend_with_status(capsys):
+    assert main(["backends", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    from pagedbench.backends.registry import list_backends
+
+    for name in list_backends():
+        assert f"| {name}" in out
+    assert "| reference | " in out and "available" in out

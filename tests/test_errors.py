@@ -1,0 +1,123 @@
+"""Bad input: a clear one-line error, and nothing else is lost."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pagedbench import LLM, LLMEngine, SamplingParams
+from pagedbench.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    return LLMEngine(EngineConfig(model=tiny_models["llama"][0], dtype="float32", device="cpu", max_model_len=64))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ({"prompt_token_ids": []}, "empty"),
+    ("", "empty"),
+    ({"prompt_token_ids": list(range(3, 3 + 65))}, "max_model_len"),
+    ({"prompt_token_ids": [1, 10**6]}, "vocabulary"),
+    ({"prompt_token_ids": [1, "x"]}, "ints"),
+    (42, "prompt"),
+])
+def test_bad_prompts(engine, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, SamplingParams())
+
+
+def test_rejected_request_does_not_disturb_others(engine):
+    good = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 30)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(inject_bad):
+        ids = [engine.add_request(p, params) for p in good]
+        engine.step()
+        if inject_bad:  # requests in flight, then bad ones arrive
+            for bad in ({"prompt_token_ids": []}, {"prompt_token_ids": list(range(100))}):
+                with pytest.raises(ValueError):
+                    engine.add_request(bad, params)
+            with pytest.raises(ValueError):
+                engine.add_request(good[0], params, request_id=ids[0])  # id in use
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return [done[i] for i in ids]
+
+    assert run(inject_bad=True) == run(inject_bad=False)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_generate_validates_every_prompt_before_starting(tiny_models):
+    llm = LLM(tiny_models["llama"][0], dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def test_bad_engine_settings(tiny_models, tmp_path):
+    path = tiny_models["llama"][0]
+    with pytest.raises(ValueError, match="unknown backend 'nope'; available: .*reference.*sdpa"):
+        LLM(path, backend="nope")
+    with pytest.raises(FileNotFoundError, match="neither a directory nor a preset"):
+        LLM(str(tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(empty))
+    shutil.copy(f"{path}/config.json", empty / "config.json")
+    with pytest.raises(ValueError, match="no .*safetensors"):
+        LLM(str(empty))
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=128"):
+        LLM(path, num_blocks=4, block_size=16, max_model_len=128)
+    with pytest.raises(ValueError, match="exceeds the model's limit"):
+        LLM(path, max_model_len=10**6)
+    with pytest.raises(ValueError, match="preset without a tokenizer"):
+        LLM("tiny-llama", max_model_len=64).generate("hello", use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        LLM(path, dtype="float8")
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(path, block_size=0)
+
+
+def test_unavailable_backend_is_refused_with_its_reason(tiny_models, monkeypatch):
+    from pagedbench.backends.sdpa import SDPABackend
+
+    monkeypatch.setattr(SDPABackend, "unavailable_reason", classmethod(lambda cls, *a, **k: "needs a teapot"))
+    with pytest.raises(ValueError, match="backend 'sdpa' is unavailable here: needs a teapot"):
+        LLM(tiny_models["llama"][0], backend="sdpa")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pagedbench", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--backend", "nope"], "unknown backend 'nope'"),
+    (["run", "--model", "/no/such/model"], "neither a directory nor a preset"),
+    (["run", "--num-prompts", "0"], "num_prompts"),
+    (["run", "--dtype", "float8"], "unknown dtype"),
+])
+def test_cli_errors_are_one_line(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr

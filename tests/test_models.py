@@ -1,0 +1,70 @@
+"""Model loading: both config.json forms, sharded checkpoints, presets, unsupported models."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.config import ModelConfig
+from pagedbench.model import rope_inv_freq
+from pagedbench.presets import PRESETS
+from tests.conftest import hf_greedy, write_legacy_config
+
+PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+
+
+def greedy(path, n=8):
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    return llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_legacy_config_form_loads_the_same(tiny_models, tmp_path, name):
+    src, hf = tiny_models[name]
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    write_legacy_config(Path(src), dst)
+    assert "rope_parameters" not in json.loads((dst / "config.json").read_text())
+    assert ModelConfig.from_dir(dst) == ModelConfig.from_dir(Path(src))
+    assert greedy(dst) == hf_greedy(hf, PROMPT, 8)
+
+
+def test_sharded_checkpoint(tiny_models, tmp_path):
+    _, hf = tiny_models["qwen2"]
+    hf.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    shutil.copy(f"{tiny_models['qwen2'][0]}/tokenizer.json", tmp_path)
+    shutil.copy(f"{tiny_models['qwen2'][0]}/tokenizer_config.json", tmp_path)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert greedy(tmp_path) == hf_greedy(hf, PROMPT, 8)
+
+
+def test_llama3_rope_matches_transformers(tiny_models):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = tiny_models["llama"][1]
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    cfg = ModelConfig.from_dir(Path(tiny_models["llama"][0]))
+    torch.testing.assert_close(rope_inv_freq(cfg), expected)
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        ModelConfig.from_dict({**PRESETS["tiny-llama"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_parse_to_real_shapes(name):
+    cfg = ModelConfig.from_dict(PRESETS[name])
+    assert cfg.num_heads % cfg.num_kv_heads == 0 and cfg.head_dim % 2 == 0
+
+
+def test_tiny_preset_generates_from_token_ids():
+    llm = LLM("tiny-llama", max_model_len=128)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""

@@ -1,0 +1,107 @@
+"""Sampler semantics, seeded reproducibility, and stopping rules."""
+import pytest
+import torch
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.sampler import Sampler, SamplingBatch
+from pagedbench.sampling_params import SamplingParams as SP
+from pagedbench.sequence import Sequence
+from tests.conftest import hf_greedy
+
+
+def sample_many(logits_row, params, n=400):
+    seqs = [Sequence(str(i), None, [1], params) for i in range(n)]
+    batch = SamplingBatch.from_seqs(seqs, logits_row.numel(), torch.device("cpu"))
+    return Sampler(torch.device("cpu"), seed=0)(logits_row.expand(n, -1).clone(), batch)
+
+
+LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])
+
+
+def test_greedy_is_argmax():
+    assert set(sample_many(LOGITS, SP(temperature=0)).tolist()) == {0}
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    assert set(sample_many(LOGITS, SP(top_k=2)).tolist()) == {0, 1}
+    probs = LOGITS.softmax(-1)  # 0.46, 0.28, 0.17, ...: top_p 0.7 keeps tokens 0 and 1 (0.46 < 0.7 <= 0.74)
+    assert probs[:1].sum() < 0.7 <= probs[:2].sum()
+    assert set(sample_many(LOGITS, SP(top_p=0.7)).tolist()) == {0, 1}
+    assert set(sample_many(LOGITS, SP(min_p=0.5)).tolist()) == {0, 1}  # p >= 0.5 * p_max
+    assert set(sample_many(LOGITS, SP(temperature=1.0)).tolist()) >= {0, 1, 2, 3}
+
+
+def test_temperature_sharpens_distribution():
+    hot = sample_many(LOGITS, SP(temperature=5.0), n=2000)
+    cold = sample_many(LOGITS, SP(temperature=0.2), n=2000)
+    assert (cold == 0).float().mean() > 0.9 > (hot == 0).float().mean()
+
+
+def test_seeded_request_is_identical_alone_and_in_a_batch(tiny_models):
+    llm = LLM(tiny_models["llama"][0], dtype="float32", device="cpu")
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (3, 20, 40)]
+    batch_params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+                    SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                    SamplingParams(temperature=0.7, max_tokens=30, seed=7, ignore_eos=True)]
+    outs = llm.generate(others[:2] + [prompt] + others[2:], batch_params[:2] + [seeded] + batch_params[2:],
+                        use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=16, seed=99, ignore_eos=True)
+    assert llm.generate([prompt], different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    path, hf = tiny_models["llama"]
+    return LLM(path, dtype="float32", device="cpu"), hf
+
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+
+
+def test_stop_token_id(llama):
+    llm, hf = llama
+    expected = hf_greedy(hf, PROMPT, 10)
+    stop_id = expected[4]
+    first = expected.index(stop_id)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10,
+                       stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_eos_stops_unless_ignored(llama):
+    llm, hf = llama
+    expected = hf_greedy(hf, PROMPT, 10)
+    llm.engine.model_config.eos_token_ids = [expected[3]]
+    try:
+        stop = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10),
+                            use_tqdm=False)[0].outputs[0]
+        ignore = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10,
+                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.engine.model_config.eos_token_ids = [2]
+    assert stop.token_ids == expected[:expected.index(expected[3]) + 1]
+    assert (stop.finish_reason, stop.stop_reason) == ("stop", None)
+    assert ignore.token_ids == expected and ignore.finish_reason == "length"
+
+
+def test_stop_string_cuts_text(llama, tiny_models):
+    llm, hf = llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"][0])
+    prompt = tok.encode("the quick brown fox jumps")
+    expected = hf_greedy(hf, prompt, 12)
+    full_text = tok.decode(expected, skip_special_tokens=True)
+    # a stop string drawn from the middle of the greedy text, free of partial characters
+    stop = next(full_text[i:i + 2] for i in range(3, len(full_text) - 2) if "\ufffd" not in full_text[i:i + 2])
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == full_text[:full_text.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == expected[:len(out.token_ids)] and len(out.token_ids) < 12
+    assert stop in tok.decode(out.token_ids, skip_special_tokens=True)
