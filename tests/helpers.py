@@ -1,9 +1,20 @@
+import re
+
 import pytest
 import torch
 
+from pagedbench.backends.base import AttentionBackend
 from pagedbench.backends.registry import get_backend, list_backends
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def backend_id(name: str) -> str:
+    """The backend's name, plus its provider where that is not plain torch: `flash-attn[flash_attn-2.8.3]`."""
+    provider = get_backend(name).provider()
+    if provider == AttentionBackend.provider():
+        return name
+    return f"{name}[{re.sub(r'[^A-Za-z0-9_.+]+', '-', provider).strip('-')}]"
 
 
 def backend_params(dtype=torch.float32, head_dim=16, block_size=16):
@@ -14,5 +25,5 @@ def backend_params(dtype=torch.float32, head_dim=16, block_size=16):
         for name in list_backends():
             reason = get_backend(name).unavailable_reason(torch.device(device), dtype, head_dim, block_size)
             marks = [pytest.mark.skip(reason=f"{name} on {device}: {reason}")] if reason else []
-            params.append(pytest.param(name, device, id=f"{name}-{device}", marks=marks))
+            params.append(pytest.param(name, device, id=f"{backend_id(name)}-{device}", marks=marks))
     return params

@@ -7,7 +7,7 @@ import torch
 
 from pagedbench.attention_batch import random_attention_batch
 from pagedbench.backends.registry import get_backend, list_backends
-from tests.helpers import DEVICES
+from tests.helpers import DEVICES, backend_id
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -46,7 +46,7 @@ def cases():
                         marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
                         dt = str(dtype).removeprefix("torch.")
                         yield pytest.param(name, device, dtype, head_dim, block_size, marks=marks,
-                                           id=f"{name}-{device}-{dt}-d{head_dim}-bs{block_size}")
+                                           id=f"{backend_id(name)}-{device}-{dt}-d{head_dim}-bs{block_size}")
 
 
 @pytest.mark.parametrize("name,device,dtype,head_dim,block_size", cases())
