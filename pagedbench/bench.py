@@ -1,71 +1,167 @@
-"""Workloads and timed runs: the same requests (from a seed, never Python's hash) for every backend."""
+"""The benchmark driver: one scenario's request set on one or more backends, in one process,
+each with the same KV budget and engine limits; warmup, then measured runs."""
+import dataclasses
+import gc
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
-from pagedbench.engine import LLMEngine
-from pagedbench.sampling_params import SamplingParams
+from pagedbench.backends.registry import get_backend
+from pagedbench.config import EngineConfig
+from pagedbench.engine import LLMEngine, resolve_device_dtype
+from pagedbench.environment import environment, synchronize
+from pagedbench.loader import resolve_model_config
+from pagedbench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
+from pagedbench.outputs import RequestOutput
+from pagedbench.scenario import Request, Scenario, build_requests
+
+STEP_PARTS = ("schedule", "metadata", "backend_prepare", "forward", "sample")
 
 
 @dataclass(slots=True)
-class Workload:
-    prompts: list[list[int]]
-    params: list[SamplingParams]
+class Measurement:
+    """One measured run of one backend."""
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.prompts)
-
-
-def synthetic_workload(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0) -> Workload:
-    """Random-token prompts of `input_len` tokens, each generating exactly `output_len` tokens."""
-    if min(num_prompts, input_len, output_len) < 1:
-        raise ValueError("num_prompts, input_len and output_len must be >= 1")
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, vocab_size, size=(num_prompts, input_len)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    return Workload(prompts, [params] * num_prompts)
+    row: dict  # a CSV row: environment, engine config, metrics, engine internals
+    outputs: list[list[int]]  # output token ids of each request, in request order
+    requests: list[dict]  # per request: lengths and latencies (for latency CDFs)
 
 
-def run_workload(engine: LLMEngine, workload: Workload) -> dict:
-    """Run every request to completion; throughput and the engine's step-time split."""
+@dataclass(slots=True)
+class Comparison:
+    rows: list[dict]  # one per backend x run, unavailable backends too (status, reason)
+    request_rows: list[dict]
+    unavailable: dict[str, str]
+
+
+def engine_config(scenario: Scenario, backend: str, device: str | None, dtype: str | None) -> EngineConfig:
+    return EngineConfig(model=scenario.model, backend=backend, device=device, dtype=dtype,
+                        block_size=scenario.block_size, num_blocks=scenario.kv_blocks,
+                        max_num_seqs=scenario.max_num_seqs, max_num_batched_tokens=scenario.max_num_batched_tokens,
+                        max_model_len=scenario.max_model_len, seed=scenario.seed)
+
+
+def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[float, list[RequestOutput]]:
+    """Add each request when its arrival time has come, step until all finish (sleeping while
+    idle until the next arrival). Returns the wall time and the finished outputs in request order."""
+    pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_time))
+    finished: dict[int, RequestOutput] = {}
+    with tqdm(total=len(requests), desc=desc, disable=None, leave=False) as bar:
+        synchronize(engine.device)
+        start = time.perf_counter()
+        while len(finished) < len(requests):
+            now = time.perf_counter()
+            while pending and start + requests[pending[0]].arrival_time <= now:
+                i = pending.popleft()
+                engine.add_request({"prompt_token_ids": requests[i].prompt_token_ids}, requests[i].params,
+                                   request_id=str(i), arrival_time=start + requests[i].arrival_time)
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, start + requests[pending[0]].arrival_time - time.perf_counter()))
+                continue
+            for out in engine.step():
+                if out.finished:
+                    finished[int(out.request_id)] = out
+                    bar.update()
+        synchronize(engine.device)
+        duration = time.perf_counter() - start
+    return duration, [finished[i] for i in range(len(requests))]
+
+
+def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measurement:
     engine.stats.reset()
-    _sync(engine.device)
-    start = time.perf_counter()
-    for prompt, params in zip(workload.prompts, workload.params):
-        engine.add_request({"prompt_token_ids": prompt}, params)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs.extend(o for o in engine.step() if o.finished)
-    _sync(engine.device)
-    duration = time.perf_counter() - start
+    duration, outputs = drive(engine, requests, desc)
+    output_ids = [o.outputs[0].token_ids for o in outputs]
     st = engine.stats
-    input_tokens = sum(map(len, workload.prompts))
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    step_time = st.time_schedule + st.time_metadata + st.time_backend_prepare + st.time_forward + st.time_sample
-    return {
-        "backend": engine.config.backend,
-        "provider": engine.backend.provider(),
-        "device": _device_name(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "num_requests": len(outputs),
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "duration_s": duration,
-        "output_throughput": output_tokens / duration,
-        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    row = {
+        **throughput_summary([len(r.prompt_token_ids) for r in requests], list(map(len, output_ids)), duration),
+        **latency_summary([o.metrics for o in outputs]),
         "steps": st.steps,
         "preemptions": st.preemptions,
-        "backend_prepare_share": st.time_backend_prepare / step_time if step_time else 0.0,
+        "peak_kv_blocks": st.peak_blocks_used,
+        "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
+        **{f"time_{part}_s": getattr(st, f"time_{part}") for part in STEP_PARTS},
     }
+    per_request = [{"request": i, "input_len": len(r.prompt_token_ids), "output_len": len(ids),
+                    **request_latencies(o.metrics)}
+                   for i, (r, o, ids) in enumerate(zip(requests, outputs, output_ids))]
+    return Measurement(row, output_ids, per_request)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def warmup_requests(requests: list[Request], max_tokens: int = 16) -> list[Request]:
+    """Every request, all at t=0, generating at most `max_tokens`: the prefill shapes and
+    batch sizes of the measured run compile (and caches warm) before timing starts."""
+    return [Request(r.prompt_token_ids, dataclasses.replace(r.params, max_tokens=min(max_tokens, r.params.max_tokens)),
+                    0.0) for r in requests]
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+def run_backend(scenario: Scenario, requests: list[Request], backend: str, device, dtype, repeats: int,
+                warmup: bool) -> tuple[int, list[Measurement]]:
+    """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
+    engine = LLMEngine(engine_config(scenario, backend, device, dtype))
+    engine.sync_timing = engine.device.type == "cuda"  # honest time split; costs a sync per part
+    if scenario.longest_request > engine.max_model_len:
+        raise ValueError(f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "
+                         f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
+                         f"of {engine.num_blocks} blocks x {scenario.block_size}); lower --scale")
+    if warmup:
+        drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
+    return engine.max_model_len, [measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)]
+
+
+def compare(scenario: Scenario, backends: list[str], scale: float, device: str | None = None,
+            dtype: str | None = None, repeats: int = 1, warmup: bool = True) -> Comparison:
+    """Every available backend on the identical request set and KV budget, one engine at a time."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    classes = {name: get_backend(name) for name in backends}  # an unknown name fails before any run
+    dev, dt = resolve_device_dtype(device, dtype)
+    model = resolve_model_config(scenario.model)[0]
+    requests = build_requests(scenario, model.vocab_size)
+    env = environment(dev, dt)
+    scenario_columns = {
+        "scenario": scenario.name, "scenario_hash": scenario.content_hash(), "scale": scale, "seed": scenario.seed,
+        "model": scenario.model, "block_size": scenario.block_size, "num_blocks": scenario.kv_blocks,
+        "max_num_seqs": scenario.max_num_seqs,
+        "max_num_batched_tokens": scenario.max_num_batched_tokens, "arrival": scenario.arrival,
+        "request_rate": scenario.request_rate, "temperature": scenario.temperature,
+    }
+    rows, request_rows, unavailable, measured = [], [], {}, {}
+    for name, cls in classes.items():
+        head = {**env, "backend": name, "provider": cls.provider(), **scenario_columns}
+        reason = cls.unavailable_reason(dev, dt, model.head_dim, scenario.block_size,
+                                        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads)
+        if reason:
+            unavailable[name] = reason
+            rows.append({**head, "status": "unavailable", "reason": reason})
+            continue
+        max_model_len, runs = run_backend(scenario, requests, name, dev, dt, repeats, warmup)
+        measured[name] = runs
+        for repeat, m in enumerate(runs):
+            rows.append({**head, "status": "ok", "reason": "", "max_model_len": max_model_len, "repeat": repeat, **m.row})
+            request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # the next backend gets the memory this one's engine held
+    _add_cross_backend_columns(rows, measured, greedy=scenario.temperature == 0)
+    return Comparison(rows, request_rows, unavailable)
+
+
+def _add_cross_backend_columns(rows: list[dict], measured: dict[str, list[Measurement]], greedy: bool) -> None:
+    """Output throughput relative to the best backend (medians over runs) and, for greedy
+    scenarios, the share of tokens identical to the baseline (reference if run, else the first)."""
+    if not measured:
+        return
+    medians = {name: statistics.median(m.row["output_throughput"] for m in runs) for name, runs in measured.items()}
+    best = max(medians.values())
+    baseline = measured.get("reference", next(iter(measured.values())))[0].outputs
+    runs = {name: iter(runs) for name, runs in measured.items()}
+    for row in rows:
+        if row["status"] == "ok":
+            m = next(runs[row["backend"]])
+            row["throughput_vs_best"] = medians[row["backend"]] / best
+            row["identical_token_share"] = identical_token_share(m.outputs, baseline) if greedy else np.nan

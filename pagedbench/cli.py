@@ -1,49 +1,133 @@
-"""The `pagedbench` command: run a workload on one backend, list backends."""
+"""The `pagedbench` command: run / compare scenarios, microbenchmark attention kernels,
+re-render reports, list scenarios and backends."""
 import argparse
+import dataclasses
 import sys
 
 import pandas as pd
 import torch
 
-from pagedbench.bench import run_workload, synthetic_workload
-from pagedbench.config import EngineConfig
-from pagedbench.engine import LLMEngine, resolve_device_dtype
+from pagedbench.engine import resolve_device_dtype
 from pagedbench.presets import PRESETS
+from pagedbench.scenario import LengthRange, Scenario, builtin_scenarios, load_scenario
+
+# Flags that override the scenario's field of the same name (after --scale), equally for every backend.
+SCENARIO_OVERRIDES = ("model", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                      "seed", "num_prompts", "input_len", "output_len")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help=f"HF model directory or preset ({', '.join(PRESETS)})")
+def add_scenario_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", default="synthetic", help="built-in name (see `pagedbench scenarios`) or a TOML file")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="request counts, lengths and max_num_seqs times F, the KV budget times F^2")
+    p.add_argument("--repeats", type=int, default=1, help="measured runs after the warmup")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
+    p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="bf16 on cuda, fp32 on cpu")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    overrides = p.add_argument_group("scenario overrides (default: the scenario's value)")
+    overrides.add_argument("--model", default=None, help=f"HF model directory or preset ({', '.join(PRESETS)})")
+    for flag in SCENARIO_OVERRIDES[1:]:
+        overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
 
 
-def engine_config(args, backend: str) -> EngineConfig:
-    return EngineConfig(model=args.model, backend=backend, device=args.device, dtype=args.dtype,
-                        block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        seed=args.seed)
+def scenario_from_args(args) -> Scenario:
+    scenario = load_scenario(args.scenario).scaled(args.scale)
+    changes = {f: getattr(args, f) for f in SCENARIO_OVERRIDES if getattr(args, f) is not None}
+    for length in {"input_len", "output_len"} & set(changes):
+        changes[length] = LengthRange(changes[length], changes[length])
+    if "num_blocks" in changes:
+        changes["kv_tokens"] = None
+    scenario = dataclasses.replace(scenario, **changes)
+    scenario.validate()
+    return scenario
 
 
 def cmd_run(args) -> None:
-    engine = LLMEngine(engine_config(args, args.backend))
-    vocab = engine.model_config.vocab_size
-    if args.warmup:
-        run_workload(engine, synthetic_workload(min(args.num_prompts, 4), args.input_len, 4, vocab, seed=args.seed + 1))
-    result = run_workload(engine, synthetic_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed))
-    table = pd.DataFrame([{
-        "backend": result["backend"], "device": result["device"], "dtype": result["dtype"],
-        "requests": result["num_requests"], "output tokens": result["total_output_tokens"],
-        "duration s": round(result["duration_s"], 2), "output tok/s": round(result["output_throughput"], 1),
-        "total tok/s": round(result["total_token_throughput"], 1), "steps": result["steps"],
-        "preemptions": result["preemptions"], "prepare share %": round(100 * result["backend_prepare_share"], 2),
-    }])
-    print(table.to_markdown(index=False))
+    serving_report(args, [args.backend], "run")
+
+
+def cmd_compare(args) -> None:
+    serving_report(args, backend_names(args.backends), "compare")
+
+
+def backend_names(text: str | None) -> list[str]:
+    """Comma-separated names; every registered backend when not given."""
+    from pagedbench.backends.registry import list_backends
+
+    return [b.strip() for b in text.split(",") if b.strip()] if text else list_backends()
+
+
+def serving_report(args, backends: list[str], command: str) -> None:
+    from pagedbench.bench import compare
+    from pagedbench.report import console_table, tidy, write_reports
+
+    scenario = scenario_from_args(args)
+    result = compare(scenario, backends, args.scale, args.device, args.dtype, args.repeats, args.warmup)
+    if command == "run" and result.unavailable:
+        raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
+    serving = tidy(result.rows, "serving", command)
+    print(f"scenario {scenario.name} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): "
+          f"{scenario.num_prompts} requests, model {scenario.model}, KV budget {scenario.kv_blocks} blocks "
+          f"x {scenario.block_size} for every backend")
+    print(console_table(serving, cross_backend=command == "compare"))
+    frames = {"serving": serving, "requests": tidy(result.request_rows, "requests", command)}
+    paths = write_reports(frames, args.out, f"{command}-{scenario.name}")
+    print(f"reports: {', '.join(map(str, paths))}")
+
+
+def cmd_kernels(args) -> None:
+    from pagedbench.kernels import GRID_PRESETS, run_kernels
+    from pagedbench.report import kernel_table, markdown, not_run_lines, tidy, write_reports
+
+    device, _ = resolve_device_dtype(args.device, args.dtype)
+    grid = dataclasses.replace(GRID_PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")])
+    for name in ("batch_sizes", "context_lens", "block_sizes"):
+        if getattr(args, name):
+            setattr(grid, name, _int_list(getattr(args, name), name))
+    if args.heads:
+        grid.heads = [_int_list(pair, "heads", sep="/", length=2) for pair in args.heads.split(",")]
+    if args.phases:
+        grid.phases = args.phases.split(",")
+    for name in ("head_dim", "max_kv_tokens", "max_query_tokens", "warmup", "repeats"):
+        if getattr(args, name) is not None:
+            setattr(grid, name, getattr(args, name))
+    kernels = tidy(run_kernels(backend_names(args.backends), grid, args.device, args.dtype), "kernels", "kernels")
+    print("\n".join([markdown(kernel_table(kernels)), *not_run_lines(kernels)]))
+    paths = write_reports({"kernels": kernels}, args.out, "kernels")
+    print(f"reports: {', '.join(map(str, paths))}")
+
+
+def _int_list(text: str, name: str, sep: str = ",", length: int | None = None) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(sep)]
+    except ValueError:
+        values = []
+    if not values or length not in (None, len(values)):
+        count = f"{length} " if length else ""
+        raise ValueError(f"{name} must be {count}integers separated by {sep!r}, got {text!r}")
+    return values
+
+
+def cmd_report(args) -> None:
+    from pathlib import Path
+
+    from pagedbench.report import load_csvs, render
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    paths = render(load_csvs(args.csv), Path(args.out), args.name)
+    print(f"reports: {', '.join(map(str, paths))}")
+
+
+def cmd_scenarios(args) -> None:
+    rows = []
+    for name in sorted(builtin_scenarios()):
+        s = load_scenario(name)
+        arrival = s.arrival if s.request_rate is None else f"{s.arrival} {s.request_rate:g}/s"
+        rows.append({"scenario": name, "description": s.description, "requests": s.num_prompts,
+                     "input": str(s.input_len), "output": str(s.output_len), "arrival": arrival,
+                     "KV blocks": s.kv_blocks, "model": s.model})
+    print(pd.DataFrame(rows).to_markdown(index=False))
 
 
 def cmd_backends(args) -> None:
@@ -65,14 +149,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedbench", description="Compare paged-attention backends in one engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a synthetic workload on one backend and print throughput")
+    run = sub.add_parser("run", help="run a scenario on one backend: throughput, latency, engine internals")
     run.add_argument("--backend", default="sdpa")
-    add_engine_args(run)
-    run.add_argument("--num-prompts", type=int, default=32)
-    run.add_argument("--input-len", type=int, default=128)
-    run.add_argument("--output-len", type=int, default=64)
-    run.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
+    add_scenario_args(run)
     run.set_defaults(func=cmd_run)
+
+    comp = sub.add_parser("compare", help="run a scenario on several backends: same requests, same KV budget")
+    comp.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
+    add_scenario_args(comp)
+    comp.set_defaults(func=cmd_compare)
+
+    kern = sub.add_parser("kernels", help="attention-only microbenchmark: prepare and forward per backend")
+    kern.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
+    kern.add_argument("--preset", choices=["cpu", "gpu"], default=None, help="grid (default: gpu on cuda, else cpu)")
+    kern.add_argument("--batch-sizes", help="e.g. 1,8,32")
+    kern.add_argument("--context-lens", help="e.g. 512,2048")
+    kern.add_argument("--block-sizes", help="e.g. 16,128")
+    kern.add_argument("--heads", help="query/KV heads, e.g. 16/8,32/8")
+    kern.add_argument("--phases", help="among decode,prefill,mixed")
+    kern.add_argument("--head-dim", type=int)
+    kern.add_argument("--max-kv-tokens", type=int, help="skip grid points holding more KV tokens than this")
+    kern.add_argument("--max-query-tokens", type=int, help="skip grid points with more query tokens than this")
+    kern.add_argument("--warmup", type=int)
+    kern.add_argument("--repeats", type=int)
+    kern.add_argument("--device", default=None)
+    kern.add_argument("--dtype", default=None)
+    kern.add_argument("--out", default="reports")
+    kern.set_defaults(func=cmd_kernels)
+
+    rep = sub.add_parser("report", help="re-render markdown and plots from CSVs (merging runs and machines)")
+    rep.add_argument("csv", nargs="+", help="CSV files written by run, compare or kernels")
+    rep.add_argument("--out", default="reports")
+    rep.add_argument("--name", default="report", help="file name stem of the markdown and PNGs")
+    rep.set_defaults(func=cmd_report)
+
+    scen = sub.add_parser("scenarios", help="list the built-in scenarios")
+    scen.set_defaults(func=cmd_scenarios)
 
     backends = sub.add_parser("backends", help="list registered backends and whether they run here")
     backends.add_argument("--device", default=None)

@@ -1,0 +1,271 @@
+"""Reports: tidy CSVs (the schema lives here), a markdown summary and PNG plots; re-rendered
+from CSVs of any number of runs and machines by `pagedbench report`."""
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from pagedbench.metrics import LATENCIES, STATISTICS  # noqa: E402
+
+ENVIRONMENT = ["kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "dtype",
+               "backend", "provider", "status", "reason"]
+SERVING_COLUMNS = ENVIRONMENT + [
+    "scenario", "scenario_hash", "scale", "seed", "model", "block_size", "num_blocks", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len", "arrival", "request_rate", "temperature", "repeat",
+    "num_requests", "total_input_tokens", "total_output_tokens", "duration_s", "request_throughput",
+    "output_throughput", "total_token_throughput",
+    *[f"{stat}_{name}_ms" for name in LATENCIES for stat in STATISTICS],
+    "steps", "preemptions", "peak_kv_blocks", "peak_kv_utilization",
+    "time_schedule_s", "time_metadata_s", "time_backend_prepare_s", "time_forward_s", "time_sample_s",
+    "throughput_vs_best", "identical_token_share",
+]
+REQUEST_COLUMNS = ["kind", "command", "device_name", "backend", "scenario", "scenario_hash", "repeat", "request",
+                   "input_len", "output_len", "ttft_ms", "tpot_ms", "e2el_ms"]
+KERNEL_COLUMNS = ENVIRONMENT + [
+    "phase", "batch_size", "context_len", "block_size", "num_heads", "num_kv_heads", "head_dim",
+    "num_query_tokens", "kv_bytes", "flops", "warmup", "repeats",
+    "prepare_min_ms", "prepare_median_ms", "forward_min_ms", "forward_median_ms",
+    "bandwidth_gbps", "peak_bandwidth_gbps", "peak_bandwidth_source", "pct_of_peak_bandwidth", "tflops",
+]
+SCHEMAS = {"serving": SERVING_COLUMNS, "requests": REQUEST_COLUMNS, "kernels": KERNEL_COLUMNS}
+TIME_PARTS = ["time_schedule_s", "time_metadata_s", "time_backend_prepare_s", "time_forward_s", "time_sample_s"]
+
+
+def tidy(rows: list[dict], kind: str, command: str) -> pd.DataFrame:
+    """Rows as a frame with exactly the schema's columns (missing ones empty)."""
+    frame = pd.DataFrame([{**row, "kind": kind, "command": command} for row in rows]).reindex(columns=SCHEMAS[kind])
+    ints = {k for row in rows for k, v in row.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return frame.astype({k: "Int64" for k in ints & set(frame)})  # ints stay ints next to empty cells
+
+
+def write_reports(frames: dict[str, pd.DataFrame], out_dir: str | Path, stem: str) -> list[Path]:
+    """The first frame as `<stem>.csv`, the others as `<stem>-<kind>.csv`, then markdown and plots."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (kind, frame) in enumerate(frames.items()):
+        paths.append(out / (f"{stem}.csv" if i == 0 else f"{stem}-{kind}.csv"))
+        frame.to_csv(paths[-1], index=False)
+    return paths + render(pd.concat(frames.values(), ignore_index=True), out, stem)
+
+
+def load_csvs(paths: list[str]) -> pd.DataFrame:
+    """CSVs written by run / compare / kernels (any mix, any machines), with their sibling
+    per-request CSVs (`<stem>-requests.csv`) when present."""
+    files = [Path(p) for p in paths]
+    for p in list(files):
+        sibling = p.with_name(f"{p.stem}-requests.csv")
+        if sibling.is_file() and sibling not in files:
+            files.append(sibling)
+    frames = []
+    for p in files:
+        if not p.is_file():
+            raise FileNotFoundError(f"no such CSV: {p}")
+        frame = pd.read_csv(p)
+        if "kind" not in frame or not set(frame["kind"]) <= set(SCHEMAS):
+            raise ValueError(f"{p} is not a pagedbench CSV (no 'kind' column of {', '.join(SCHEMAS)})")
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
+    """Markdown (`<stem>.md`) and PNGs for whatever kinds of rows `df` holds."""
+    kinds = {kind: part.reindex(columns=SCHEMAS[kind]) for kind, part in df.groupby("kind")}
+    sections, paths = [f"# pagedbench report: {stem}\n"], []
+    for kind in ("serving", "kernels"):
+        if kind in kinds:
+            sections.append(_environment_section(kinds[kind]))
+    if "serving" in kinds:
+        serving = kinds["serving"]
+        sections.append(_serving_section(serving))
+    if "serving" in kinds and (serving["status"] == "ok").any():
+        paths.append(plot_throughput(serving, out_dir / f"{stem}-throughput.png"))
+        if "requests" in kinds:
+            paths.append(plot_latency_cdfs(kinds["requests"], out_dir / f"{stem}-latency-cdf.png"))
+    if "kernels" in kinds:
+        sections.append(_kernel_section(kinds["kernels"]))
+    if "kernels" in kinds and (kinds["kernels"]["status"] == "ok").any():
+        paths.append(plot_kernel_bandwidth(kinds["kernels"], out_dir / f"{stem}-bandwidth.png"))
+    sections += [f"![{p.stem}]({p.name})\n" for p in paths]
+    md = out_dir / f"{stem}.md"
+    md.write_text("\n".join(sections))
+    return [md] + paths
+
+
+# ---- tables -------------------------------------------------------------------------------
+
+def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
+    """One row per device x scenario x backend that ran: medians over runs, display names."""
+    ok = serving[serving["status"] == "ok"]
+    keys = ["device_name", "scenario", "scale", "backend"]
+    numeric = ok.select_dtypes("number").columns.difference(keys)
+    groups = ok.groupby(keys, sort=False, dropna=False)
+    med = groups[list(numeric)].median().reset_index()
+    med["runs"] = groups.size().values
+    return pd.DataFrame({
+        "backend": med["backend"], "device": med["device_name"], "scenario": med["scenario"],
+        "scale": med["scale"], "runs": med["runs"], "requests": med["num_requests"].astype(int),
+        "output tok/s": med["output_throughput"].round(1), "total tok/s": med["total_token_throughput"].round(1),
+        "vs best": med["throughput_vs_best"].round(3),
+        "TTFT mean/p99 ms": _pair(med, "ttft"), "TPOT mean/p99 ms": _pair(med, "tpot"),
+        "ITL mean/p99 ms": _pair(med, "itl"), "E2EL mean ms": med["mean_e2el_ms"].round(1),
+        "preemptions": med["preemptions"].astype(int), "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
+        "prepare %": _prepare_pct(med), "identical tokens": med["identical_token_share"].round(4),
+    })
+
+
+def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
+    """The table run/compare print: one row per run, the throughput columns first."""
+    ok = serving[serving["status"] == "ok"]
+    table = pd.DataFrame({
+        "backend": ok["backend"], "device": ok["device_name"], "dtype": ok["dtype"],
+        "requests": ok["num_requests"].astype(int), "output tokens": ok["total_output_tokens"].astype(int),
+        "duration s": ok["duration_s"].round(2), "output tok/s": ok["output_throughput"].round(1),
+        "total tok/s": ok["total_token_throughput"].round(1),
+        "mean TTFT ms": ok["mean_ttft_ms"].round(1), "mean TPOT ms": ok["mean_tpot_ms"].round(2),
+        "steps": ok["steps"].astype(int), "preemptions": ok["preemptions"].astype(int),
+        "prepare %": _prepare_pct(ok),
+    })
+    if cross_backend:
+        table["vs best"] = ok["throughput_vs_best"].round(3)
+        table["identical tokens"] = ok["identical_token_share"].round(4)
+    return "\n".join([markdown(table), *not_run_lines(serving)])
+
+
+def markdown(df: pd.DataFrame) -> str:
+    """A markdown table with empty cells, not "nan", where a value is missing."""
+    return df.astype(object).where(df.notna(), "").to_markdown(index=False)
+
+
+def not_run_lines(df: pd.DataFrame) -> list[str]:
+    bad = df.loc[df["status"] != "ok", ["backend", "status", "reason"]].drop_duplicates()
+    return [f"{backend}: {status}: {reason}" for backend, status, reason in bad.values]
+
+
+def _prepare_pct(df: pd.DataFrame) -> pd.Series:
+    """backend.prepare()'s share of the engine step time, in %."""
+    return (100 * df["time_backend_prepare_s"] / df[TIME_PARTS].sum(axis=1).replace(0, np.nan)).round(2)
+
+
+def _pair(df: pd.DataFrame, name: str) -> pd.Series:
+    return df[f"mean_{name}_ms"].round(2).astype(str) + " / " + df[f"p99_{name}_ms"].round(2).astype(str)
+
+
+def _environment_section(df: pd.DataFrame) -> str:
+    cols = ["device_name", "cpu_threads", "torch_version", "git_sha", "dtype", "backend", "provider"]
+    env = df[cols].drop_duplicates().copy()
+    env["git_sha"] = env["git_sha"].astype(str).str.replace(r"^(\w{12})\w*", r"\1", regex=True)
+    return f"## Environment ({df['kind'].iloc[0]})\n\n{markdown(env)}\n"
+
+
+def _serving_section(serving: pd.DataFrame) -> str:
+    parts = ["## Serving\n"]
+    scen = serving[["scenario", "scenario_hash", "scale", "model", "num_blocks", "block_size", "max_num_seqs",
+                    "max_num_batched_tokens", "arrival", "request_rate"]].drop_duplicates(["scenario", "scenario_hash"])
+    scen = scen.assign(scenario_hash=scen["scenario_hash"].astype(str).str.slice(0, 12))
+    parts.append(markdown(scen) + "\n")
+    if (serving["status"] == "ok").any():
+        parts.append(markdown(serving_summary(serving)) + "\n")
+        ok = serving[serving["status"] == "ok"]
+        split = ok.groupby(["device_name", "backend"], sort=False)[TIME_PARTS].sum()
+        split = (100 * split.div(split.sum(axis=1), axis=0)).round(1)
+        split.columns = [c.removeprefix("time_").removesuffix("_s") + " %" for c in split.columns]
+        parts.append("Share of engine step time:\n\n" + markdown(split.reset_index()) + "\n")
+    parts += _unavailable_lines(serving)
+    return "\n".join(parts)
+
+
+def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
+    ok = kernels[kernels["status"] == "ok"]
+    return pd.DataFrame({
+        "backend": ok["backend"], "device": ok["device_name"], "phase": ok["phase"], "batch": ok["batch_size"],
+        "context": ok["context_len"], "block": ok["block_size"],
+        "heads": ok["num_heads"].astype(str) + "/" + ok["num_kv_heads"].astype(str), "head_dim": ok["head_dim"],
+        "prepare ms": ok["prepare_median_ms"].round(3), "forward ms (median)": ok["forward_median_ms"].round(3),
+        "forward ms (min)": ok["forward_min_ms"].round(3), "GB/s": ok["bandwidth_gbps"].round(1),
+        "% peak": ok["pct_of_peak_bandwidth"].round(1), "TFLOP/s": ok["tflops"].round(3),
+    })
+
+
+def _kernel_section(kernels: pd.DataFrame) -> str:
+    peaks = kernels[["device_name", "peak_bandwidth_gbps", "peak_bandwidth_source"]].dropna().drop_duplicates("device_name")
+    parts = ["## Attention kernels\n", "Peak bandwidth used for % peak:\n\n" + markdown(peaks) + "\n",
+             markdown(kernel_table(kernels)) + "\n"]
+    return "\n".join(parts + _unavailable_lines(kernels))
+
+
+def _unavailable_lines(df: pd.DataFrame) -> list[str]:
+    bad = df[df["status"] != "ok"][["device_name", "backend", "status", "reason"]].drop_duplicates()
+    return ["Not run:\n\n" + markdown(bad) + "\n"] if len(bad) else []
+
+
+# ---- plots --------------------------------------------------------------------------------
+
+def _labels(df: pd.DataFrame) -> pd.Series:
+    """backend, plus device and scenario when the rows span several."""
+    label = df["backend"].astype(str)
+    for col in ("device_name", "scenario"):
+        if col in df and df[col].nunique() > 1:
+            label = label + " · " + df[col].astype(str)
+    return label
+
+
+def plot_throughput(serving: pd.DataFrame, path: Path) -> Path:
+    ok = serving[serving["status"] == "ok"]
+    medians = ok.groupby(_labels(ok), sort=False)["output_throughput"].median()
+    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.4 * len(medians)))
+    ax.barh(medians.index[::-1], medians.values[::-1], color="tab:blue")
+    for y, value in enumerate(medians.values[::-1]):
+        ax.text(value, y, f" {value:.0f}", va="center")
+    ax.set_xlabel("output tokens/s (median over runs)")
+    ax.set_title("Throughput by backend")
+    return _save(fig, path)
+
+
+def plot_latency_cdfs(requests: pd.DataFrame, path: Path) -> Path:
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for label, group in requests.groupby(_labels(requests), sort=False):
+        for ax, col in zip(axes, ("ttft_ms", "tpot_ms", "e2el_ms")):
+            values = np.sort(group[col].dropna().to_numpy())
+            ax.plot(values, np.arange(1, len(values) + 1) / max(len(values), 1), drawstyle="steps-post", label=label)
+    for ax, name in zip(axes, ("TTFT", "TPOT", "E2E latency")):
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("share of requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.suptitle("Latency CDFs")
+    return _save(fig, path)
+
+
+def plot_kernel_bandwidth(kernels: pd.DataFrame, path: Path) -> Path:
+    """Achieved KV bandwidth vs context length per phase, at each phase's largest batch."""
+    ok = kernels[kernels["status"] == "ok"]
+    phases = list(dict.fromkeys(ok["phase"]))
+    fig, axes = plt.subplots(1, max(len(phases), 1), figsize=(4.5 * max(len(phases), 1), 3.8), squeeze=False)
+    for ax, phase in zip(axes[0], phases):
+        rows = ok[ok["phase"] == phase]
+        rows = rows[rows["batch_size"] == rows["batch_size"].max()]
+        label = _labels(rows) + " bs" + rows["block_size"].astype(str) + " h" + rows["num_heads"].astype(str) \
+            + "/" + rows["num_kv_heads"].astype(str)
+        for name, group in rows.groupby(label, sort=False):
+            group = group.sort_values("context_len")
+            ax.plot(group["context_len"], group["bandwidth_gbps"], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{phase} (batch {int(rows['batch_size'].max())})")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("KV bytes read / time (GB/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    fig.suptitle("Attention kernel bandwidth")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

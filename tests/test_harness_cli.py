@@ -1,0 +1,153 @@
+"""`pagedbench compare / run / kernels` end to end on the tiny preset at a tiny scale: the CSV
+schema, identical greedy tokens between reference and sdpa, online arrivals, one-line errors."""
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from pagedbench.backends import registry
+from pagedbench.backends.sdpa import SDPABackend
+from pagedbench.cli import main
+
+SERVING_COLUMNS = {
+    "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "dtype", "backend",
+    "provider", "status", "reason", "scenario", "scenario_hash", "scale", "seed", "model", "block_size",
+    "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "arrival", "request_rate",
+    "temperature", "repeat",
+    "num_requests", "total_input_tokens", "total_output_tokens", "duration_s", "request_throughput",
+    "output_throughput", "total_token_throughput",
+    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+    "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+    "steps", "preemptions", "peak_kv_blocks", "peak_kv_utilization", "time_schedule_s", "time_metadata_s",
+    "time_backend_prepare_s", "time_forward_s", "time_sample_s", "throughput_vs_best", "identical_token_share",
+}
+KERNEL_COLUMNS = {
+    "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "dtype", "backend",
+    "provider", "status", "reason", "phase", "batch_size", "context_len", "block_size", "num_heads",
+    "num_kv_heads", "head_dim", "num_query_tokens", "kv_bytes", "flops", "warmup", "repeats",
+    "prepare_min_ms", "prepare_median_ms", "forward_min_ms", "forward_median_ms", "bandwidth_gbps",
+    "peak_bandwidth_gbps", "peak_bandwidth_source", "pct_of_peak_bandwidth", "tflops",
+}
+
+
+class TeapotBackend(SDPABackend):
+    name = "teapot"
+
+    @classmethod
+    def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs):
+        return "needs a teapot"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Functional tests: one intra-op thread keeps them fast when other processes share the
+    cores (two threads then wait on each other's time slices)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, one_thread):
+    """reference, sdpa and an unavailable backend on `mixed` (greedy, fp32) at scale 0.02."""
+    out = tmp_path_factory.mktemp("compare")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(registry._loaded, "teapot", TeapotBackend)
+        code = main(["compare", "--backends", "reference,sdpa,teapot", "--scenario", "mixed", "--scale", "0.02",
+                     "--model", "tiny-llama", "--device", "cpu", "--dtype", "fp32", "--repeats", "2",
+                     "--out", str(out)])
+    assert code == 0
+    return out, pd.read_csv(out / "compare-mixed.csv")
+
+
+def test_compare_csv_has_exactly_the_schema(compared):
+    out, df = compared
+    assert set(df.columns) == SERVING_COLUMNS
+    ok = df[df["status"] == "ok"]
+    assert list(ok["backend"]) == ["reference", "reference", "sdpa", "sdpa"] and list(ok["repeat"]) == [0, 1, 0, 1]
+    assert ok[sorted(SERVING_COLUMNS - {"reason", "request_rate"})].notna().all().all()
+    assert ok["scenario_hash"].nunique() == 1 and ok["num_blocks"].nunique() == 1  # one KV budget for all
+    assert (ok["num_requests"] == 5).all() and ok["total_output_tokens"].nunique() == 1
+
+
+def test_compare_lists_unavailable_backend_with_its_reason(compared):
+    out, df = compared
+    teapot = df[df["backend"] == "teapot"]
+    assert list(teapot["status"]) == ["unavailable"] and list(teapot["reason"]) == ["needs a teapot"]
+    assert "needs a teapot" in (out / "compare-mixed.md").read_text()
+
+
+def test_greedy_tokens_identical_between_reference_and_sdpa(compared):
+    _, df = compared
+    ok = df[df["status"] == "ok"]
+    assert (ok["identical_token_share"] == 1.0).all()
+    assert ok["throughput_vs_best"].max() == 1.0
+
+
+def test_compare_writes_markdown_and_plots(compared):
+    out, _ = compared
+    for name in ("compare-mixed.md", "compare-mixed-throughput.png", "compare-mixed-latency-cdf.png",
+                 "compare-mixed-requests.csv"):
+        assert (out / name).stat().st_size > 0
+    requests = pd.read_csv(out / "compare-mixed-requests.csv")
+    assert len(requests) == 2 * 2 * 5 and requests["ttft_ms"].gt(0).all()
+
+
+def test_online_run_adds_requests_at_their_arrival_times(tmp_path, capsys):
+    assert main(["run", "--scenario", "online", "--scale", "0.03", "--model", "tiny-llama", "--no-warmup",
+                 "--out", str(tmp_path)]) == 0
+    assert "| sdpa " in capsys.readouterr().out
+    from pagedbench.scenario import build_requests, load_scenario
+
+    last_arrival = build_requests(load_scenario("online").scaled(0.03), 32000)[-1].arrival_time
+    row = pd.read_csv(tmp_path / "run-online.csv").iloc[0]
+    assert row["arrival"] == "poisson" and row["num_requests"] == 6 and row["duration_s"] >= last_arrival
+
+
+def test_kernels_csv_schema_and_report(tmp_path, capsys):
+    assert main(["kernels", "--backends", "reference,sdpa", "--batch-sizes", "2", "--context-lens", "40",
+                 "--heads", "4/2", "--head-dim", "16", "--warmup", "0", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    assert "| sdpa " in capsys.readouterr().out
+    df = pd.read_csv(tmp_path / "kernels.csv")
+    assert set(df.columns) == KERNEL_COLUMNS
+    assert sorted(df["phase"].unique()) == ["decode", "mixed", "prefill"] and (df["status"] == "ok").all()
+    assert (df["bandwidth_gbps"] > 0).all() and (df["forward_min_ms"] <= df["forward_median_ms"]).all()
+    assert (tmp_path / "kernels-bandwidth.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["kernels", "--heads", "3/2"], "query heads must be a multiple of KV heads"),
+    (["kernels", "--batch-sizes", "1,x"], "batch_sizes must be integers"),
+    (["kernels", "--heads", "16"], "heads must be 2 integers separated by '/'"),
+    (["run", "--repeats", "0"], "repeats must be >= 1"),
+    (["run", "--scenario", "long-context", "--model", "tiny-llama", "--scale", "0.5"], "longest request needs"),
+    (["run", "--scenario", "nope"], "neither a file nor a built-in scenario"),
+    (["run", "--scale", "-2"], "scale must be a positive number"),
+    (["run", "--num-blocks", "0"], "num_blocks must be > 0"),
+])
+def test_more_errors_in_process(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagedbench: error: ") and message in err and "\n" not in err
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('description = "x"\nnum_prompts = 2\ninput_len = 4\noutput_len = 2\nkv_tokens = 64\nwarp = 9\n')
+    cases = [
+        (["run", "--scenario", str(bad)], "warp is not a scenario field"),
+        (["compare", "--backends", "sdpa,nope", "--scenario", "mixed"], "unknown backend 'nope'"),
+        (["run", "--scale", "0"], "scale must be a positive number"),
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, "-m", "pagedbench", *args, "--out", str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in cases]
+    for proc, (args, message) in zip(procs, cases):
+        _, stderr = proc.communicate(timeout=120)
+        lines = stderr.strip().splitlines()
+        assert proc.returncode != 0 and "Traceback" not in stderr, (args, stderr)
+        assert len(lines) == 1 and message in lines[0], (args, stderr)

@@ -1,0 +1,138 @@
+"""Scenario files: parsing, one clear error per kind of bad field, scaling, and a request set
+that is the same in every process."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pagedbench.cli import main
+from pagedbench.scenario import LengthRange, build_requests, builtin_scenarios, load_scenario, parse_scenario
+
+REQUIRED_BUILTINS = {"decode-heavy", "prefill-heavy", "mixed", "long-context", "shared-prefix", "online"}
+VALID = {
+    "description": "a test workload",
+    "num_prompts": 8,
+    "input_len": {"min": 10, "max": 20},
+    "output_len": 5,
+    "kv_tokens": 1000,
+}
+
+
+def test_builtin_scenarios_load_and_are_listed(capsys):
+    assert REQUIRED_BUILTINS <= set(builtin_scenarios())
+    for name in builtin_scenarios():
+        assert load_scenario(name).name == name
+    assert main(["scenarios"]) == 0
+    out = capsys.readouterr().out
+    for name in builtin_scenarios():
+        assert f"| {name} " in out
+    mixed = load_scenario("mixed")
+    assert (mixed.num_prompts, mixed.input_len, mixed.output_len, mixed.ignore_eos) == \
+        (256, LengthRange(100, 1024), LengthRange(100, 1024), True)
+    assert load_scenario("online").arrival == "poisson"
+
+
+def test_valid_file_parses_with_defaults(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('description = "a test workload"\nnum_prompts = 8\ninput_len = { min = 10, max = 20 }\n'
+                    'output_len = 5\nkv_tokens = 1000\nblock_size = 32\nrequest_rate = 2\narrival = "poisson"\n')
+    s = load_scenario(str(path))
+    assert s.name == "mine" and s.input_len == LengthRange(10, 20) and s.output_len == LengthRange(5, 5)
+    assert s.request_rate == 2.0 and isinstance(s.request_rate, float)
+    assert s.kv_blocks == 32  # ceil(1000 / 32): the budget in tokens becomes whole blocks
+    assert s.temperature == 0.0 and s.num_blocks is None
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_promts": 3}, "num_promts is not a scenario field"),
+    ({"num_prompts": None}, "num_prompts is required"),
+    ({"num_prompts": "8"}, "num_prompts must be an int"),
+    ({"ignore_eos": 1}, "ignore_eos must be a bool"),
+    ({"num_prompts": True}, "num_prompts must be an int"),
+    ({"input_len": {"min": 10}}, "input_len must be an integer or {min = ..., max = ...}"),
+    ({"output_len": {"min": 9, "max": 3}}, "output_len needs 1 <= min <= max"),
+    ({"num_prompts": 0}, "num_prompts must be > 0"),
+    ({"shared_prefix_len": -1}, "shared_prefix_len must be >= 0"),
+    ({"arrival": "burst"}, "arrival must be one of batch, poisson"),
+    ({"arrival": "poisson"}, "request_rate is required with arrival = 'poisson'"),
+    ({"request_rate": 4.0}, "request_rate is required with arrival = 'poisson' and only then"),
+    ({"arrival": "poisson", "request_rate": 0}, "request_rate must be > 0"),
+    ({"num_blocks": 10}, "num_blocks or kv_tokens is required, and only one"),
+    ({"kv_tokens": None}, "num_blocks or kv_tokens is required"),
+    ({"temperature": -1}, "sampling temperature must be >= 0"),
+    ({"name": "x"}, "name is not a scenario field"),
+])
+def test_invalid_field_is_a_one_line_error_naming_it(change, message):
+    data = {k: v for k, v in {**VALID, **change}.items() if v is not None}
+    with pytest.raises(ValueError) as err:
+        parse_scenario(data, "bad")
+    text = str(err.value)
+    assert text.startswith("scenario 'bad': ") and message in text and "\n" not in text
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("num_prompts = = 3\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_scenario(str(path))
+    with pytest.raises(FileNotFoundError, match="neither a file nor a built-in scenario"):
+        load_scenario("no-such-scenario")
+
+
+def test_scale_multiplies_counts_and_lengths_and_kv_by_its_square():
+    s = load_scenario("mixed")
+    small = s.scaled(0.1)
+    assert (small.num_prompts, small.input_len, small.output_len, small.max_num_seqs) == \
+        (26, LengthRange(10, 102), LengthRange(10, 102), 26)
+    assert small.num_blocks == round(s.kv_blocks * 0.01) and small.kv_tokens is None
+    tiny = s.scaled(0.001)  # the budget never drops below one longest request
+    assert tiny.num_blocks * tiny.block_size >= tiny.longest_request
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be a positive number"):
+            s.scaled(bad)
+
+
+def test_content_hash_follows_content_not_name_or_description():
+    s = load_scenario("mixed")
+    assert s.content_hash() == load_scenario("mixed").content_hash()
+    renamed = parse_scenario({**VALID, "description": "other words"}, "renamed")
+    assert renamed.content_hash() == parse_scenario(VALID, "bad").content_hash()
+    assert s.scaled(0.5).content_hash() != s.content_hash()
+    as_blocks = parse_scenario({**{k: v for k, v in VALID.items() if k != "kv_tokens"}, "num_blocks": 63}, "bad")
+    assert as_blocks.content_hash() == parse_scenario(VALID, "bad").content_hash()  # 1000 tokens = 63 blocks
+
+
+def test_request_set_shapes():
+    s = parse_scenario({**VALID, "shared_prefix_len": 4, "arrival": "poisson", "request_rate": 10.0}, "p")
+    requests = build_requests(s, vocab_size=100)
+    prefix = requests[0].prompt_token_ids[:4]
+    for r in requests:
+        assert r.prompt_token_ids[:4] == prefix
+        assert 14 <= len(r.prompt_token_ids) <= 24 and r.params.max_tokens == 5 and r.params.ignore_eos
+        assert all(0 <= t < 100 for t in r.prompt_token_ids)
+    arrivals = [r.arrival_time for r in requests]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert all(r.arrival_time == 0 for r in build_requests(parse_scenario(VALID, "b"), 100))
+
+
+DIGEST = """
+import hashlib, json
+from pagedbench.scenario import build_requests, load_scenario
+reqs = build_requests(load_scenario("online").scaled(0.2), 32000)
+print(hashlib.sha256(json.dumps([(r.prompt_token_ids, r.params.max_tokens, r.arrival_time) for r in reqs]).encode()).hexdigest())
+"""
+
+
+def test_request_set_is_identical_across_processes():
+    procs = [subprocess.Popen([sys.executable, "-c", DIGEST], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "2")]
+    digests = [p.communicate(timeout=120)[0].strip() for p in procs]
+    requests = build_requests(load_scenario("online").scaled(0.2), 32000)
+    here = hashlib.sha256(json.dumps([(r.prompt_token_ids, r.params.max_tokens, r.arrival_time)
+                                      for r in requests]).encode()).hexdigest()
+    assert digests == [here, here]
+    assert len({len(r.prompt_token_ids) for r in requests}) > 1 and np.ptp([r.arrival_time for r in requests]) > 0
