@@ -8,6 +8,7 @@ from pagedbench.backends.base import AttentionBackend
 _BUILTIN = {
     "reference": "pagedbench.backends.reference:ReferenceBackend",
     "sdpa": "pagedbench.backends.sdpa:SDPABackend",
+    "flex": "pagedbench.backends.flex:FlexBackend",
     "flash-attn": "pagedbench.backends.flash_attn:FlashAttnBackend",
 }
 _loaded: dict[str, type[AttentionBackend]] = {}

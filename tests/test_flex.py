@@ -1,0 +1,180 @@
+"""FlexAttention backend: compiled and eager against `reference`, compile counts, and the pitfalls
+of a BlockMask built from a page table.
+
+Split between the two modes: tests/test_backends.py already runs the whole matrix (dtypes x head
+dims x block sizes x MHA/GQA/MQA x decode/prefill/mixed) through the default, compiled backend:
+one graph per configuration, ~10 s each on a CPU. Eager flex (mask_mod alone, no block sparsity)
+is cheap, so here it covers a representative slice of that matrix; the pitfall cases run in both
+modes, mostly on the configuration that test_backends has already compiled (GQA, d64, fp32).
+"""
+import random
+
+import pytest
+import torch
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.attention_batch import random_attention_batch
+from pagedbench.backends import flex
+from pagedbench.backends.flex import FlexBackend
+from tests.helpers import DEVICES
+from tests.test_backends import HEADS, TOLERANCE, ragged_batch_spec, run_backend
+
+MODES = [pytest.param(True, id="compiled"), pytest.param(False, id="eager")]
+
+
+def check_flex(spec, device="cpu", compile=True, block_size=16, heads=(8, 2), head_dim=64, dtype=torch.float32,
+               seed=0, spare_blocks=3, **kwargs):
+    """flex == reference on the batch `spec` (context_len, query_len per sequence); returns the batch."""
+    batch = random_attention_batch(spec, *heads, head_dim, block_size, dtype, device, seed=seed,
+                                   spare_blocks=spare_blocks)
+    args = (batch, *heads, head_dim, block_size, dtype, device)
+    expected = run_backend("reference", *args)
+    got = run_backend("flex", *args, compile=compile, **kwargs)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype],
+                               msg=lambda m: f"flex (compile={compile}) vs reference on {spec}: {m}")
+    return batch
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size", [(torch.float32, 64, 16), (torch.bfloat16, 128, 128)],
+                         ids=["fp32-d64-bs16", "bf16-d128-bs128"])
+@pytest.mark.parametrize("phase", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("heads", HEADS)
+def test_eager_matches_reference(dtype, head_dim, block_size, phase, heads):
+    rng = random.Random(f"eager-{phase}-{heads}-{block_size}")
+    for trial in range(2):
+        check_flex(ragged_batch_spec(phase, block_size, rng), compile=False, block_size=block_size,
+                   heads=HEADS[heads], head_dim=head_dim, dtype=dtype, seed=trial)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compile", MODES)
+def test_stale_table_entries_are_masked(device, compile):
+    """Table rows are padded with 0, a live page of another sequence (no spare pages here)."""
+    spec = [(3, 1), (17, 1), (0, 5), (0, 40), (20, 7)]
+    batch = check_flex(spec, device, compile, spare_blocks=0)
+    meta = batch.metadata
+    used = [-(-n // 16) for n in meta.seq_lens_cpu]
+    assert any(n < meta.block_table.shape[1] for n in used)  # some rows do have stale entries
+    assert 0 in [p for row, n in zip(meta.block_table.tolist(), used) for p in row[:n]]  # page 0 is live
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compile", MODES)
+def test_page_boundary_at_seq_len_and_partial_pages(device, compile):
+    spec = [(15, 1), (31, 1), (16, 1), (0, 16), (0, 32), (16, 16), (15, 2), (0, 17)]
+    check_flex(spec, device, compile)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compile", MODES)
+@pytest.mark.parametrize("spec", [[(0, 1)], [(7, 1)], [(0, 1), (0, 1), (5, 1), (0, 3), (4, 1)]],
+                         ids=["one-token", "one-decode", "several"])
+def test_length_one_sequences(device, compile, spec):
+    check_flex(spec, device, compile)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compile", MODES)
+@pytest.mark.parametrize("q_block_size", [None, 128])
+def test_many_short_sequences_in_one_query_block(device, compile, q_block_size):
+    """Rows of the mask span many sequences; each may only see its own pages."""
+    rng = random.Random(1)
+    spec = [(rng.randint(0, 40), 1) for _ in range(30)] + [(rng.randint(0, 40), rng.randint(2, 4)) for _ in range(20)]
+    check_flex(spec, device, compile, q_block_size=q_block_size)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compile", MODES)
+@pytest.mark.parametrize("phase", ["decode", "mixed"])
+def test_pages_smaller_than_a_kv_block(device, compile, phase):
+    """8-slot pages: two pages, maybe of two sequences, share one 16-slot KV block."""
+    for trial in range(2):
+        check_flex(ragged_batch_spec(phase, 8, random.Random(trial)), device, compile, block_size=8,
+                   heads=(4, 2), head_dim=16, seed=trial)
+
+
+def test_block_mask_matches_real_shapes_and_pages():
+    spec = [(15, 1), (40, 1), (0, 20), (9, 30)]
+    batch = random_attention_batch(spec, 8, 2, 64, 16)
+    backend = FlexBackend(8, 2, 64, 0.125, 16, torch.device("cpu"), torch.float32, q_block_size=16)
+    state = backend.prepare(batch.metadata)
+    backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
+    mask, num_pages = state.block_mask, batch.k_cache.shape[0]
+    assert mask.seq_lengths == (batch.metadata.num_tokens, num_pages * 16)
+    assert mask.BLOCK_SIZE == (16, 16)
+    assert mask.kv_indices.shape[-1] * 16 >= num_pages * 16
+    # Rows: [decode, decode, 14 prefill tokens], [6 prefill, 10 chunk], [16 chunk], [4 chunk], spare.
+    # Each lists the pages up to its sequences' last query position there: 1+3+1, 2+2, 3, 3, 0; in a
+    # row of one sequence, the pages before its first query position are full (no mask_mod).
+    assert mask.kv_num_blocks.flatten().tolist() == [5, 4, 2, 1, 0]
+    assert mask.full_kv_num_blocks.flatten().tolist() == [0, 0, 1, 2, 0]
+    table = batch.metadata.block_table.tolist()
+    assert sorted(mask.kv_indices[0, 0, 0, :5].tolist()) == sorted(table[0][:1] + table[1][:3] + table[2][:1])
+    assert mask.full_kv_indices[0, 0, 3, :2].tolist() == table[3][:2]
+    assert mask.kv_indices[0, 0, 3, :1].tolist() == table[3][2:3]
+
+
+def test_int32_overflow_is_refused():
+    batch = random_attention_batch([(3, 1)], 2, 1, 8, 16)
+    backend = FlexBackend(2, 1, 8, 0.125, 16, torch.device("cpu"), torch.float32)
+    huge = torch.empty(2**27 + 1, 16, 1, 8, device="meta")  # 2**31 + 16 slots
+    with pytest.raises(ValueError, match="int32"):
+        backend.forward(batch.q, huge, huge, backend.prepare(batch.metadata))
+
+
+def test_recompiles_stay_within_capacity_buckets():
+    """Token counts and cache sizes are dynamic: a run of varied batches compiles one graph, and
+    crossing the token capacity one more. The configuration is used by no other test."""
+    before = flex.compile_stats["graphs"]
+    rng = random.Random(0)
+    for step in range(8):
+        spec = [(rng.randint(0, 90), 1) for _ in range(rng.randint(0, 9))] + \
+               [(rng.randint(0, 60), rng.randint(2, 120)) for _ in range(rng.randint(1 if step % 3 else 0, 4))]
+        check_flex(spec or [(0, 1)], block_size=32, heads=(2, 1), head_dim=32, seed=step)
+    assert flex.compile_stats["graphs"] - before == 1
+    check_flex([(0, flex.MIN_TOKEN_CAPACITY + 50)], block_size=32, heads=(2, 1), head_dim=32)
+    assert flex.compile_stats["graphs"] - before == 2
+
+
+def test_engine_run_compiles_once(tiny_models):
+    """Varied batch sizes, chunked prefills and decodes through the engine: at most one new graph
+    (none when test_generate_hf already compiled this configuration), and sdpa's greedy tokens."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 90))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    before = flex.compile_stats["graphs"]
+    for backend in ("sdpa", "flex"):
+        llm = LLM(tiny_models["llama"][0], backend=backend, device="cpu", dtype="float32",
+                  max_num_batched_tokens=64, max_num_seqs=6)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs[backend] = [o.outputs[0].token_ids for o in outs]
+    assert outputs["flex"] == outputs["sdpa"]
+    assert flex.compile_stats["graphs"] - before <= 1
+
+
+def test_compile_switches():
+    args = (4, 2, 64, 0.125, 16, torch.device("cpu"), torch.float32)
+    assert FlexBackend(*args).compiled and not FlexBackend(*args, compile=False).compiled
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDBENCH_FLEX_COMPILE", "0")
+        assert not FlexBackend(*args).compiled
+
+
+def test_unavailable_reason():
+    assert FlexBackend.unavailable_reason("cpu", torch.float32, 64, 16) is None
+    assert FlexBackend.unavailable_reason("cpu", torch.bfloat16, 128, 8) is None
+    assert "power of two" in FlexBackend.unavailable_reason("cpu", torch.float32, 64, 24)
+    assert FlexBackend.unavailable_reason("cpu", torch.float64, 64, 16) is not None
+
+
+def test_recompile_limit_raises_instead_of_falling_back(monkeypatch):
+    """Dynamo past its recompile limit would silently run flex unfused; the backend makes it an error."""
+    check_flex([(5, 1), (0, 9)])  # at least one graph exists
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 1)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        check_flex([(5, 1), (0, 9)], heads=(3, 3), head_dim=16)  # a new configuration needs a new graph
+    monkeypatch.undo()
+    before = flex.compile_stats["graphs"]
+    check_flex([(5, 1), (0, 9)], heads=(3, 3), head_dim=16)
+    assert flex.compile_stats["graphs"] - before == 1  # compiled after all: the failure left no eager path behind
