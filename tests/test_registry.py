@@ -1,0 +1,45 @@
+"""The backend contract seen from outside: a third-party backend registered through the
+`pagedbench.backends` entry-point group, prepared once per step and called once per layer."""
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.backends import registry
+from pagedbench.backends.sdpa import SDPABackend
+
+
+class CountingBackend(SDPABackend):
+    name = "counting"
+    prepares = 0
+    forwards = 0
+
+    def prepare(self, meta):
+        CountingBackend.prepares += 1
+        return super().prepare(meta)
+
+    def forward(self, q, k_cache, v_cache, state):
+        CountingBackend.forwards += 1
+        return super().forward(q, k_cache, v_cache, state)
+
+
+@pytest.fixture
+def counting_entry_point(monkeypatch):
+    ep = EntryPoint("counting", "tests.test_registry:CountingBackend", "pagedbench.backends")
+    monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == "pagedbench.backends" else [])
+    yield
+    registry._loaded.pop("counting", None)
+
+
+def test_entry_point_backend_runs_once_per_step_and_layer(tiny_models, counting_entry_point):
+    assert "counting" in registry.list_backends()
+    path = tiny_models["llama"][0]
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 9, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(path, backend="counting", dtype="float32", device="cpu", max_num_batched_tokens=16)
+    CountingBackend.prepares = CountingBackend.forwards = 0
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    steps, layers = llm.engine.stats.steps, llm.engine.model_config.num_layers
+    assert CountingBackend.prepares == steps and CountingBackend.forwards == steps * layers
+    expected = LLM(path, backend="sdpa", dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
