@@ -32,6 +32,7 @@ class AttentionMetadata:
     num_prefills: int
     num_prefill_tokens: int
     block_size: int
+    num_cache_blocks: int  # blocks in each layer's KV cache: its length as one sequence is this * block_size
     # Host copies, so backends can size things without a device sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]

@@ -81,7 +81,7 @@ class _Pages:
     valid_start: torch.Tensor  # [V] logical position of its first slot
     q_seq: torch.Tensor  # [token_capacity] int32 sequence of each query row; -2 past the real tokens
     q_pos: torch.Tensor  # [token_capacity] int32 position of each query row in its sequence
-    block_mask: BlockMask | None = None  # needs the cache length: done in prepare once known, else in forward
+    block_mask: BlockMask | None = None  # set at the end of prepare
     shapes_seen: bool = False  # after the step's first layer every layer hits the same compiled graph
 
 
@@ -101,7 +101,6 @@ class FlexBackend(AttentionBackend):
         # CUDA: Triton tiles must divide the blocks; the decode kernel only takes short queries.
         self.kernel_options = ({"BACKEND": "TRITON", "BLOCK_M": min(64, self.q_block_size),
                                 "BLOCK_N": min(64, self.kv_block_size)} if self.device.type == "cuda" else None)
-        self.num_pages: int | None = None  # cache size, learned from the first forward
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs):
@@ -172,8 +171,7 @@ class FlexBackend(AttentionBackend):
         pages = _Pages(num_q_rows, row_counts_dev.to(torch.int32).view(2, 1, -1), e_row, e_col,
                        table[e_seq, e_logical], table[v_seq, v_logical].long(), v_seq.to(torch.int32),
                        (v_logical * bs).to(torch.int32), q_seq, q_pos)
-        if self.num_pages is not None:
-            pages.block_mask = self._block_mask(pages, self.num_pages)
+        pages.block_mask = self._block_mask(pages, meta.num_cache_blocks)
         return pages
 
     @torch.inference_mode()
@@ -219,10 +217,7 @@ class FlexBackend(AttentionBackend):
                                         seq_lengths=(pages.num_q_rows, num_pages * bs), compute_q_blocks=False)
 
     def forward(self, q, k_cache, v_cache, state: _Pages) -> torch.Tensor:
-        num_pages, num_tokens = k_cache.shape[0], q.shape[0]
-        if state.block_mask is None or state.block_mask.seq_lengths[1] != num_pages * self.block_size:
-            self.num_pages = num_pages
-            state.block_mask = self._block_mask(state, num_pages)
+        num_tokens = q.shape[0]
         if num_tokens < state.num_q_rows:
             q = torch.cat([q, q.new_zeros(state.num_q_rows - num_tokens, *q.shape[1:])])
         # [num_pages, bs, H_kv, D] -> [1, H_kv, num_pages * bs, D]: a view; flex takes any strides

@@ -53,7 +53,7 @@ def random_attention_batch(
     if ctx_slots:
         k_ctx, v_ctx = _randn(gen, 2, len(ctx_slots), num_kv_heads, head_dim, dtype=dtype, device=device)
         write_kv(k_ctx, v_ctx, k_cache, v_cache, torch.tensor(ctx_slots, device=device))
-    step = prepare_step(sequences, [q for _, q in seqs], block_size, device)
+    step = prepare_step(sequences, [q for _, q in seqs], block_size, num_blocks, device)
     t = step.metadata.num_tokens
     k_new, v_new = _randn(gen, 2, t, num_kv_heads, head_dim, dtype=dtype, device=device)
     write_kv(k_new, v_new, k_cache, v_cache, step.metadata.slot_mapping)

@@ -38,7 +38,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        return prepare_step(sched.seqs, sched.num_tokens, self.block_size, self.device)
+        return prepare_step(sched.seqs, sched.num_tokens, self.block_size, self.kv_cache.shape[2], self.device)
 
     def run(self, inputs: StepInputs, backend_state) -> torch.Tensor:
         """fp32 logits [len(sampling_rows), vocab]."""
@@ -53,7 +53,8 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def prepare_step(seqs: list[Sequence], num_new: list[int], block_size: int, device: torch.device) -> StepInputs:
+def prepare_step(seqs: list[Sequence], num_new: list[int], block_size: int, num_cache_blocks: int,
+                 device: torch.device) -> StepInputs:
     """Flat inputs and AttentionMetadata for running `num_new[i]` more tokens of `seqs[i]`
     (decodes first). Host-side numpy, then one copy per tensor: no device sync."""
     _to = functools.partial(_to_device, device=device)
@@ -91,6 +92,7 @@ def prepare_step(seqs: list[Sequence], num_new: list[int], block_size: int, devi
         num_prefills=len(seqs) - num_decodes,
         num_prefill_tokens=num_tokens - num_decodes,
         block_size=block_size,
+        num_cache_blocks=num_cache_blocks,
         query_start_loc_cpu=qsl.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
         context_lens_cpu=context.tolist(),
