@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata, to_device
 
 _INT32_MAX = 2**31 - 1
 MIN_TOKEN_CAPACITY = 1024
@@ -156,10 +156,7 @@ class FlexBackend(AttentionBackend):
 
         host = np.concatenate([row_counts, entry_row, entry_col, pair_seq[entry_pair][order], entry_logical[order],
                                valid_seq, valid_logical])
-        dev = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            dev = dev.pin_memory()
-        dev = dev.to(self.device, non_blocking=True)
+        dev = to_device(host, self.device)
         row_counts_dev, e_row, e_col, e_seq, e_logical, v_seq, v_logical = dev.split(
             [len(row_counts)] + [len(entry_row)] * 4 + [len(valid_seq)] * 2)
         table = meta.block_table

@@ -11,7 +11,7 @@ _BUILTIN = {
     "flex": "pagedbench.backends.flex:FlexBackend",
     "flash-attn": "pagedbench.backends.flash_attn:FlashAttnBackend",
 }
-_loaded: dict[str, type[AttentionBackend]] = {}
+_loaded: dict[str, type[AttentionBackend]] = {}  # imported classes by name
 
 
 def _targets() -> dict[str, str]:
@@ -22,13 +22,7 @@ def _targets() -> dict[str, str]:
 
 
 def list_backends() -> list[str]:
-    return sorted(set(_targets()) | set(_loaded))
-
-
-def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Register a backend class in this process (also usable as a decorator)."""
-    _loaded[cls.name] = cls
-    return cls
+    return sorted(_targets())
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
@@ -36,13 +30,8 @@ def get_backend(name: str) -> type[AttentionBackend]:
         return _loaded[name]
     targets = _targets()
     if name not in targets:
-        known = sorted(set(targets) | set(_loaded))
-        raise ValueError(f"unknown backend {name!r}; available: {', '.join(known)}")
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(sorted(targets))}")
     module, _, attr = targets[name].partition(":")
     _loaded[name] = getattr(import_module(module), attr)
     return _loaded[name]
 
-
-def available_backends(device, dtype, head_dim: int, block_size: int) -> dict[str, str | None]:
-    """Every registered backend -> None if it can run here, else the reason it cannot."""
-    return {n: get_backend(n).unavailable_reason(device, dtype, head_dim, block_size) for n in list_backends()}

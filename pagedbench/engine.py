@@ -8,6 +8,7 @@ import torch
 from pagedbench.backends.registry import get_backend
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
+from pagedbench.environment import synchronize
 from pagedbench.loader import build_model, resolve_model_config
 from pagedbench.model_runner import ModelRunner, kv_bytes_per_block
 from pagedbench.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -45,7 +46,6 @@ class EngineStats:
     steps: int = 0
     preemptions: int = 0
     peak_blocks_used: int = 0
-    scheduled_tokens: int = 0
     time_schedule: float = 0.0
     time_metadata: float = 0.0
     time_backend_prepare: float = 0.0
@@ -177,8 +177,8 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def _now(self) -> float:
-        if self.sync_timing and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.sync_timing:
+            synchronize(self.device)
         return time.perf_counter()
 
     def step(self) -> list[RequestOutput]:
@@ -203,7 +203,6 @@ class LLMEngine:
             tokens = self.sampler(logits, batch).tolist()
         t5 = time.perf_counter()
         st.steps += 1
-        st.scheduled_tokens += sched.total_tokens
         st.peak_blocks_used = max(st.peak_blocks_used, self.block_manager.num_used_blocks)
         st.time_schedule += t1 - t0
         st.time_metadata += t2 - t1
@@ -221,8 +220,6 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
         seq.token_times.append(now)
         new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
         p = seq.params
@@ -250,6 +247,6 @@ class LLMEngine:
         completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
         metrics = None
         if seq.finished:
-            metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.token_times,
+            metrics = RequestMetrics(seq.arrival_time, seq.token_times[0], seq.token_times,
                                      seq.token_times[-1], seq.num_preemptions)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.finished, metrics)

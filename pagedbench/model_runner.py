@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata, to_device
 from pagedbench.config import ModelConfig
 from pagedbench.model import AttentionContext, CausalLM
 from pagedbench.scheduler import SchedulerOutput
@@ -16,7 +16,6 @@ from pagedbench.sequence import Sequence
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
     logits_indices: torch.Tensor  # [S] last scheduled token of each sequence that samples
     sampling_rows: list[int]  # which scheduled sequences sample this step (their prefill is complete)
     metadata: AttentionMetadata
@@ -43,21 +42,14 @@ class ModelRunner:
     def run(self, inputs: StepInputs, backend_state) -> torch.Tensor:
         """fp32 logits [len(sampling_rows), vocab]."""
         ctx = AttentionContext(self.backend, backend_state, inputs.metadata.slot_mapping, self.kv_caches)
-        return self.model(inputs.input_ids, inputs.positions, ctx, inputs.logits_indices)
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(array)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+        return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)
 
 
 def prepare_step(seqs: list[Sequence], num_new: list[int], block_size: int, num_cache_blocks: int,
                  device: torch.device) -> StepInputs:
     """Flat inputs and AttentionMetadata for running `num_new[i]` more tokens of `seqs[i]`
     (decodes first). Host-side numpy, then one copy per tensor: no device sync."""
-    _to = functools.partial(_to_device, device=device)
+    _to = functools.partial(to_device, device=device)
     context = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
     q_lens = np.array(num_new, dtype=np.int64)
     seq_lens = context + q_lens
@@ -99,7 +91,6 @@ def prepare_step(seqs: list[Sequence], num_new: list[int], block_size: int, num_
     )
     return StepInputs(
         input_ids=_to(input_ids),
-        positions=meta.positions,
         logits_indices=_to(qsl[1:][sampling_rows] - 1),
         sampling_rows=sampling_rows,
         metadata=meta,

@@ -38,7 +38,6 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_preemptions: int = 0
-    first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
 
     def __post_init__(self):

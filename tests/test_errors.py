@@ -63,6 +63,19 @@ def test_rejected_request_does_not_disturb_others(engine):
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
+def test_abort_frees_blocks_and_others_finish(engine):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    keep = engine.add_request({"prompt_token_ids": [5, 6, 7]}, params)
+    drop = engine.add_request({"prompt_token_ids": list(range(5, 40))}, params)
+    engine.step()
+    engine.abort_request(drop)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert done == [keep]
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
 def test_generate_validates_every_prompt_before_starting(tiny_models):
     llm = LLM(tiny_models["llama"][0], dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="empty"):
