@@ -48,6 +48,12 @@ class AttentionMetadata:
         return self.query_start_loc_cpu[-1]
 
 
+def one_line(error: BaseException) -> str:
+    """`Type: first line of the message`, for reasons shown in tables and CLI errors."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """Copy a host array to `device` without a sync (pinned staging on CUDA)."""
     t = torch.from_numpy(array)
@@ -86,6 +92,7 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.compile_seconds = 0.0  # JIT compilation inside forward() so far (a backend that knows adds it)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device | str, dtype: torch.dtype, head_dim: int,
@@ -94,8 +101,10 @@ class AttentionBackend(ABC):
         return None
 
     @classmethod
-    def provider(cls) -> str:
-        """What does the work, with its version (reported next to every number)."""
+    def provider(cls, **settings) -> str:
+        """What does the work, with its version (reported next to every number). `settings` are
+        `unavailable_reason`'s (device, dtype, head_dim, block_size, num_heads, ...), for a backend
+        whose provider depends on them; without them, the one it would try first."""
         return f"torch {torch.__version__}"
 
     @abstractmethod

@@ -1,40 +1,53 @@
 """FlashAttention reading the shared paged cache `[num_blocks, block_size, H_kv, D]` in place
-through its block table. Providers, in order of preference:
+through its block table. Providers, tried in this order (the first one that imports and runs
+these settings wins; `PAGEDBENCH_FLASH_PROVIDER=fa3|fa4|fa2|torch` forces one):
 
-- `flash_attn_interface` (FlashAttention-3): `flash_attn_with_kvcache(page_table=, cu_seqlens_q=)`
-  for every step; any page size.
-- `flash_attn` (FlashAttention-2): `flash_attn_varlen_func(block_table=)` for steps with
+- `fa3`: `flash_attn_interface` (FlashAttention-3, hopper/ build):
+  `flash_attn_with_kvcache(page_table=, cu_seqlens_q=)` for every step; any page size.
+- `fa4`: `flash_attn.cute` (FlashAttention-4, `flash-attn-4`, CuTe DSL, JIT-compiled):
+  `flash_attn_varlen_func(page_table=, seqused_k=, cu_seqlens_q=)` for every step; any page
+  size; paged KV on SM 9.x (Hopper) and 10.x/11.x (Blackwell) only; split-KV only on Blackwell.
+- `fa2`: `flash_attn` (FlashAttention-2): `flash_attn_varlen_func(block_table=)` for steps with
   prefills, `flash_attn_with_kvcache(block_table=)` for decode-only steps; pages of 256*k tokens.
-- PyTorch's bundled FlashAttention-2: `torch.nn.attention.varlen.varlen_attn(seqused_k=,
-  block_table=)` where this torch has them; pages of 256*k tokens.
+- `torch`: PyTorch's bundled FlashAttention-2, `torch.nn.attention.varlen.varlen_attn(seqused_k=,
+  block_table=)` where this torch has them (2.12+); pages of 256*k tokens.
+
+FA4 installs `flash_attn/cute/` without `flash_attn/__init__.py`, so `import flash_attn` can
+succeed as an empty namespace package: probes look for attributes, and catch everything.
 """
 import functools
 import inspect
+import logging
+import os
+import time
 from dataclasses import dataclass
-from importlib import metadata
+from importlib import import_module, metadata
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata, one_line
 
+logger = logging.getLogger(__name__)
+
+PROVIDER_ENV = "PAGEDBENCH_FLASH_PROVIDER"
+PROVIDER_ORDER = ("fa3", "fa4", "fa2", "torch")
 FA2_PAGE_MULTIPLE = 256  # both flash_attn 2.x and torch's copy: "Paged KV cache block size must be divisible by 256"
 MAX_HEAD_DIM = 256
+INSTALL_HINT = {"fa4": " (pip install 'pagedbench[fa4]')", "fa2": " (pip install 'pagedbench[flash-attn]')"}
 
 
 @dataclass(frozen=True, slots=True)
 class Provider:
-    kind: str  # "fa3" | "fa2" | "torch": which call path forward() takes
+    kind: str  # one of PROVIDER_ORDER: which call path forward() takes
     label: str  # what provider() reports
-    api: Any  # the flash_attn_interface / flash_attn module, or the bound varlen_attn
-    page_multiple: int  # block_size must be a multiple of this
+    api: Any  # the flash_attn_interface / flash_attn.cute / flash_attn module, or the bound varlen_attn
 
 
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
-    except metadata.PackageNotFoundError:
+    except Exception:
         return "(version unknown)"
 
 
@@ -43,63 +56,224 @@ def _missing_params(fn: Callable, *names: str) -> list[str]:
     return [n for n in names if n not in params]
 
 
-def _probe_fa3() -> Provider | str:
+def _import(name: str) -> Any:
+    """The module, or a one-line reason it is absent or broken."""
     try:
-        import flash_attn_interface as fa3
-    except ImportError as e:
-        return f"flash_attn_interface (FA3): {e}"
-    missing = _missing_params(fa3.flash_attn_with_kvcache, "page_table", "cu_seqlens_q", "max_seqlen_q")
+        return import_module(name)
+    except ModuleNotFoundError as e:
+        return f"{e.name or name} not installed" if e.name in (name, name.split(".")[0]) else f"import {name}: {one_line(e)}"
+    except Exception as e:  # a broken install raises anything at import time
+        return f"import {name}: {one_line(e)}"
+
+
+def _probe_fa3() -> Provider | str:
+    fa3 = _import("flash_attn_interface")
+    if isinstance(fa3, str):
+        return fa3
+    fn = getattr(fa3, "flash_attn_with_kvcache", None)
+    if fn is None:
+        return "flash_attn_interface has no flash_attn_with_kvcache"
+    missing = _missing_params(fn, "page_table", "cu_seqlens_q", "max_seqlen_q")
     if missing:
-        return f"flash_attn_interface (FA3): flash_attn_with_kvcache has no {', '.join(missing)}"
-    return Provider("fa3", f"flash_attn_interface (FA3) {_version('flash_attn_3')}", fa3, 1)
+        return f"flash_attn_interface: flash_attn_with_kvcache has no {', '.join(missing)}"
+    return Provider("fa3", f"flash_attn_interface (FA3) {_version('flash_attn_3')}", fa3)
+
+
+def _probe_fa4() -> Provider | str:
+    fa4 = _import("flash_attn.cute")
+    if isinstance(fa4, str):
+        return fa4.replace("flash_attn not installed", "flash_attn.cute not installed") + INSTALL_HINT["fa4"] * fa4.endswith("not installed")
+    fn = getattr(fa4, "flash_attn_varlen_func", None)
+    if fn is None:
+        return "flash_attn.cute has no flash_attn_varlen_func"
+    missing = _missing_params(fn, "page_table", "seqused_k", "cu_seqlens_q", "max_seqlen_q", "num_splits")
+    if missing:
+        return f"flash_attn.cute: flash_attn_varlen_func has no {', '.join(missing)}"
+    return Provider("fa4", f"flash_attn.cute (FA4) {_version('flash-attn-4')}", fa4)
 
 
 def _probe_fa2() -> Provider | str:
-    try:
-        import flash_attn
-    except ImportError as e:
-        return f"flash_attn: {e}"
-    if _missing_params(flash_attn.flash_attn_varlen_func, "block_table"):  # before 2.5.7
-        return f"flash_attn {flash_attn.__version__}: flash_attn_varlen_func has no block_table"
-    return Provider("fa2", f"flash_attn {flash_attn.__version__}", flash_attn, FA2_PAGE_MULTIPLE)
+    fa2 = _import("flash_attn")
+    if isinstance(fa2, str):
+        return fa2 + INSTALL_HINT["fa2"] * fa2.endswith("not installed")
+    if getattr(fa2, "__file__", None) is None and not hasattr(fa2, "flash_attn_varlen_func"):
+        return "flash_attn is an empty namespace package (FA4's flash_attn/cute/ without FlashAttention-2)"
+    version = getattr(fa2, "__version__", _version("flash_attn"))
+    for fn in ("flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        if not hasattr(fa2, fn):
+            return f"flash_attn {version} has no {fn}"
+    if _missing_params(fa2.flash_attn_varlen_func, "block_table"):  # before 2.5.7
+        return f"flash_attn {version}: flash_attn_varlen_func has no block_table"
+    return Provider("fa2", f"flash_attn {version}", fa2)
 
 
 def _probe_torch() -> Provider | str:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    varlen = _import("torch.nn.attention.varlen")
+    if isinstance(varlen, str):
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    varlen_attn = getattr(varlen, "varlen_attn", None)
+    if varlen_attn is None:
+        return f"torch {torch.__version__} has no varlen_attn"
     missing = _missing_params(varlen_attn, "seqused_k", "block_table", "scale", "window_size", "enable_gqa")
     if missing:
         return f"torch {torch.__version__}'s varlen_attn has no {', '.join(missing)} (no paged KV in this torch)"
     if not _missing_params(varlen_attn, "num_splits"):
         # Split-KV on the paged varlen path writes wrong rows (pytorch/pytorch#194167).
         varlen_attn = functools.partial(varlen_attn, num_splits=1)
-    return Provider("torch", f"torch {torch.__version__} varlen_attn", varlen_attn, FA2_PAGE_MULTIPLE)
+    return Provider("torch", f"torch {torch.__version__} varlen_attn", varlen_attn)
 
 
-def find_provider() -> tuple[Provider | None, list[str]]:
-    """The first provider that imports and has a paged API, and why each one before it did not."""
+PROBES = {"fa3": _probe_fa3, "fa4": _probe_fa4, "fa2": _probe_fa2, "torch": _probe_torch}
+
+
+def probe(kind: str) -> Provider | str:
+    """The provider if it imports with a paged API, else a one-line reason; never raises."""
+    try:
+        return PROBES[kind]()
+    except Exception as e:
+        return f"probing failed: {one_line(e)}"
+
+
+def candidate_kinds() -> tuple[str, ...]:
+    """PROVIDER_ORDER, or the one provider PAGEDBENCH_FLASH_PROVIDER forces."""
+    forced = os.environ.get(PROVIDER_ENV, "").strip().lower()
+    if not forced:
+        return PROVIDER_ORDER
+    if forced not in PROVIDER_ORDER:
+        raise ValueError(f"{PROVIDER_ENV}={forced!r} is not one of {', '.join(PROVIDER_ORDER)}")
+    return (forced,)
+
+
+def _head_dim_reason(head_dim: int, low: int, high: int, also: tuple[int, ...] = ()) -> str | None:
+    if (low <= head_dim <= high or head_dim in also) and head_dim % 8 == 0:
+        return None
+    extra = "".join(f" or {d}" for d in also)
+    return f"head_dim {head_dim} unsupported: needs a multiple of 8 in {low}..{high}{extra}"
+
+
+def provider_reason(kind: str, capability: tuple[int, int], block_size: int, head_dim: int) -> str | None:
+    """Why provider `kind` cannot run these settings on a GPU of this compute capability."""
+    major, minor = capability
+    if kind == "fa4":
+        if major not in (9, 10, 11):
+            return f"compute capability {major}.{minor}: FA4 has paged KV only on 9.x (Hopper) and 10.x/11.x (Blackwell)"
+        # FA4's _validate_head_dims: SM90 8..256; SM100/110 8..128, or 256.
+        return _head_dim_reason(head_dim, 8, 256) if major == 9 else _head_dim_reason(head_dim, 8, 128, also=(256,))
+    if major < 8:
+        return f"compute capability {major}.{minor} unsupported: FlashAttention needs 8.0 (Ampere) or newer"
+    if kind == "torch" and not torch.backends.cuda.is_flash_attention_available():
+        return f"torch {torch.__version__} was built without its FlashAttention kernels"
+    if kind in ("fa2", "torch") and block_size % FA2_PAGE_MULTIPLE:
+        return f"block_size {block_size} is not a multiple of {FA2_PAGE_MULTIPLE} (FlashAttention-2's paged kernels)"
+    return _head_dim_reason(head_dim, 8, MAX_HEAD_DIM)
+
+
+def _machine_reason(device: torch.device, dtype: torch.dtype, num_heads: int | None,
+                    num_kv_heads: int | None) -> str | None:
+    """What rules out every provider."""
+    if device.type != "cuda":
+        return f"no CUDA device (device is {device})"
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {str(dtype).removeprefix('torch.')} unsupported: FlashAttention takes float16 or bfloat16"
+    if num_heads and num_kv_heads and num_heads % num_kv_heads:
+        return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    return None
+
+
+def select_provider(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                    head_dim: int | None = None, block_size: int | None = None, num_heads: int | None = None,
+                    num_kv_heads: int | None = None, **_) -> tuple[Provider | None, str | None]:
+    """(the first candidate provider that imports and runs these settings, None), or (None, why
+    not, naming each provider tried). Without settings: the first one that imports."""
+    try:
+        kinds = candidate_kinds()
+    except ValueError as e:
+        return None, str(e)
+    machine = None
+    if device is not None:
+        device = torch.device(device)
+        machine = _machine_reason(device, dtype, num_heads, num_kv_heads)
     why_not = []
-    for probe in (_probe_fa3, _probe_fa2, _probe_torch):
-        found = probe()
-        if isinstance(found, Provider):
-            return found, why_not
-        why_not.append(found)
-    return None, why_not
+    for kind in kinds:
+        found = probe(kind)
+        if isinstance(found, str):
+            why_not.append(f"{kind}: {found}")
+        elif machine is not None:
+            why_not.append(f"{kind}: {found.label} importable")
+        elif device is None:
+            return found, None
+        else:
+            reason = provider_reason(kind, torch.cuda.get_device_capability(device), block_size, head_dim)
+            if reason is None:
+                return found, None
+            why_not.append(f"{kind}: {found.label}: {reason}")
+    tried = "; ".join(why_not)
+    if len(kinds) == 1:
+        tried = f"{PROVIDER_ENV} forces {tried}"
+    return None, f"{machine or 'no FlashAttention provider runs these settings'}; {tried}"
 
 
 @dataclass(slots=True)
 class FlashAttnState:
-    """Kernel arguments for one step of B sequences, shared by every layer."""
+    """Kernel arguments for one step of B sequences, shared by every layer. The tensors are
+    views of the backend's static buffers, refilled in place each step (so a captured CUDA
+    graph can replay them)."""
 
     cu_seqlens_q: torch.Tensor  # [B+1] int32: query_start_loc
     cu_seqlens_k: torch.Tensor  # [B+1] int32: prefix sums of seq_lens (FA2 varlen takes key lengths from it)
     seq_lens: torch.Tensor  # [B] int32: keys per sequence (seqused_k / cache_seqlens)
-    block_table: torch.Tensor  # [B, max_blocks] int32, contiguous
+    block_table: torch.Tensor  # [B, max_blocks] int32, contiguous; entries past a sequence's pages are valid ids
     max_query_len: int
     max_seq_len: int
     decode_only: bool  # every sequence has one query token
+
+
+class StepBuffers:
+    """Static int32 index buffers, grown (never shrunk) to the largest step seen."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.rows = self.cols = 0
+        self._alloc(1, 1)
+
+    def _alloc(self, rows: int, cols: int) -> None:
+        self.rows, self.cols = max(rows, self.rows), max(cols, self.cols)
+        self.cu_seqlens_q = torch.zeros(self.rows + 1, dtype=torch.int32, device=self.device)
+        self.cu_seqlens_k = torch.zeros(self.rows + 1, dtype=torch.int32, device=self.device)
+        self.seq_lens = torch.zeros(self.rows, dtype=torch.int32, device=self.device)
+        self.block_table = torch.zeros(self.rows, self.cols, dtype=torch.int32, device=self.device)
+
+    def fill(self, meta: AttentionMetadata) -> FlashAttnState:
+        b, cols = meta.num_seqs, meta.block_table.shape[1]
+        if b > self.rows or cols > self.cols:
+            self._alloc(1 << (b - 1).bit_length(), 1 << (cols - 1).bit_length())
+        self.cu_seqlens_q[: b + 1].copy_(meta.query_start_loc)
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        torch.cumsum(self.seq_lens[:b], 0, out=self.cu_seqlens_k[1 : b + 1])
+        table = self.block_table[:b]
+        table[:, :cols].copy_(meta.block_table)
+        table[:, cols:].zero_()
+        return FlashAttnState(
+            cu_seqlens_q=self.cu_seqlens_q[: b + 1], cu_seqlens_k=self.cu_seqlens_k[: b + 1],
+            seq_lens=self.seq_lens[:b], block_table=table, max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len, decode_only=meta.num_prefills == 0,
+        )
+
+
+def fa4_num_splits(capability: tuple[int, int]) -> int:
+    """FA4 splits KV only on Blackwell (on Hopper a split asserts); 0 asks for its heuristic,
+    which splits when a step has fewer query tiles than the GPU has SMs (small decode batches)."""
+    return 0 if capability[0] in (10, 11) else 1
+
+
+def _fa4_compiled_kernels(api: Any) -> int | None:
+    """How many forward kernels FA4 has JIT-compiled so far (its in-memory compile cache), or None
+    where this FA4 does not expose it."""
+    cache = getattr(getattr(getattr(api, "interface", None), "_flash_attn_fwd", None), "compile_cache", None)
+    entries = getattr(cache, "cache", None)
+    return len(entries) if isinstance(entries, dict) else None
 
 
 class FlashAttnBackend(AttentionBackend):
@@ -107,55 +281,32 @@ class FlashAttnBackend(AttentionBackend):
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            return f"no CUDA device (device is {device})"
-        if not torch.cuda.is_available():
-            return "no CUDA device (torch.cuda.is_available() is False)"
-        provider, why_not = find_provider()
-        if provider is None:
-            return "no FlashAttention provider importable; tried " + "; ".join(why_not)
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"dtype {str(dtype).removeprefix('torch.')} unsupported: FlashAttention takes float16 or bfloat16"
-        if head_dim > MAX_HEAD_DIM or head_dim % 8:
-            return f"head_dim {head_dim} unsupported: FlashAttention needs a multiple of 8 up to {MAX_HEAD_DIM}"
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            return f"compute capability {major}.{minor} unsupported: FlashAttention needs 8.0 (Ampere) or newer"
-        if provider.kind == "torch" and not torch.backends.cuda.is_flash_attention_available():
-            return f"torch {torch.__version__} was built without its FlashAttention kernels"
-        if block_size % provider.page_multiple:
-            return (f"block_size {block_size} is not a multiple of {provider.page_multiple}, as the paged "
-                    f"FlashAttention-2 kernels of {provider.label} require (FA3 takes any block size)")
-        num_heads, num_kv_heads = kwargs.get("num_heads"), kwargs.get("num_kv_heads")
-        if num_heads and num_kv_heads and num_heads % num_kv_heads:
-            return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-        return None
+        return select_provider(device, dtype, head_dim, block_size, **kwargs)[1]
 
     @classmethod
-    def provider(cls) -> str:
-        provider, _ = find_provider()
-        return provider.label if provider else "none"
+    def provider(cls, **settings) -> str:
+        found = select_provider(**settings)[0] if settings else None
+        found = found or select_provider()[0]  # none runs these settings: name the first that imports
+        return found.label if found else "none"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        provider, why_not = find_provider()
-        if provider is None:
-            raise RuntimeError("no FlashAttention provider importable; tried " + "; ".join(why_not))
-        self.impl = provider
-        self._attend = {"fa3": self._attend_fa3, "fa2": self._attend_fa2, "torch": self._attend_torch}[provider.kind]
+        found, reason = select_provider(self.device, self.dtype, self.head_dim, self.block_size,
+                                        self.num_heads, self.num_kv_heads)
+        if found is None and self.device.type != "cuda":  # CPU: fakes in tests; the kernels need CUDA
+            found = select_provider()[0]
+        if found is None:
+            raise ValueError(f"flash-attn cannot run here: {reason}")
+        self.impl = found
+        self.buffers = StepBuffers(self.device)
+        self._attend = {"fa3": self._attend_fa3, "fa4": self._attend_fa4, "fa2": self._attend_fa2,
+                        "torch": self._attend_torch}[found.kind]
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (9, 0)
+        self.fa4_num_splits = fa4_num_splits(capability)
+        self._fa4_announced = False
 
     def prepare(self, meta: AttentionMetadata) -> FlashAttnState:
-        seq_lens = meta.seq_lens.to(torch.int32)
-        return FlashAttnState(
-            cu_seqlens_q=meta.query_start_loc.to(torch.int32),
-            cu_seqlens_k=F.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
-            seq_lens=seq_lens,
-            block_table=meta.block_table.to(torch.int32).contiguous(),
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            decode_only=meta.num_prefills == 0,
-        )
+        return self.buffers.fill(meta)
 
     def forward(self, q, k_cache, v_cache, state: FlashAttnState) -> torch.Tensor:
         return self._attend(q, k_cache, v_cache, state)
@@ -164,6 +315,25 @@ class FlashAttnBackend(AttentionBackend):
         return self.impl.api.flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=s.seq_lens, page_table=s.block_table,
             cu_seqlens_q=s.cu_seqlens_q, max_seqlen_q=s.max_query_len, softmax_scale=self.scale, causal=True)
+
+    def _attend_fa4(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
+        # page_table excludes cu_seqlens_k; key lengths come from seqused_k. Whole pages are loaded,
+        # so rows past seqused_k must be finite: the model runner's cache starts zeroed.
+        before = _fa4_compiled_kernels(self.impl.api)
+        if not self._fa4_announced and before is not None:
+            logger.info("flash-attn (FA4): each new kernel shape JIT-compiles on first use (seconds each); "
+                        "warmup runs absorb it")
+            self._fa4_announced = True
+        start = time.perf_counter()
+        result = self.impl.api.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_seqlens_q=s.cu_seqlens_q, max_seqlen_q=s.max_query_len,
+            max_seqlen_k=s.max_seq_len, seqused_k=s.seq_lens, page_table=s.block_table,
+            softmax_scale=self.scale, causal=True, num_splits=self.fa4_num_splits)
+        if before is not None and _fa4_compiled_kernels(self.impl.api) != before:
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            logger.info("flash-attn (FA4): JIT-compiled a kernel in %.1f s", seconds)
+        return result[0] if isinstance(result, tuple) else result  # (out, lse)
 
     def _attend_fa2(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
         if s.decode_only:  # [B, 1, H, D]: the split-KV decode kernel

@@ -1,9 +1,15 @@
 """Backends by name: the built-in ones plus any registered under the entry-point group
-`pagedbench.backends` (name = "module:Class")."""
+`pagedbench.backends` (name = "module:Class").
+
+Probing never crashes: a backend whose module fails to import, or whose `provider()` or
+`unavailable_reason()` raises, is reported as unavailable with that error as its reason, and
+every other backend stays usable."""
 from importlib import import_module
 from importlib.metadata import entry_points
 
-from pagedbench.backends.base import AttentionBackend
+import torch
+
+from pagedbench.backends.base import AttentionBackend, one_line
 
 _BUILTIN = {
     "reference": "pagedbench.backends.reference:ReferenceBackend",
@@ -16,7 +22,11 @@ _loaded: dict[str, type[AttentionBackend]] = {}  # imported classes by name
 
 def _targets() -> dict[str, str]:
     targets = dict(_BUILTIN)
-    for ep in entry_points(group="pagedbench.backends"):
+    try:
+        found = entry_points(group="pagedbench.backends")
+    except Exception:  # a broken distribution's metadata must not hide the built-in backends
+        found = []
+    for ep in found:
         targets.setdefault(ep.name, ep.value)
     return targets
 
@@ -25,13 +35,60 @@ def list_backends() -> list[str]:
     return sorted(_targets())
 
 
+def _broken_backend(name: str, target: str, error: str) -> type[AttentionBackend]:
+    """A stand-in for a backend that failed to load: always unavailable, saying why."""
+
+    class BrokenBackend(AttentionBackend):
+        @classmethod
+        def unavailable_reason(cls, *args, **kwargs) -> str:
+            return f"failed to load {target}: {error}"
+
+        @classmethod
+        def provider(cls, **settings) -> str:
+            return "none"
+
+        def __init__(self, *args, **kwargs):
+            raise ValueError(f"backend {name!r} is unavailable: {self.unavailable_reason()}")
+
+        def prepare(self, meta):
+            raise NotImplementedError
+
+        def forward(self, q, k_cache, v_cache, state):
+            raise NotImplementedError
+
+    BrokenBackend.name = name
+    return BrokenBackend
+
+
 def get_backend(name: str) -> type[AttentionBackend]:
+    """The backend class registered as `name`; a stand-in that reports the error when its module
+    cannot be imported. Unknown names are a ValueError."""
     if name in _loaded:
         return _loaded[name]
     targets = _targets()
     if name not in targets:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(sorted(targets))}")
     module, _, attr = targets[name].partition(":")
-    _loaded[name] = getattr(import_module(module), attr)
-    return _loaded[name]
+    try:
+        cls = getattr(import_module(module), attr)
+        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+            raise TypeError(f"{attr} is not an AttentionBackend subclass")
+    except Exception as e:  # anything a third-party or optional dependency raises at import
+        cls = _broken_backend(name, targets[name], one_line(e))
+    _loaded[name] = cls
+    return cls
 
+
+def probe(cls: type[AttentionBackend], device: torch.device | str, dtype: torch.dtype, head_dim: int,
+          block_size: int, **settings) -> tuple[str, str | None]:
+    """(provider, unavailable reason or None) of a backend class for these settings; an exception
+    raised by either classmethod becomes the reason."""
+    try:
+        provider = cls.provider(device=device, dtype=dtype, head_dim=head_dim, block_size=block_size, **settings)
+    except Exception as e:
+        provider = f"none ({one_line(e)})"
+    try:
+        reason = cls.unavailable_reason(device, dtype, head_dim, block_size, **settings)
+    except Exception as e:
+        reason = f"probing failed: {one_line(e)}"
+    return provider, reason

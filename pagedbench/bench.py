@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from pagedbench.backends.registry import get_backend
+from pagedbench.backends.registry import get_backend, probe
 from pagedbench.config import EngineConfig
 from pagedbench.engine import LLMEngine, resolve_device_dtype
 from pagedbench.environment import environment, synchronize
@@ -74,6 +74,7 @@ def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[f
 
 def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measurement:
     engine.stats.reset()
+    compile_before = engine.backend.compile_seconds
     duration, outputs = drive(engine, requests, desc)
     output_ids = [o.outputs[0].token_ids for o in outputs]
     st = engine.stats
@@ -85,6 +86,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_kv_blocks": st.peak_blocks_used,
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
         **{f"time_{part}_s": getattr(st, f"time_{part}") for part in STEP_PARTS},
+        "time_backend_compile_s": engine.backend.compile_seconds - compile_before,  # 0 after a warmup run
     }
     per_request = [{"request": i, "input_len": len(r.prompt_token_ids), "output_len": len(ids),
                     **request_latencies(o.metrics)}
@@ -132,9 +134,9 @@ def compare(scenario: Scenario, backends: list[str], scale: float, device: str |
     }
     rows, request_rows, unavailable, measured = [], [], {}, {}
     for name, cls in classes.items():
-        head = {**env, "backend": name, "provider": cls.provider(), **scenario_columns}
-        reason = cls.unavailable_reason(dev, dt, model.head_dim, scenario.block_size,
-                                        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads)
+        provider, reason = probe(cls, dev, dt, model.head_dim, scenario.block_size,
+                                 num_heads=model.num_heads, num_kv_heads=model.num_kv_heads)
+        head = {**env, "backend": name, "provider": provider, **scenario_columns}
         if reason:
             unavailable[name] = reason
             rows.append({**head, "status": "unavailable", "reason": reason})

@@ -2,6 +2,7 @@
 re-render reports, list scenarios and backends."""
 import argparse
 import dataclasses
+import logging
 import sys
 
 import pandas as pd
@@ -131,14 +132,13 @@ def cmd_scenarios(args) -> None:
 
 
 def cmd_backends(args) -> None:
-    from pagedbench.backends.registry import get_backend, list_backends
+    from pagedbench.backends.registry import get_backend, list_backends, probe
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     rows = []
     for name in list_backends():
-        cls = get_backend(name)
-        reason = cls.unavailable_reason(device, dtype, args.head_dim, args.block_size)
-        rows.append({"backend": name, "provider": cls.provider(), "status": "unavailable" if reason else "available",
+        provider, reason = probe(get_backend(name), device, dtype, args.head_dim, args.block_size)
+        rows.append({"backend": name, "provider": provider, "status": "unavailable" if reason else "available",
                      "reason": reason or ""})
     print(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, head_dim {args.head_dim}, "
           f"block_size {args.block_size}, torch {torch.__version__}")
@@ -195,8 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_to_stderr() -> None:
+    """The library's INFO messages (a JIT compile starting, say) on stderr; other libraries' untouched."""
+    log = logging.getLogger("pagedbench")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("pagedbench: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagedbench.backends.registry import get_backend
+from pagedbench.backends.registry import get_backend, probe
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
 from pagedbench.environment import synchronize
@@ -65,8 +65,8 @@ class LLMEngine:
         self.model_config, path = resolve_model_config(config.model)
         cfg = self.model_config
         backend_cls = get_backend(config.backend)
-        reason = backend_cls.unavailable_reason(self.device, self.dtype, cfg.head_dim, config.block_size,
-                                                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+        _, reason = probe(backend_cls, self.device, self.dtype, cfg.head_dim, config.block_size,
+                          num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
         if reason:
             raise ValueError(f"backend {config.backend!r} is unavailable here: {reason}")
         self.tokenizer = load_tokenizer(path) if path is not None else None

@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedbench.attention_batch import random_attention_batch
-from pagedbench.backends.registry import get_backend
+from pagedbench.backends.registry import get_backend, probe
 from pagedbench.engine import resolve_device_dtype
 from pagedbench.environment import environment, synchronize
 
@@ -147,9 +147,9 @@ def run_kernels(backends: list[str], grid: KernelGrid, device: str | None = None
         }
         batch = None
         for name, cls in classes.items():
-            head = {**env, "backend": name, "provider": cls.provider(), **point}
-            reason = cls.unavailable_reason(dev, dt, grid.head_dim, block_size,
-                                            num_heads=num_heads, num_kv_heads=num_kv_heads)
+            provider, reason = probe(cls, dev, dt, grid.head_dim, block_size,
+                                     num_heads=num_heads, num_kv_heads=num_kv_heads)
+            head = {**env, "backend": name, "provider": provider, **point}
             if reason:
                 rows.append({**head, "status": "unavailable", "reason": reason})
                 continue
@@ -166,6 +166,8 @@ def run_kernels(backends: list[str], grid: KernelGrid, device: str | None = None
 def _time_backend(cls, batch, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
     backend = cls(point["num_heads"], point["num_kv_heads"], grid.head_dim, grid.head_dim ** -0.5,
                   point["block_size"], device, dtype)
+    state = backend.prepare(batch.metadata)
+    backend.forward(batch.q, batch.k_cache, batch.v_cache, state)  # a JIT-compiling first call is never timed
     prepare = time_call(lambda: backend.prepare(batch.metadata), device, grid.warmup, grid.repeats)
     state = backend.prepare(batch.metadata)
     forward = time_call(lambda: backend.forward(batch.q, batch.k_cache, batch.v_cache, state), device,

@@ -21,7 +21,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     *[f"{stat}_{name}_ms" for name in LATENCIES for stat in STATISTICS],
     "steps", "preemptions", "peak_kv_blocks", "peak_kv_utilization",
     "time_schedule_s", "time_metadata_s", "time_backend_prepare_s", "time_forward_s", "time_sample_s",
-    "throughput_vs_best", "identical_token_share",
+    "time_backend_compile_s", "throughput_vs_best", "identical_token_share",
 ]
 REQUEST_COLUMNS = ["kind", "command", "device_name", "backend", "scenario", "scenario_hash", "repeat", "request",
                    "input_len", "output_len", "ttft_ms", "tpot_ms", "e2el_ms"]

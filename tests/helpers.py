@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedbench.backends.base import AttentionBackend
-from pagedbench.backends.registry import get_backend, list_backends
+from pagedbench.backends.registry import get_backend, list_backends, probe
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -23,7 +23,7 @@ def backend_params(dtype=torch.float32, head_dim=16, block_size=16):
     params = []
     for device in DEVICES:
         for name in list_backends():
-            reason = get_backend(name).unavailable_reason(torch.device(device), dtype, head_dim, block_size)
+            _, reason = probe(get_backend(name), torch.device(device), dtype, head_dim, block_size)
             marks = [pytest.mark.skip(reason=f"{name} on {device}: {reason}")] if reason else []
             params.append(pytest.param(name, device, id=f"{backend_id(name)}-{device}", marks=marks))
     return params

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedbench.attention_batch import random_attention_batch
-from pagedbench.backends.registry import get_backend, list_backends
+from pagedbench.backends.registry import get_backend, list_backends, probe
 from tests.helpers import DEVICES, backend_id
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
@@ -34,7 +34,8 @@ def run_backend(name, batch, num_heads, num_kv_heads, head_dim, block_size, dtyp
     return backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
 
 
-def cases():
+def cases() -> list:
+    params = []
     for device in DEVICES:
         for dtype in (torch.float32, torch.bfloat16):
             for head_dim in (64, 128):
@@ -42,11 +43,12 @@ def cases():
                     for name in list_backends():
                         if name == "reference":
                             continue
-                        reason = get_backend(name).unavailable_reason(torch.device(device), dtype, head_dim, block_size)
+                        _, reason = probe(get_backend(name), torch.device(device), dtype, head_dim, block_size)
                         marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
                         dt = str(dtype).removeprefix("torch.")
-                        yield pytest.param(name, device, dtype, head_dim, block_size, marks=marks,
-                                           id=f"{backend_id(name)}-{device}-{dt}-d{head_dim}-bs{block_size}")
+                        params.append(pytest.param(name, device, dtype, head_dim, block_size, marks=marks,
+                                                   id=f"{backend_id(name)}-{device}-{dt}-d{head_dim}-bs{block_size}"))
+    return params
 
 
 @pytest.mark.parametrize("name,device,dtype,head_dim,block_size", cases())

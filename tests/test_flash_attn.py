@@ -1,7 +1,8 @@
 """flash-attn backend. On CPU: every unavailable reason with the machine faked, the provider
-strings, and the kernel calls checked through fakes that have the real signatures and compute
-attention from the arguments they are given (the only way to run the call path without a GPU).
-On CUDA: the real kernels against `reference`, on pages of 256 tokens."""
+strings and order, and the kernel calls of all four providers (FA3, FA4, FA2, torch) checked
+through fakes that have the real signatures, assert each kernel's documented argument contract
+and compute attention from the arguments they are given (the only way to run the call path
+without a GPU). On CUDA: the real kernels against `reference`, on every page size the provider takes."""
 import random
 import sys
 import types
@@ -98,6 +99,54 @@ def fake_fa3(calls):
     return module
 
 
+def fake_fa4(calls, compile_cache=None):
+    """`flash_attn.cute` (flash-attn-4 4.0.0b36): flash_attn_varlen_func with its real parameters,
+    checking the paged contract FA4 documents and asserts: q [total_q, H, D]; k/v [num_pages,
+    page_size, H_kv, D] of q's dtype; page_table int32 [B, max_pages], contiguous in its last dim,
+    never combined with cu_seqlens_k; cu_seqlens_q [B+1] and seqused_k [B] int32 contiguous;
+    rows past seqused_k in a sequence's last page finite (whole pages are loaded). Returns
+    (out, lse). A new (dtype, head_dim, page_size, decode?) shape "JIT-compiles" into the cache."""
+    def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, min_seqlen_k=None, seqused_q=None, seqused_k=None,
+                               gather_kv_indices=None, page_table=None, softmax_scale=None, causal=False,
+                               window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+                               pack_gqa=None, deterministic=False, score_mod=None, score_mod_bwd=None,
+                               mask_mod=None, block_sparse_tensors=None, aux_tensors=None, aux_scalars=None,
+                               return_lse=False, scheduler_metadata=None, seqlen_k_per_split=None,
+                               disable_scheduler_metadata=False, gather_bwd_recompute_p=False,
+                               gather_bwd_token_chunk=None):
+        calls.append("flash_attn_varlen_func")
+        assert cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"
+        total_q, num_heads, head_dim = q.shape
+        num_pages, page_size, num_kv_heads, _ = k.shape
+        assert v.shape == k.shape and q.dtype == k.dtype == v.dtype and num_heads % num_kv_heads == 0
+        batch = cu_seqlens_q.shape[0] - 1
+        assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1 and page_table.dim() == 2
+        assert page_table.shape[0] == batch and seqused_k.shape == (batch,)
+        check_index_tensors(cu_seqlens_q, seqused_k)
+        assert int(cu_seqlens_q[-1]) == total_q and int(cu_seqlens_q[0]) == 0
+        assert isinstance(max_seqlen_q, int) and max_seqlen_q >= int(cu_seqlens_q.diff().max())
+        assert max_seqlen_k is None or max_seqlen_k >= int(seqused_k.max())
+        assert int(seqused_k.max()) <= page_table.shape[1] * page_size
+        assert 0 <= int(page_table.min()) and int(page_table.max()) < num_pages
+        assert isinstance(num_splits, int) and num_splits >= 0
+        for i, used in enumerate(seqused_k.tolist()):
+            if used % page_size:  # the rest of the last page is loaded too
+                last = int(page_table[i, used // page_size])
+                assert torch.isfinite(k[last, used % page_size:]).all() and torch.isfinite(v[last, used % page_size:]).all()
+        if compile_cache is not None:
+            compile_cache.setdefault((q.dtype, head_dim, page_size, max_seqlen_q == 1), "compiled kernel")
+        out = paged_attention(q, k, v, cu_seqlens_q, seqused_k, page_table, softmax_scale, causal)
+        return out, torch.zeros(num_heads, total_q, dtype=torch.float32)
+
+    module = types.ModuleType("flash_attn.cute")
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    if compile_cache is not None:  # where flash_attn.cute.interface keeps its compiled forward kernels
+        module.interface = types.SimpleNamespace(
+            _flash_attn_fwd=types.SimpleNamespace(compile_cache=types.SimpleNamespace(cache=compile_cache)))
+    return module
+
+
 def fake_varlen_attn(calls):
     """torch 2.13's `varlen_attn`, same parameters; causal is window_size (-1, 0)."""
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
@@ -123,9 +172,11 @@ def fake_cuda(monkeypatch, capability=(9, 0), torch_has_flash=True):
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: torch_has_flash)
 
 
-def install(monkeypatch, fa3=None, fa2=None, varlen=None):
+def install(monkeypatch, fa3=None, fa4=None, fa2=None, varlen=None):
     """Exactly these providers import (None: absent)."""
+    monkeypatch.delenv(flash_attn.PROVIDER_ENV, raising=False)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fa4)
     monkeypatch.setitem(sys.modules, "flash_attn", fa2)
     if varlen is None:
         monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)
@@ -133,36 +184,47 @@ def install(monkeypatch, fa3=None, fa2=None, varlen=None):
         monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen)
 
 
-def install_only(monkeypatch, kind, calls=None):
+def install_only(monkeypatch, kind, calls=None, **fake_kwargs):
     calls = [] if calls is None else calls
-    fakes = {"fa3": dict(fa3=fake_fa3(calls)), "fa2": dict(fa2=fake_fa2(calls)),
-             "torch": dict(varlen=fake_varlen_attn(calls))}
-    install(monkeypatch, **fakes[kind])
+    fakes = {"fa3": lambda: dict(fa3=fake_fa3(calls)), "fa4": lambda: dict(fa4=fake_fa4(calls, **fake_kwargs)),
+             "fa2": lambda: dict(fa2=fake_fa2(calls)), "torch": lambda: dict(varlen=fake_varlen_attn(calls))}
+    install(monkeypatch, **fakes[kind]())
 
 
 def reason(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256, **kwargs):
     return FlashAttnBackend.unavailable_reason(torch.device(device), dtype, head_dim, block_size, **kwargs)
 
 
+def chosen(**settings):
+    found, why_not = flash_attn.select_provider(**settings)
+    return found.kind if found else why_not
+
+
+NOT_INSTALLED = ("fa3: flash_attn_interface not installed; "
+                 "fa4: flash_attn.cute not installed (pip install 'pagedbench[fa4]'); "
+                 "fa2: flash_attn not installed (pip install 'pagedbench[flash-attn]'); ")
+
+
 # --- unavailable_reason -------------------------------------------------------------------
 
-def test_cpu_is_refused_first(monkeypatch):
-    assert reason("cpu", torch.float32, 512, 16) == "no CUDA device (device is cpu)"
-    install_only(monkeypatch, "fa2")
-    assert reason("cpu").startswith("no CUDA device")
+def test_cpu_reason_names_every_provider(monkeypatch):
+    install(monkeypatch, varlen=fake_varlen_attn([]))
+    assert reason("cpu", torch.float32, 512, 16) == (
+        f"no CUDA device (device is cpu); {NOT_INSTALLED}torch: torch {torch.__version__} varlen_attn importable")
+    install_only(monkeypatch, "fa4")
+    assert "fa4: flash_attn.cute (FA4) " in reason("cpu") and reason("cpu").startswith("no CUDA device")
 
 
 def test_cuda_requested_without_a_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert reason("cuda") == "no CUDA device (torch.cuda.is_available() is False)"
+    assert reason("cuda").startswith("no CUDA device (torch.cuda.is_available() is False); fa3: ")
 
 
 def test_no_provider_names_everything_tried(monkeypatch):
     fake_cuda(monkeypatch)
     install(monkeypatch)
-    r = reason()
-    assert r.startswith("no FlashAttention provider importable; tried ")
-    assert "flash_attn_interface (FA3)" in r and "flash_attn:" in r and "has no torch.nn.attention.varlen" in r
+    assert reason() == (f"no FlashAttention provider runs these settings; {NOT_INSTALLED}"
+                        f"torch: torch {torch.__version__} has no torch.nn.attention.varlen")
 
 
 def test_torch_without_paged_varlen_is_no_provider(monkeypatch):
@@ -171,26 +233,54 @@ def test_torch_without_paged_varlen_is_no_provider(monkeypatch):
     assert f"torch {torch.__version__}'s varlen_attn has no seqused_k, block_table, scale, window_size" in reason()
 
 
-def test_fa3_without_page_table_falls_back_to_fa2(monkeypatch):
+def test_fa3_without_page_table_falls_back(monkeypatch):
     old_fa3 = types.ModuleType("flash_attn_interface")
     old_fa3.flash_attn_with_kvcache = lambda q, k_cache, v_cache, cache_seqlens=None: None
-    install(monkeypatch, fa3=old_fa3, fa2=fake_fa2([]))
-    provider, why_not = flash_attn.find_provider()
-    assert provider.kind == "fa2"
-    assert why_not == ["flash_attn_interface (FA3): flash_attn_with_kvcache has no page_table, cu_seqlens_q, "
-                       "max_seqlen_q"]
+    install(monkeypatch, fa3=old_fa3, fa4=fake_fa4([]), fa2=fake_fa2([]))
+    assert chosen() == "fa4"
+    assert flash_attn.probe("fa3") == ("flash_attn_interface: flash_attn_with_kvcache has no page_table, "
+                                       "cu_seqlens_q, max_seqlen_q")
 
 
 def test_fa2_without_paged_varlen_is_skipped(monkeypatch):
     old_fa2 = types.ModuleType("flash_attn")
     old_fa2.__version__ = "2.5.6"
+    old_fa2.__file__ = "/site-packages/flash_attn/__init__.py"
     old_fa2.flash_attn_varlen_func = lambda q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: None
+    old_fa2.flash_attn_with_kvcache = lambda q, k_cache, v_cache: None
     install(monkeypatch, fa2=old_fa2)
-    provider, why_not = flash_attn.find_provider()
-    assert provider is None and "flash_attn 2.5.6: flash_attn_varlen_func has no block_table" in why_not
+    assert "fa2: flash_attn 2.5.6: flash_attn_varlen_func has no block_table" in chosen()
 
 
-@pytest.mark.parametrize("kind", ["fa3", "fa2", "torch"])
+def test_empty_flash_attn_namespace_package_is_not_fa2(monkeypatch):
+    """FA4 installs flash_attn/cute/ with no flash_attn/__init__.py: `import flash_attn` succeeds, empty."""
+    fake_cuda(monkeypatch)
+    namespace = types.ModuleType("flash_attn")
+    namespace.__path__ = []
+    install(monkeypatch, fa2=namespace)
+    assert "fa2: flash_attn is an empty namespace package (FA4's flash_attn/cute/ without FlashAttention-2)" in reason()
+    install(monkeypatch, fa2=namespace, fa4=fake_fa4([]))
+    assert reason(block_size=16) is None and chosen() == "fa4"
+
+
+def test_a_provider_that_raises_anything_at_import_is_a_reason(monkeypatch, tmp_path):
+    """A broken install (a missing CUDA library, say) raises OSError or RuntimeError, not ImportError."""
+    (tmp_path / "flash_attn_interface.py").write_text("raise OSError('libcudart.so.12: cannot open shared object file')\n")
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("raise RuntimeError('no CUDA driver')\n")
+    install(monkeypatch, varlen=fake_varlen_attn([]))
+    for name in ("flash_attn_interface", "flash_attn.cute", "flash_attn"):
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake_cuda(monkeypatch)
+    r = reason(block_size=16)  # torch's FA2 needs pages of 256: no provider runs this
+    assert "fa3: import flash_attn_interface: OSError: libcudart.so.12: cannot open shared object file" in r
+    assert "fa4: import flash_attn.cute: RuntimeError: no CUDA driver" in r
+    assert "fa2: flash_attn is an empty namespace package" in r
+    assert chosen(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256) == "torch"
+
+
+@pytest.mark.parametrize("kind", ["fa3", "fa4", "fa2", "torch"])
 def test_supported_settings_have_no_reason(monkeypatch, kind):
     fake_cuda(monkeypatch)
     install_only(monkeypatch, kind)
@@ -202,28 +292,55 @@ def test_supported_settings_have_no_reason(monkeypatch, kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_dtype(monkeypatch, dtype):
     fake_cuda(monkeypatch)
-    install_only(monkeypatch, "fa2")
+    install_only(monkeypatch, "fa4")
     name = str(dtype).removeprefix("torch.")
-    assert reason(dtype=dtype) == f"dtype {name} unsupported: FlashAttention takes float16 or bfloat16"
+    assert reason(dtype=dtype).startswith(f"dtype {name} unsupported: FlashAttention takes float16 or bfloat16; fa3: ")
 
 
 @pytest.mark.parametrize("head_dim", [264, 100, 4])
 def test_head_dim(monkeypatch, head_dim):
     fake_cuda(monkeypatch)
     install_only(monkeypatch, "fa3")
-    assert reason(head_dim=head_dim).startswith(f"head_dim {head_dim} unsupported: FlashAttention needs a multiple of 8")
+    assert f"fa3: flash_attn_interface (FA3) " in reason(head_dim=head_dim)
+    assert reason(head_dim=head_dim).endswith(f"head_dim {head_dim} unsupported: needs a multiple of 8 in 8..256; "
+                                              f"fa4: flash_attn.cute not installed (pip install 'pagedbench[fa4]'); "
+                                              f"fa2: flash_attn not installed (pip install 'pagedbench[flash-attn]'); "
+                                              f"torch: torch {torch.__version__} has no torch.nn.attention.varlen")
+
+
+@pytest.mark.parametrize("capability,head_dim,ok", [
+    ((9, 0), 64, True), ((9, 0), 192, True), ((9, 0), 256, True), ((9, 0), 264, False), ((9, 0), 4, False),
+    ((10, 0), 128, True), ((10, 0), 192, False), ((10, 0), 256, True), ((11, 0), 96, True),
+])
+def test_fa4_head_dims_follow_its_arch_rules(monkeypatch, capability, head_dim, ok):
+    fake_cuda(monkeypatch, capability=capability)
+    install_only(monkeypatch, "fa4")
+    r = reason(head_dim=head_dim, block_size=16)
+    assert (r is None) == ok, r
+    if not ok:
+        assert f"head_dim {head_dim} unsupported" in r
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (12, 0)])
+def test_fa4_has_no_paged_kv_on_ampere_or_sm120(monkeypatch, capability):
+    fake_cuda(monkeypatch, capability=capability)
+    install(monkeypatch, fa4=fake_fa4([]), fa2=fake_fa2([]))
+    major, minor = capability
+    assert (f"fa4: flash_attn.cute (FA4) (version unknown): compute capability {major}.{minor}: FA4 has paged KV "
+            f"only on 9.x (Hopper) and 10.x/11.x (Blackwell)") in reason(block_size=16)
+    assert chosen(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256) == "fa2"  # next in order
 
 
 def test_compute_capability(monkeypatch):
     fake_cuda(monkeypatch, capability=(7, 5))
     install_only(monkeypatch, "fa2")
-    assert reason() == "compute capability 7.5 unsupported: FlashAttention needs 8.0 (Ampere) or newer"
+    assert "fa2: flash_attn 2.8.3: compute capability 7.5 unsupported: FlashAttention needs 8.0 (Ampere) or newer" in reason()
 
 
 def test_torch_built_without_flash_kernels(monkeypatch):
     fake_cuda(monkeypatch, torch_has_flash=False)
     install_only(monkeypatch, "torch")
-    assert reason() == f"torch {torch.__version__} was built without its FlashAttention kernels"
+    assert f"torch {torch.__version__} was built without its FlashAttention kernels" in reason()
     install_only(monkeypatch, "fa2")  # the flash_attn package brings its own kernels
     assert reason() is None
 
@@ -234,30 +351,34 @@ def test_fa2_kernels_need_pages_of_256(monkeypatch, kind, block_size):
     fake_cuda(monkeypatch)
     install_only(monkeypatch, kind)
     r = reason(block_size=block_size)
-    assert r.startswith(f"block_size {block_size} is not a multiple of 256, as the paged FlashAttention-2 kernels of ")
-    assert FlashAttnBackend.provider() in r
+    assert f"{kind}: {FlashAttnBackend.provider()}: block_size {block_size} is not a multiple of 256 " in r
 
 
+@pytest.mark.parametrize("kind", ["fa3", "fa4"])
 @pytest.mark.parametrize("block_size", [1, 16, 100, 256])
-def test_fa3_takes_any_block_size(monkeypatch, block_size):
+def test_fa3_and_fa4_take_any_block_size(monkeypatch, kind, block_size):
     fake_cuda(monkeypatch)
-    install_only(monkeypatch, "fa3")
+    install_only(monkeypatch, kind)
     assert reason(block_size=block_size) is None
 
 
 def test_heads_must_group(monkeypatch):
     fake_cuda(monkeypatch)
     install_only(monkeypatch, "fa2")
-    assert reason(num_heads=6, num_kv_heads=4) == "num_heads 6 is not a multiple of num_kv_heads 4"
+    assert reason(num_heads=6, num_kv_heads=4).startswith("num_heads 6 is not a multiple of num_kv_heads 4; fa3: ")
 
 
 # --- provider -----------------------------------------------------------------------------
 
-def test_provider_prefers_fa3_then_fa2_then_torch(monkeypatch):
-    monkeypatch.setattr(flash_attn.metadata, "version", lambda dist: {"flash_attn_3": "3.0.0b1"}[dist])
-    install(monkeypatch, fa3=fake_fa3([]), fa2=fake_fa2([]), varlen=fake_varlen_attn([]))
+def test_provider_prefers_fa3_then_fa4_then_fa2_then_torch(monkeypatch):
+    versions = {"flash_attn_3": "3.0.0b1", "flash-attn-4": "4.0.0b36"}
+    monkeypatch.setattr(flash_attn.metadata, "version", lambda dist: versions[dist])
+    install(monkeypatch, fa3=fake_fa3([]), fa4=fake_fa4([]), fa2=fake_fa2([]), varlen=fake_varlen_attn([]))
     assert FlashAttnBackend.provider() == "flash_attn_interface (FA3) 3.0.0b1"
     assert backend_id("flash-attn") == "flash-attn[flash_attn_interface-FA3-3.0.0b1]"
+    install(monkeypatch, fa4=fake_fa4([]), fa2=fake_fa2([]), varlen=fake_varlen_attn([]))
+    assert FlashAttnBackend.provider() == "flash_attn.cute (FA4) 4.0.0b36"
+    assert backend_id("flash-attn") == "flash-attn[flash_attn.cute-FA4-4.0.0b36]"
     install(monkeypatch, fa2=fake_fa2([]), varlen=fake_varlen_attn([]))
     assert FlashAttnBackend.provider() == "flash_attn 2.8.3"
     assert backend_id("flash-attn") == "flash-attn[flash_attn-2.8.3]"
@@ -266,6 +387,46 @@ def test_provider_prefers_fa3_then_fa2_then_torch(monkeypatch):
     install(monkeypatch)
     assert FlashAttnBackend.provider() == "none"
     assert backend_id("sdpa") == "sdpa"
+
+
+def test_provider_is_the_one_that_runs_these_settings(monkeypatch):
+    """With FA4 and FA2 installed: FA4 on Hopper at any page size; FA2 on Ampere, where FA4 has no paged KV."""
+    install(monkeypatch, fa4=fake_fa4([]), fa2=fake_fa2([]))
+    settings = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256)
+    fake_cuda(monkeypatch, capability=(9, 0))
+    assert FlashAttnBackend.provider(**settings) == "flash_attn.cute (FA4) (version unknown)"
+    fake_cuda(monkeypatch, capability=(8, 0))
+    assert FlashAttnBackend.provider(**settings) == "flash_attn 2.8.3"
+    assert FlashAttnBackend.provider(**{**settings, "device": "cpu"}) == "flash_attn.cute (FA4) (version unknown)"
+
+
+def test_forced_provider(monkeypatch):
+    fake_cuda(monkeypatch)
+    install(monkeypatch, fa3=fake_fa3([]), fa4=fake_fa4([]), fa2=fake_fa2([]))
+    monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa2")
+    assert chosen() == "fa2" and FlashAttnBackend.provider() == "flash_attn 2.8.3"
+    assert reason(block_size=16) == ("no FlashAttention provider runs these settings; PAGEDBENCH_FLASH_PROVIDER forces "
+                                     "fa2: flash_attn 2.8.3: block_size 16 is not a multiple of 256 (FlashAttention-2's "
+                                     "paged kernels)")
+    monkeypatch.setenv(flash_attn.PROVIDER_ENV, "FA4")
+    assert chosen() == "fa4"
+    monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa5")
+    assert reason() == "PAGEDBENCH_FLASH_PROVIDER='fa5' is not one of fa3, fa4, fa2, torch"
+    assert FlashAttnBackend.provider() == "none"
+
+
+def test_forced_provider_that_cannot_run_is_a_one_line_error(monkeypatch):
+    from pagedbench.config import EngineConfig
+    from pagedbench.engine import LLMEngine
+
+    fake_cuda(monkeypatch)
+    install(monkeypatch, fa2=fake_fa2([]))
+    monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa4")
+    with pytest.raises(ValueError) as e:
+        LLMEngine(EngineConfig(model="tiny-llama", backend="flash-attn", device="cuda", dtype="bf16"))
+    assert str(e.value) == ("backend 'flash-attn' is unavailable here: no FlashAttention provider runs these settings; "
+                            "PAGEDBENCH_FLASH_PROVIDER forces fa4: flash_attn.cute not installed "
+                            "(pip install 'pagedbench[fa4]')")
 
 
 def test_fa3_version_unknown_without_distribution(monkeypatch):
@@ -278,8 +439,14 @@ def test_fa3_version_unknown_without_distribution(monkeypatch):
 
 def test_init_without_provider_raises(monkeypatch):
     install(monkeypatch)
-    with pytest.raises(RuntimeError, match="no FlashAttention provider importable"):
+    with pytest.raises(ValueError, match="flash-attn cannot run here: no CUDA device"):
         FlashAttnBackend(4, 4, 64, SCALE, 16, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("capability,splits", [((9, 0), 1), ((10, 0), 0), ((11, 0), 0)])
+def test_fa4_splits_kv_only_on_blackwell(capability, splits):
+    """FA4 asserts "SplitKV not supported on SM 9.0"; 0 asks for its own heuristic on Blackwell."""
+    assert flash_attn.fa4_num_splits(capability) == splits
 
 
 # --- dispatch through fakes ---------------------------------------------------------------
@@ -287,6 +454,8 @@ def test_init_without_provider_raises(monkeypatch):
 EXPECTED_CALL = {
     ("fa3", "decode"): "flash_attn_with_kvcache", ("fa3", "prefill"): "flash_attn_with_kvcache",
     ("fa3", "mixed"): "flash_attn_with_kvcache",
+    ("fa4", "decode"): "flash_attn_varlen_func", ("fa4", "prefill"): "flash_attn_varlen_func",
+    ("fa4", "mixed"): "flash_attn_varlen_func",
     ("fa2", "decode"): "flash_attn_with_kvcache", ("fa2", "prefill"): "flash_attn_varlen_func",
     ("fa2", "mixed"): "flash_attn_varlen_func",
     ("torch", "decode"): "varlen_attn", ("torch", "prefill"): "varlen_attn", ("torch", "mixed"): "varlen_attn",
@@ -307,7 +476,7 @@ def attend(name, batch, num_heads, num_kv_heads, block_size=16):
 
 @pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("phase", ["decode", "prefill", "mixed"])
-@pytest.mark.parametrize("kind", ["fa3", "fa2", "torch"])
+@pytest.mark.parametrize("kind", ["fa3", "fa4", "fa2", "torch"])
 def test_dispatch_passes_the_right_arguments(monkeypatch, kind, phase, heads):
     calls = []
     install_only(monkeypatch, kind, calls)
@@ -336,6 +505,47 @@ def test_state_is_built_once_and_reused_by_every_layer(monkeypatch):
     torch.testing.assert_close(second, first, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["fa4", "fa2"])
+def test_prepare_refills_static_buffers_in_place(monkeypatch, kind):
+    """Each step's index tensors are views of the same storage (what a captured CUDA graph reads),
+    grown only when a step is larger; a smaller step after a larger one still attends correctly."""
+    install_only(monkeypatch, kind)
+    big, num_heads, num_kv_heads = make_batch("mixed", "gqa", seed=1)
+    backend = FlashAttnBackend(num_heads, num_kv_heads, 64, SCALE, 16, torch.device("cpu"), torch.float32)
+    first = backend.prepare(big.metadata)
+    pointers = [t.data_ptr() for t in (first.cu_seqlens_q, first.seq_lens, first.block_table)]
+    small, _, _ = make_batch("decode", "gqa", seed=2)
+    assert small.metadata.num_seqs <= big.metadata.num_seqs
+    assert small.metadata.block_table.shape[1] <= big.metadata.block_table.shape[1]
+    second = backend.prepare(small.metadata)
+    assert [t.data_ptr() for t in (second.cu_seqlens_q, second.seq_lens, second.block_table)] == pointers
+    assert second.block_table.is_contiguous() and second.block_table.shape[0] == small.metadata.num_seqs
+    width = small.metadata.block_table.shape[1]
+    assert torch.equal(second.block_table[:, :width], small.metadata.block_table)
+    assert not second.block_table[:, width:].any()  # no stale pages of the larger step
+    got = backend.forward(small.q, small.k_cache, small.v_cache, second)
+    _, _, expected = attend("reference", small, num_heads, num_kv_heads)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fa4_jit_compiles_are_announced_and_counted(monkeypatch, caplog):
+    compile_cache = {}
+    install_only(monkeypatch, "fa4", compile_cache=compile_cache)
+    caplog.set_level("INFO", logger=flash_attn.logger.name)
+    batch, num_heads, num_kv_heads = make_batch("decode", "gqa")
+    backend, state, _ = attend("flash-attn", batch, num_heads, num_kv_heads)
+    backend.forward(batch.q, batch.k_cache, batch.v_cache, state)  # same shape: no new compile
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(compile_cache) == 1 and backend.compile_seconds > 0
+    assert sum("JIT-compiles on first use" in m for m in messages) == 1
+    assert sum("JIT-compiled a kernel in" in m for m in messages) == 1
+    prefill, _, _ = make_batch("prefill", "gqa")
+    state = backend.prepare(prefill.metadata)
+    backend.forward(prefill.q, prefill.k_cache, prefill.v_cache, state)
+    assert len(compile_cache) == 2
+    assert sum("JIT-compiled a kernel in" in r.getMessage() for r in caplog.records) == 2
+
+
 def test_fakes_notice_wrong_arguments(monkeypatch):
     """The dispatch test can fail: a block table off by one row, or no causal mask, changes the answer."""
     install_only(monkeypatch, "fa2")
@@ -349,25 +559,64 @@ def test_fakes_notice_wrong_arguments(monkeypatch):
                         state.block_table, SCALE, causal=False)
 
 
+def test_fa4_fake_enforces_its_contract(monkeypatch):
+    """The FA4 fake refuses what the real kernel refuses: int64 or strided page tables,
+    cu_seqlens_k beside page_table, and a NaN row past seqused_k in a sequence's last page."""
+    install_only(monkeypatch, "fa4")
+    batch, num_heads, num_kv_heads = make_batch("decode", "gqa")
+    backend, state, _ = attend("flash-attn", batch, num_heads, num_kv_heads)
+    api = backend.impl.api
+    args = dict(cu_seqlens_q=state.cu_seqlens_q, max_seqlen_q=1, seqused_k=state.seq_lens, causal=True,
+                softmax_scale=SCALE)
+    for bad in (dict(page_table=state.block_table.long()),
+                dict(page_table=state.block_table.t().contiguous().t()),
+                dict(page_table=state.block_table, cu_seqlens_k=state.cu_seqlens_k)):
+        if bad["page_table"].stride(-1) == 1 and bad["page_table"].dtype == torch.int32 and "cu_seqlens_k" not in bad:
+            continue  # a 1-column table is contiguous either way
+        with pytest.raises(AssertionError):
+            api.flash_attn_varlen_func(batch.q, batch.k_cache, batch.v_cache, **args, **bad)
+    i = next(i for i, n in enumerate(batch.metadata.seq_lens_cpu) if n % 16)
+    n = batch.metadata.seq_lens_cpu[i]
+    batch.v_cache[int(state.block_table[i, n // 16]), n % 16] = float("nan")
+    with pytest.raises(AssertionError):
+        api.flash_attn_varlen_func(batch.q, batch.k_cache, batch.v_cache, **args, page_table=state.block_table)
+
+
+def test_model_runner_cache_starts_finite(tiny_models):
+    """FA4 loads whole pages, so cache rows past a sequence's length must be finite: the cache starts zeroed."""
+    from pagedbench import LLM
+
+    llm = LLM(tiny_models["llama"][0], backend="sdpa", dtype="float32", device="cpu", num_blocks=8)
+    assert not llm.engine.runner.kv_cache.any()
+
+
 # --- the real kernels ---------------------------------------------------------------------
 
-CUDA_REASON = reason()
 FP16_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.skipif(CUDA_REASON is not None, reason=f"flash-attn on cuda, block_size 256: {CUDA_REASON}")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def cuda_cases() -> list:
+    """Page sizes each provider takes: FA3/FA4 any (16, 128, 256), FA2 and torch's 256 only."""
+    params = []
+    for block_size in (16, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16):
+            why = reason(dtype=dtype, block_size=block_size, num_heads=8, num_kv_heads=2)
+            marks = [pytest.mark.skip(reason=f"flash-attn on cuda, block_size {block_size}: {why}")] if why else []
+            params.append(pytest.param(block_size, dtype, marks=marks, id=f"bs{block_size}-{str(dtype)[6:]}"))
+    return params
+
+
+@pytest.mark.parametrize("block_size,dtype", cuda_cases())
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("phase", ["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("heads", HEADS)
-def test_kernels_match_reference_on_cuda(dtype, head_dim, phase, heads):
-    """test_backends uses pages of 16 and 128 tokens, which FA2's paged kernels refuse; 256 here."""
+def test_kernels_match_reference_on_cuda(block_size, dtype, head_dim, phase, heads):
     num_heads, num_kv_heads = HEADS[heads]
-    rng = random.Random(f"{phase}-{heads}-{head_dim}")
+    rng = random.Random(f"{phase}-{heads}-{head_dim}-{block_size}")
     for trial in range(2):
-        spec = ragged_batch_spec(phase, 256, rng)
-        batch = random_attention_batch(spec, num_heads, num_kv_heads, head_dim, 256, dtype, "cuda", seed=trial)
-        args = (batch, num_heads, num_kv_heads, head_dim, 256, dtype, "cuda")
+        spec = ragged_batch_spec(phase, block_size, rng)
+        batch = random_attention_batch(spec, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", seed=trial)
+        args = (batch, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda")
         expected = run_backend("reference", *args)
         got = run_backend("flash-attn", *args)
         assert got.shape == expected.shape and got.dtype == dtype

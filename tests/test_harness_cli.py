@@ -22,7 +22,7 @@ SERVING_COLUMNS = {
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
     "steps", "preemptions", "peak_kv_blocks", "peak_kv_utilization", "time_schedule_s", "time_metadata_s",
-    "time_backend_prepare_s", "time_forward_s", "time_sample_s", "throughput_vs_best", "identical_token_share",
+    "time_backend_prepare_s", "time_forward_s", "time_sample_s", "time_backend_compile_s", "throughput_vs_best", "identical_token_share",
 }
 KERNEL_COLUMNS = {
     "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "dtype", "backend",
