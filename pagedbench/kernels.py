@@ -173,10 +173,12 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device: torch.devic
     forward = time_call(lambda: backend.forward(batch.q, batch.k_cache, batch.v_cache, state), device,
                         grid.warmup, grid.repeats)
     forward_median = statistics.median(forward)
+    efficiency = getattr(backend, "tile_efficiency", None)  # flex: share of computed scores its mask keeps
     bandwidth = point["kv_bytes"] / forward_median / 1e9
     return {
         "prepare_min_ms": 1e3 * min(prepare), "prepare_median_ms": 1e3 * statistics.median(prepare),
         "forward_min_ms": 1e3 * min(forward), "forward_median_ms": 1e3 * forward_median,
         "bandwidth_gbps": bandwidth, "pct_of_peak_bandwidth": 100 * bandwidth / point["peak_bandwidth_gbps"],
         "tflops": point["flops"] / forward_median / 1e12,
+        "tile_efficiency": efficiency(state) if efficiency else float("nan"),
     }

@@ -30,6 +30,7 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "num_query_tokens", "kv_bytes", "flops", "warmup", "repeats",
     "prepare_min_ms", "prepare_median_ms", "forward_min_ms", "forward_median_ms",
     "bandwidth_gbps", "peak_bandwidth_gbps", "peak_bandwidth_source", "pct_of_peak_bandwidth", "tflops",
+    "tile_efficiency",
 ]
 SCHEMAS = {"serving": SERVING_COLUMNS, "requests": REQUEST_COLUMNS, "kernels": KERNEL_COLUMNS}
 TIME_PARTS = ["time_schedule_s", "time_metadata_s", "time_backend_prepare_s", "time_forward_s", "time_sample_s"]
@@ -188,6 +189,7 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
         "prepare ms": ok["prepare_median_ms"].round(3), "forward ms (median)": ok["forward_median_ms"].round(3),
         "forward ms (min)": ok["forward_min_ms"].round(3), "GB/s": ok["bandwidth_gbps"].round(1),
         "% peak": ok["pct_of_peak_bandwidth"].round(1), "TFLOP/s": ok["tflops"].round(3),
+        "tile eff.": ok["tile_efficiency"].round(3) if "tile_efficiency" in ok else float("nan"),
     })
 
 

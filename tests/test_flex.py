@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.attention_batch import random_attention_batch
+from pagedbench.attention_batch import paged_metadata, random_attention_batch
 from pagedbench.backends import flex
 from pagedbench.backends.flex import FlexBackend
+from pagedbench.kernels import batch_spec
 from tests.helpers import DEVICES
 from tests.test_backends import HEADS, TOLERANCE, ragged_batch_spec, run_backend
 
@@ -94,25 +95,108 @@ def test_pages_smaller_than_a_kv_block(device, compile, phase):
                    heads=(4, 2), head_dim=16, seed=trial)
 
 
-def test_block_mask_matches_real_shapes_and_pages():
+def test_block_mask_lists_each_sequences_own_pages():
+    """Decodes get one BlockMask row each, listing exactly their own pages (the ones every query
+    sees whole as full blocks); prefill chunks get query blocks of their own sequence only."""
     spec = [(15, 1), (40, 1), (0, 20), (9, 30)]
-    batch = random_attention_batch(spec, 8, 2, 64, 16)
+    meta = paged_metadata(spec, 16)
     backend = FlexBackend(8, 2, 64, 0.125, 16, torch.device("cpu"), torch.float32, q_block_size=16)
-    state = backend.prepare(batch.metadata)
-    backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
-    mask, num_pages = state.block_mask, batch.k_cache.shape[0]
-    assert mask.seq_lengths == (batch.metadata.num_tokens, num_pages * 16)
-    assert mask.BLOCK_SIZE == (16, 16)
-    assert mask.kv_indices.shape[-1] * 16 >= num_pages * 16
-    # Rows: [decode, decode, 14 prefill tokens], [6 prefill, 10 chunk], [16 chunk], [4 chunk], spare.
-    # Each lists the pages up to its sequences' last query position there: 1+3+1, 2+2, 3, 3, 0; in a
-    # row of one sequence, the pages before its first query position are full (no mask_mod).
-    assert mask.kv_num_blocks.flatten().tolist() == [5, 4, 2, 1, 0]
-    assert mask.full_kv_num_blocks.flatten().tolist() == [0, 0, 1, 2, 0]
-    table = batch.metadata.block_table.tolist()
-    assert sorted(mask.kv_indices[0, 0, 0, :5].tolist()) == sorted(table[0][:1] + table[1][:3] + table[2][:1])
-    assert mask.full_kv_indices[0, 0, 3, :2].tolist() == table[3][:2]
-    assert mask.kv_indices[0, 0, 3, :1].tolist() == table[3][2:3]
+    decode, prefill = backend.prepare(meta).calls
+    table, num_pages = meta.block_table.tolist(), meta.num_cache_blocks
+    assert (decode.kind, decode.batch, decode.q_len) == ("decode", 2, 1) and decode.gather is None
+    mask = decode.block_mask
+    assert mask.seq_lengths == (1, num_pages * 16) and mask.BLOCK_SIZE == (16, 16)
+    assert mask.kv_indices.shape[-1] >= num_pages  # as wide as the cache's KV-block count
+    # Sequence 0: 16 tokens, one page, seen whole by its query at position 15. Sequence 1: 41 tokens,
+    # pages 0-1 full, page 2 holds its query's own position.
+    assert mask.full_kv_num_blocks.flatten().tolist() == [1, 2] and mask.kv_num_blocks.flatten().tolist() == [0, 1]
+    assert mask.full_kv_indices[0, 0, 0, :1].tolist() == table[0][:1]
+    assert mask.full_kv_indices[1, 0, 0, :2].tolist() == table[1][:2]
+    assert mask.kv_indices[1, 0, 0, :1].tolist() == table[1][2:3]
+    # Prefill: 20 tokens -> blocks at positions 0-15, 16-19; 30 after 9 cached -> 9-24, 25-38; a spare row.
+    mask = prefill.block_mask
+    assert (prefill.kind, prefill.batch, prefill.q_len) == ("prefill", 1, 64)
+    assert mask.seq_lengths == (64, num_pages * 16)
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 2, 2, 0]
+    assert mask.full_kv_num_blocks.flatten().tolist() == [0, 1, 0, 1, 0]
+    assert mask.full_kv_indices[0, 0, 3, :1].tolist() == table[3][:1]
+    assert mask.kv_indices[0, 0, 3, :2].tolist() == table[3][1:3]
+    assert prefill.real.tolist() == [*range(20), *range(32, 62)]
+    assert prefill.dest.tolist() == list(range(2, 52))
+
+
+def share_pages(batch, pairs):
+    """Point sequence b's logical page j at sequence a's page i, for (a, i, b, j) in `pairs` (those
+    pages must hold context only): the shared-page case of prefix caching, forks and beams."""
+    table = batch.metadata.block_table.clone()
+    for a, i, b, j in pairs:
+        table[b, j] = table[a, i]
+    return dataclasses.replace(batch, metadata=dataclasses.replace(batch.metadata, block_table=table))
+
+
+@pytest.mark.parametrize("compile", MODES)
+def test_shared_pages_give_every_sequence_its_answer(compile):
+    """A shared prefix (same logical pages), a page shared at different logical positions, and two
+    forks with identical tables including a partial last page: each sequence equals `reference`."""
+    spec = [(40, 1), (47, 1), (33, 1), (33, 1), (36, 12), (50, 20)]
+    batch = random_attention_batch(spec, 8, 2, 64, 16)
+    fork_table = batch.metadata.block_table[2]
+    batch = share_pages(batch, [(0, 0, 1, 0), (0, 1, 1, 1), (0, 0, 4, 1), (1, 0, 5, 2), (0, 1, 5, 0)])
+    batch.metadata.block_table[3] = fork_table  # sequence 3 is a fork of 2: the same pages, the same length
+    batch.q[3] = batch.q[2]  # and the same last token
+    args = (batch, 8, 2, 64, 16, torch.float32, "cpu")
+    expected = run_backend("reference", *args)
+    got = run_backend("flex", *args, compile=compile)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got[3], got[2], atol=1e-6, rtol=0)  # forks: same pages, same query -> same answer
+    assert not torch.allclose(got[4], run_backend("flex", random_attention_batch(spec, 8, 2, 64, 16), 8, 2, 64, 16,
+                                                  torch.float32, "cpu", compile=compile)[4])  # sharing mattered
+
+
+@pytest.mark.parametrize("compile", MODES)
+@pytest.mark.parametrize("phase", ["decode", "mixed"])
+def test_output_depends_on_logical_content_not_placement(compile, phase):
+    """Moving every page to another physical block (and the table with it) changes nothing."""
+    batch = random_attention_batch(ragged_batch_spec(phase, 16, random.Random(7)), 8, 2, 64, 16, seed=7)
+    num_pages = batch.k_cache.shape[0]
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1))
+    moved_k, moved_v = torch.empty_like(batch.k_cache), torch.empty_like(batch.v_cache)
+    moved_k[perm], moved_v[perm] = batch.k_cache, batch.v_cache
+    meta = batch.metadata
+    moved_meta = dataclasses.replace(meta, block_table=perm[meta.block_table.long()].to(torch.int32),
+                                     slot_mapping=perm[meta.slot_mapping // 16] * 16 + meta.slot_mapping % 16)
+    moved = dataclasses.replace(batch, k_cache=moved_k, v_cache=moved_v, metadata=moved_meta)
+    args = (8, 2, 64, 16, torch.float32, "cpu")
+    here = run_backend("flex", batch, *args, compile=compile)
+    there = run_backend("flex", moved, *args, compile=compile)
+    torch.testing.assert_close(there, here, atol=1e-5, rtol=1e-5)
+
+
+def efficiency(spec, block_size=16, q_block_size=None):
+    backend = FlexBackend(16, 8, 128, 0.088, block_size, torch.device("cpu"), torch.bfloat16,
+                          q_block_size=q_block_size)
+    return backend.tile_efficiency(backend.prepare(paged_metadata(spec, block_size)))
+
+
+@pytest.mark.parametrize("batch_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("context_len", [512, 2048, 16384])
+def test_decode_tile_efficiency(batch_size, context_len):
+    """Score entries computed for a decode batch are almost all kept: each row reads its own pages."""
+    assert efficiency(batch_spec("decode", batch_size, context_len)) >= 0.9
+
+
+@pytest.mark.parametrize("q_block_size", [16, 128])
+@pytest.mark.parametrize("batch_size,context_len", [(1, 512), (16, 2048), (64, 4096)])
+def test_mixed_tile_efficiency(batch_size, context_len, q_block_size):
+    assert efficiency(batch_spec("mixed", batch_size, context_len), q_block_size=q_block_size) >= 0.5
+
+
+def test_tile_efficiency_counts_what_the_mask_drops():
+    """Independent numbers: one decode at position 16 (17 keys in pages of 16) computes 2 blocks = 32
+    entries and keeps 17; a 16-token prompt in one 16-row block computes 256 entries, keeps 136."""
+    assert efficiency([(16, 1)]) == pytest.approx(17 / 32)
+    assert efficiency([(0, 16)], q_block_size=16) == pytest.approx(136 / 256)
+    assert efficiency([(16, 1), (0, 16)], q_block_size=16) == pytest.approx((17 + 136) / (32 + 256))
 
 
 def test_int32_overflow_is_refused():
@@ -124,17 +208,18 @@ def test_int32_overflow_is_refused():
 
 
 def test_recompiles_stay_within_capacity_buckets():
-    """Token counts and cache sizes are dynamic: a run of varied batches compiles one graph, and
-    crossing the token capacity one more. The configuration is used by no other test."""
+    """Token counts and batch sizes are dynamic: a run of varied batches compiles one graph per call
+    kind (single-token decodes, short multi-token decodes, prefill chunks), and crossing the token
+    capacity one more. The configuration is used by no other test."""
     before = flex.compile_stats["graphs"]
     rng = random.Random(0)
     for step in range(8):
         spec = [(rng.randint(0, 90), 1) for _ in range(rng.randint(0, 9))] + \
                [(rng.randint(0, 60), rng.randint(2, 120)) for _ in range(rng.randint(1 if step % 3 else 0, 4))]
         check_flex(spec or [(0, 1)], block_size=32, heads=(2, 1), head_dim=32, seed=step)
-    assert flex.compile_stats["graphs"] - before == 1
+    assert flex.compile_stats["graphs"] - before == 3
     check_flex([(0, flex.MIN_TOKEN_CAPACITY + 50)], block_size=32, heads=(2, 1), head_dim=32)
-    assert flex.compile_stats["graphs"] - before == 2
+    assert flex.compile_stats["graphs"] - before == 4
 
 
 def test_engine_run_compiles_once(tiny_models):
@@ -151,7 +236,7 @@ def test_engine_run_compiles_once(tiny_models):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outputs[backend] = [o.outputs[0].token_ids for o in outs]
     assert outputs["flex"] == outputs["sdpa"]
-    assert flex.compile_stats["graphs"] - before <= 1
+    assert flex.compile_stats["graphs"] - before <= 3  # decode, short multi-token decode, prefill
 
 
 def test_compile_switches():
@@ -160,6 +245,8 @@ def test_compile_switches():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDBENCH_FLEX_COMPILE", "0")
         assert not FlexBackend(*args).compiled
+        assert FlexBackend.provider() == f"torch {torch.__version__} flex eager"
+    assert FlexBackend.provider() == f"torch {torch.__version__} flex compiled"
 
 
 def test_unavailable_reason():
@@ -178,4 +265,4 @@ def test_recompile_limit_raises_instead_of_falling_back(monkeypatch):
     monkeypatch.undo()
     before = flex.compile_stats["graphs"]
     check_flex([(5, 1), (0, 9)], heads=(3, 3), head_dim=16)
-    assert flex.compile_stats["graphs"] - before == 1  # compiled after all: the failure left no eager path behind
+    assert flex.compile_stats["graphs"] - before == 2  # decode and prefill graphs after all: no eager path left behind

@@ -29,7 +29,7 @@ KERNEL_COLUMNS = {
     "provider", "status", "reason", "phase", "batch_size", "context_len", "block_size", "num_heads",
     "num_kv_heads", "head_dim", "num_query_tokens", "kv_bytes", "flops", "warmup", "repeats",
     "prepare_min_ms", "prepare_median_ms", "forward_min_ms", "forward_median_ms", "bandwidth_gbps",
-    "peak_bandwidth_gbps", "peak_bandwidth_source", "pct_of_peak_bandwidth", "tflops",
+    "peak_bandwidth_gbps", "peak_bandwidth_source", "pct_of_peak_bandwidth", "tflops", "tile_efficiency",
 }
 
 
