@@ -21,6 +21,8 @@ power-of-two capacities (dynamic sizes in them break the CPU kernel's codegen), 
 compiled per (call kind, heads, head_dim, dtype, page size, capacity bucket); on CUDA the decode
 batch is a static power of two, as flex's decoding kernel needs. `compile_stats` counts graphs.
 `compile=False` or PAGEDBENCH_FLEX_COMPILE=0 runs flex eager (it materializes all scores).
+PAGEDBENCH_FLEX_KERNEL=flash picks FlexAttention's FA4-based kernels (CUDA, with flash-attn-4
+installed, a torch whose flex has BACKEND='FLASH') instead of its Triton ones.
 """
 import logging
 import os
@@ -129,13 +131,15 @@ class FlexBackend(AttentionBackend):
         # Triton's minimum tile, so small pages share a KV block; the mask_mod maps each slot to its page.
         self.kv_block_size = max(block_size, MIN_KV_BLOCK)
         cuda = self.device.type == "cuda"
-        # Triton tiles must divide the mask's blocks; flex's decoding kernel needs a static batch.
-        self.kernel_options = {
-            "decode": {"BLOCK_N": min(64, self.kv_block_size)} if cuda else None,
-            "prefill": {"BACKEND": "TRITON", "BLOCK_M": min(64, self.q_block_size),
-                        "BLOCK_N": min(64, self.kv_block_size)} if cuda else None,
-        }
-        self.static_decode_batch = cuda
+        if cuda and _kernel_choice() == "flash":  # FlexAttention's FA4 (CuTe DSL) kernels
+            self.kernel_options = {"decode": {"BACKEND": "FLASH"}, "prefill": {"BACKEND": "FLASH"}}
+        else:  # Triton tiles must divide the mask's blocks
+            self.kernel_options = {
+                "decode": {"BLOCK_N": min(64, self.kv_block_size)} if cuda else None,
+                "prefill": {"BACKEND": "TRITON", "BLOCK_M": min(64, self.q_block_size),
+                            "BLOCK_N": min(64, self.kv_block_size)} if cuda else None,
+            }
+        self.static_decode_batch = cuda  # flex's decoding kernel needs a static batch
         self._buffers: dict[str, torch.Tensor] = {}
         self._inv_written: tuple[torch.Tensor, ...] | None = None  # (inv, seq, page) entries of the last step
 
@@ -148,6 +152,16 @@ class FlexBackend(AttentionBackend):
             return f"flex attention supports float32/bfloat16/float16, not {dtype}"
         if block_size & (block_size - 1):
             return f"block_size {block_size} must be a power of two (a BlockMask KV block holds whole pages)"
+        try:
+            kernel = _kernel_choice()
+        except ValueError as e:
+            return str(e)
+        if kernel == "flash":
+            reason = _flash_kernel_reason(device)
+            if reason:
+                return f"PAGEDBENCH_FLEX_KERNEL=flash: {reason}"
+            if block_size < MIN_KV_BLOCK:
+                return f"PAGEDBENCH_FLEX_KERNEL=flash: pages of {block_size} share KV blocks, leaving no full blocks, which FLASH needs"
         if device.type == "cpu" and _compile_enabled():
             from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
 
@@ -157,7 +171,13 @@ class FlexBackend(AttentionBackend):
 
     @classmethod
     def provider(cls, **settings) -> str:
-        return f"torch {torch.__version__} flex {'compiled' if _compile_enabled() else 'eager'}"
+        mode = "compiled" if _compile_enabled() else "eager"
+        device = settings.get("device")
+        try:
+            flash = _kernel_choice() == "flash" and (device is None or torch.device(device).type == "cuda")
+        except ValueError:
+            flash = False
+        return f"torch {torch.__version__} flex {mode}" + (", FA4 kernels (BACKEND=FLASH)" if flash else "")
 
     # --- prepare: once per step ----------------------------------------------------------------
 
@@ -402,3 +422,31 @@ class FlexBackend(AttentionBackend):
 
 def _compile_enabled() -> bool:
     return os.environ.get("PAGEDBENCH_FLEX_COMPILE", "1") != "0"
+
+
+def _kernel_choice() -> str:
+    """PAGEDBENCH_FLEX_KERNEL: `triton` (default) or `flash`, FlexAttention's FA4-based kernels."""
+    choice = os.environ.get("PAGEDBENCH_FLEX_KERNEL", "triton").strip().lower() or "triton"
+    if choice not in ("triton", "flash"):
+        raise ValueError(f"PAGEDBENCH_FLEX_KERNEL={choice!r} is not one of triton, flash")
+    return choice
+
+
+def _flash_kernel_reason(device: torch.device) -> str | None:
+    """Why flex's BACKEND='FLASH' (FA4, CuTe DSL) cannot run here, or None."""
+    import importlib.util
+    import typing
+
+    from torch.nn.attention import flex_attention as flex_module
+
+    if device.type != "cuda":
+        return f"FA4 kernels need CUDA (device is {device})"
+    if "FLASH" not in typing.get_args(getattr(flex_module, "_Backend", None)):
+        return f"torch {torch.__version__}'s flex has no BACKEND='FLASH'"
+    if not _compile_enabled():
+        return "BACKEND='FLASH' needs compiled flex (PAGEDBENCH_FLEX_COMPILE=0 is set)"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except Exception:
+        found = False
+    return None if found else "flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')"

@@ -8,6 +8,7 @@ is cheap, so here it covers a representative slice of that matrix; the pitfall c
 modes, mostly on the configuration that test_backends has already compiled (GQA, d64, fp32).
 """
 import dataclasses
+import importlib.util
 import random
 
 import pytest
@@ -254,6 +255,40 @@ def test_unavailable_reason():
     assert FlexBackend.unavailable_reason("cpu", torch.bfloat16, 128, 8) is None
     assert "power of two" in FlexBackend.unavailable_reason("cpu", torch.float32, 64, 24)
     assert FlexBackend.unavailable_reason("cpu", torch.float64, 64, 16) is not None
+
+
+def test_flash_kernel_choice(monkeypatch):
+    """PAGEDBENCH_FLEX_KERNEL=flash asks for FlexAttention's FA4 kernels: refused, with the reason,
+    where they cannot run; a bad value is a reason too."""
+    monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "flash")
+    assert FlexBackend.unavailable_reason("cpu", torch.float32, 64, 16) == (
+        "PAGEDBENCH_FLEX_KERNEL=flash: FA4 kernels need CUDA (device is cpu)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    assert FlexBackend.unavailable_reason("cuda", torch.bfloat16, 128, 16) == (
+        "PAGEDBENCH_FLEX_KERNEL=flash: flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')")
+    assert FlexBackend.provider(device="cuda").endswith("flex compiled, FA4 kernels (BACKEND=FLASH)")
+    assert FlexBackend.provider(device="cpu").endswith("flex compiled")
+    monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "cutlass")
+    assert FlexBackend.unavailable_reason("cpu", torch.float32, 64, 16) == (
+        "PAGEDBENCH_FLEX_KERNEL='cutlass' is not one of triton, flash")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's FA4 kernels need CUDA")
+@pytest.mark.parametrize("phase", ["decode", "mixed"])
+def test_flash_kernels_match_triton_on_cuda(monkeypatch, phase):
+    monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "flash")
+    reason = FlexBackend.unavailable_reason("cuda", torch.bfloat16, 128, 16)
+    if reason:
+        pytest.skip(reason)
+    batch = random_attention_batch(ragged_batch_spec(phase, 16, random.Random(3)), 16, 8, 128, 16,
+                                   torch.bfloat16, "cuda")
+    args = (batch, 16, 8, 128, 16, torch.bfloat16, "cuda")
+    flash = run_backend("flex", *args)
+    monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "triton")
+    triton = run_backend("flex", *args)
+    torch.testing.assert_close(flash.float(), triton.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(flash.float(), run_backend("reference", *args).float(), atol=2e-2, rtol=2e-2)
 
 
 def test_recompile_limit_raises_instead_of_falling_back(monkeypatch):
