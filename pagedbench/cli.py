@@ -99,6 +99,29 @@ def cmd_kernels(args) -> None:
     print(f"reports: {', '.join(map(str, paths))}")
 
 
+def cmd_check(args) -> int:
+    from pagedbench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, run_check, summary
+    from pagedbench.environment import environment
+    from pagedbench.report import tidy, write_reports
+
+    device, _ = resolve_device_dtype(args.device, None)
+    names = args.dtypes or ("fp32,bf16" if device.type == "cpu" else "bf16,fp16,fp32")
+    dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
+    env = environment(device, dtypes[0])
+    rows = [{**env, **row} for row in run_check(backend_names(args.backends), device, dtypes, full=args.full)]
+    print(f"device {env['device_name']}, torch {torch.__version__}, {'full' if args.full else 'quick'} grid, "
+          f"dtypes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}")
+    print(f"tolerance: {TOLERANCE_FACTOR:g} x the error of the naive computation in each dtype + "
+          + ", ".join(f"{str(d).removeprefix('torch.')} {f:g}" for d, f in TOLERANCE_FLOOR.items()))
+    print(summary(rows))
+    paths = write_reports({"check": tidy(rows, "check", "check")}, args.out, "check")
+    print(f"reports: {', '.join(map(str, paths))}")
+    failed = sum(row["status"] == "fail" for row in rows)
+    if failed:
+        print(f"pagedbench: check failed: {failed} case(s)", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _int_list(text: str, name: str, sep: str = ",", length: int | None = None) -> list[int]:
     try:
         values = [int(v) for v in text.split(sep)]
@@ -177,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--out", default="reports")
     kern.set_defaults(func=cmd_kernels)
 
+    chk = sub.add_parser("check", help="every backend against a dense oracle on a grid of paged-attention problems")
+    chk.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
+    chk.add_argument("--device", default=None, help="cuda if available, else cpu")
+    chk.add_argument("--dtypes", default=None, help="comma-separated (default: fp32,bf16 on cpu; bf16,fp16,fp32 on cuda)")
+    grid = chk.add_mutually_exclusive_group()
+    grid.add_argument("--quick", dest="full", action="store_false", help="the default: minutes on a CPU")
+    grid.add_argument("--full", dest="full", action="store_true", help="every batch x heads x head_dim x page size")
+    chk.add_argument("--out", default="reports")
+    chk.set_defaults(func=cmd_check, full=False)
+
     rep = sub.add_parser("report", help="re-render markdown and plots from CSVs (merging runs and machines)")
     rep.add_argument("csv", nargs="+", help="CSV files written by run, compare or kernels")
     rep.add_argument("--out", default="reports")
@@ -209,11 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _log_to_stderr()
     try:
-        args.func(args)
+        return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:
         print(f"pagedbench: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

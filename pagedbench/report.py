@@ -32,7 +32,11 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "bandwidth_gbps", "peak_bandwidth_gbps", "peak_bandwidth_source", "pct_of_peak_bandwidth", "tflops",
     "tile_efficiency",
 ]
-SCHEMAS = {"serving": SERVING_COLUMNS, "requests": REQUEST_COLUMNS, "kernels": KERNEL_COLUMNS}
+CHECK_COLUMNS = ENVIRONMENT + [
+    "case", "batch", "heads", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_seqs", "num_query_tokens",
+    "max_abs_error", "mean_abs_error", "placement_diff", "tolerance",
+]
+SCHEMAS = {"serving": SERVING_COLUMNS, "requests": REQUEST_COLUMNS, "kernels": KERNEL_COLUMNS, "check": CHECK_COLUMNS}
 TIME_PARTS = ["time_schedule_s", "time_metadata_s", "time_backend_prepare_s", "time_forward_s", "time_sample_s"]
 
 
@@ -77,7 +81,7 @@ def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
     """Markdown (`<stem>.md`) and PNGs for whatever kinds of rows `df` holds."""
     kinds = {kind: part.reindex(columns=SCHEMAS[kind]) for kind, part in df.groupby("kind")}
     sections, paths = [f"# pagedbench report: {stem}\n"], []
-    for kind in ("serving", "kernels"):
+    for kind in ("serving", "kernels", "check"):
         if kind in kinds:
             sections.append(_environment_section(kinds[kind]))
     if "serving" in kinds:
@@ -91,6 +95,8 @@ def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
         sections.append(_kernel_section(kinds["kernels"]))
     if "kernels" in kinds and (kinds["kernels"]["status"] == "ok").any():
         paths.append(plot_kernel_bandwidth(kinds["kernels"], out_dir / f"{stem}-bandwidth.png"))
+    if "check" in kinds:
+        sections.append(_check_section(kinds["check"]))
     sections += [f"![{p.stem}]({p.name})\n" for p in paths]
     md = out_dir / f"{stem}.md"
     md.write_text("\n".join(sections))
@@ -198,6 +204,18 @@ def _kernel_section(kernels: pd.DataFrame) -> str:
     parts = ["## Attention kernels\n", "Peak bandwidth used for % peak:\n\n" + markdown(peaks) + "\n",
              markdown(kernel_table(kernels)) + "\n"]
     return "\n".join(parts + _unavailable_lines(kernels))
+
+
+def _check_section(check: pd.DataFrame) -> str:
+    from pagedbench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, summary
+
+    floors = ", ".join(f"{str(d).removeprefix('torch.')} {f:g}" for d, f in TOLERANCE_FLOOR.items())
+    table = check[["backend", "case", "status", "max_abs_error", "mean_abs_error", "placement_diff", "tolerance",
+                   "reason"]]
+    return (f"## Correctness check\n\nEach backend against a dense per-sequence oracle (fp64 on CPU, fp32 on GPU). "
+            f"Tolerance = {TOLERANCE_FACTOR:g} x the error of the naive computation in the case's dtype + a floor "
+            f"({floors}); placement_diff is the change in output when the same problem sits on another random page "
+            f"layout, held to the same tolerance.\n\n{summary(check.to_dict('records'))}\n\n{markdown(table)}\n")
 
 
 def _unavailable_lines(df: pd.DataFrame) -> list[str]:

@@ -21,3 +21,6 @@ def test_backends_lists_every_backend_with_status(capsys):
     assert set(rows) == set(list_backends())
     assert rows["reference"][2:] == ["available", ""] and rows["sdpa"][2] == "available"
     assert rows["flash-attn"][2] == "unavailable" and rows["flash-attn"][3].startswith("no CUDA device")
+    for provider in ("fa3: ", "fa4: ", "fa2: ", "torch: "):  # why each provider was passed over
+        assert provider in rows["flash-attn"][3]
+    assert rows["flex"][1].endswith("flex compiled")

@@ -81,10 +81,11 @@ def test_commands_work_and_say_why(planted, tmp_path):
 
 def test_test_collection_survives(planted):
     result = run(planted, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                 "tests/test_backends.py", "tests/test_flash_attn.py", "tests/test_generate_hf.py")
+                 "tests/test_backends.py", "tests/test_check.py", "tests/test_flash_attn.py",
+                 "tests/test_generate_hf.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "tests collected" in result.stdout and "ERROR" not in result.stdout
-    assert "test_backend_matches_reference[mha-decode-broken[none]-cpu-float32-d64-bs16]" in result.stdout
+    assert "test_backends.py::test_random_ragged_batches_match_the_oracle[broken]" in result.stdout
 
 
 def test_broken_backend_in_process(monkeypatch):

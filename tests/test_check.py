@@ -1,0 +1,116 @@
+"""`pagedbench check`: the quick matrix through the command's own code path (every backend against
+the dense oracle, two layouts), proof that it fails faulty backends with the case named, and the
+oracle itself against plain causal SDPA."""
+import dataclasses
+
+import pandas as pd
+import pytest
+import torch
+
+from pagedbench import check
+from pagedbench.attention_batch import attend_dense, place, random_problem
+from pagedbench.backends import registry
+from pagedbench.backends.reference import ReferenceBackend
+from pagedbench.cli import main
+from tests.helpers import DEVICES
+
+DTYPES = {"cpu": [torch.float32, torch.bfloat16], "cuda": [torch.bfloat16, torch.float16, torch.float32]}
+QUICK = [(case, device) for device in DEVICES for case in check.build_cases(DTYPES[device], full=False)]
+
+
+@pytest.mark.parametrize("case,device", [pytest.param(c, d, id=f"{c.name}-{d}") for c, d in QUICK])
+def test_quick_matrix(case, device):
+    rows = check.run_case(case, registry.list_backends(), torch.device(device))
+    failures = [f"{r['backend']}: {r['reason']}" for r in rows if r["status"] == "fail"]
+    assert not failures, f"{case.name}: " + "; ".join(failures)
+    ran = {r["backend"] for r in rows if r["status"] == "pass"}
+    assert {"reference", "sdpa", "flex"} <= ran  # these run everywhere; a skip would hide them
+    for r in rows:
+        if r["status"] == "skipped":
+            assert r["reason"], r
+
+
+def test_oracle_is_plain_causal_attention():
+    """The oracle on one prefill equals PyTorch's causal SDPA on the same logical tensors."""
+    problem = random_problem([(0, 37)], 4, 2, 32, seed=3)
+    k = problem.k[0].repeat_interleave(2, dim=1).transpose(0, 1)
+    v = problem.v[0].repeat_interleave(2, dim=1).transpose(0, 1)
+    dense = torch.nn.functional.scaled_dot_product_attention(problem.q.transpose(0, 1), k, v, is_causal=True)
+    torch.testing.assert_close(attend_dense(problem, 32 ** -0.5, torch.float64).float(), dense.transpose(0, 1),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_layouts_share_pages_and_never_use_block_zero():
+    case = next(c for c in check.build_cases([torch.float32], full=False) if c.batch == "shared prefix")
+    problem = random_problem(case.seqs, 8, 2, 16, shared=case.shared)
+    batch = place(problem, 16, layout_seed=1)
+    table, seq_lens = batch.metadata.block_table.tolist(), batch.metadata.seq_lens_cpu
+    pages = [row[: -(-n // 16)] for row, n in zip(table, seq_lens)]
+    assert 0 not in {p for row in pages for p in row}
+    assert pages[1][:3] == pages[0][:3] and pages[2][:2] == pages[0][:2]  # shared prefixes
+    assert pages[3] == pages[0]  # a fork: every page, the partial last one too
+    assert len(set(pages[1][3:]) | set(pages[0])) == len(pages[1][3:]) + len(pages[0])  # the rest are its own
+    other = place(problem, 16, layout_seed=2).metadata.block_table.tolist()
+    assert other != table
+
+
+class IgnoresPartialLastPage(ReferenceBackend):
+    """Reads only whole pages: the tokens on a sequence's partial last page are invisible."""
+    name = "faulty-partial-page"
+
+    def prepare(self, meta):
+        return [dataclasses.replace(s, kv_slots=s.kv_slots[: max(len(s.kv_slots) // meta.block_size * meta.block_size,
+                                                                  1)]) for s in super().prepare(meta)]
+
+
+class ReadsNeighboursPage(ReferenceBackend):
+    """Takes sequence i's last page from sequence i+1's table."""
+    name = "faulty-neighbour"
+
+    def prepare(self, meta):
+        table = meta.block_table.clone()
+        for i in range(meta.num_seqs - 1):
+            last = -(-meta.seq_lens_cpu[i] // meta.block_size) - 1
+            table[i, last] = meta.block_table[i + 1, 0]
+        return super().prepare(dataclasses.replace(meta, block_table=table))
+
+
+class DependsOnPlacement(ReferenceBackend):
+    """Orders each sequence's keys by physical slot instead of logical position (right only when
+    a sequence's pages happen to ascend), so its causal mask depends on where pages sit."""
+    name = "faulty-placement"
+
+    def prepare(self, meta):
+        return [dataclasses.replace(s, kv_slots=s.kv_slots.sort().values) for s in super().prepare(meta)]
+
+
+@pytest.mark.parametrize("faulty,batch", [(IgnoresPartialLastPage, "decode"), (ReadsNeighboursPage, "mixed"),
+                                          (DependsOnPlacement, "chunked prefill")])
+def test_check_fails_faulty_backends_naming_the_case(monkeypatch, tmp_path, capsys, faulty, batch):
+    monkeypatch.setitem(registry._loaded, faulty.name, faulty)
+    every_case = check.build_cases
+    monkeypatch.setattr(check, "build_cases", lambda dtypes, full: [
+        c for c in every_case(dtypes, full) if c.batch == batch][:1])
+    code = main(["check", "--backends", f"reference,{faulty.name}", "--device", "cpu", "--dtypes", "fp32",
+                 "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 1 and "check failed: 1 case(s)" in err
+    rows = pd.read_csv(tmp_path / "check.csv")
+    bad = rows[rows["backend"] == faulty.name].iloc[0]
+    assert bad["status"] == "fail" and bad["case"].startswith(batch) and bad["case"] in out
+    assert "> tolerance" in bad["reason"] or "with the page layout" in bad["reason"]
+    assert (rows[rows["backend"] == "reference"]["status"] == "pass").all()
+
+
+def test_check_command_passes_and_writes_reports(monkeypatch, tmp_path, capsys):
+    every_case = check.build_cases
+    monkeypatch.setattr(check, "build_cases", lambda dtypes, full: [
+        c for c in every_case(dtypes, full) if c.batch in ("mixed", "shared prefix")][:2])
+    assert main(["check", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = pd.read_csv(tmp_path / "check.csv")
+    assert set(rows["status"]) <= {"pass", "skipped"}
+    assert (rows[rows["backend"] == "flash-attn"]["status"] == "skipped").all()
+    assert rows[rows["status"] == "pass"]["max_abs_error"].le(rows[rows["status"] == "pass"]["tolerance"]).all()
+    assert "Skipped (never counted as passed)" in out and "flash-attn" in out
+    assert "Correctness check" in (tmp_path / "check.md").read_text()
