@@ -163,3 +163,92 @@ def summary(rows: list[dict]) -> str:
     if len(skipped):
         lines.append("\nSkipped (never counted as passed):\n\n" + skipped.to_markdown(index=False))
     return "\n".join(lines)
+
+
+# --- engine level: the whole model, teacher-forced ----------------------------------------------
+
+ENGINE_NOISE_FLOOR = 1e-4  # logits: below this, differences are rounding in any dtype
+ENGINE_FACTOR = 8.0  # a backend's logits may differ from reference's by this x the dtype's own noise
+
+
+def teacher_forced_logits(model: str, backend: str, device: torch.device, dtype: torch.dtype,
+                          tokens: list[list[int]], prompt_lens: list[int], block_size: int = 16,
+                          layout_seed: int = 0) -> torch.Tensor:
+    """fp32 logits [steps, B, vocab] of every sequence at the end of its prompt and after each
+    forced continuation token: the prompt in two chunks (a chunked prefill), then one decode step
+    per token, on pages scattered at random through the cache."""
+    from pagedbench.config import EngineConfig
+    from pagedbench.engine import LLMEngine
+    from pagedbench.model_runner import prepare_step
+    from pagedbench.sampling_params import SamplingParams
+    from pagedbench.sequence import Sequence
+
+    pages = [-(-len(t) // block_size) for t in tokens]
+    engine = LLMEngine(EngineConfig(model=model, backend=backend, device=str(device), dtype=dtype,
+                                    block_size=block_size, num_blocks=sum(pages) + 8, seed=0))
+    runner = engine.runner
+    free = (torch.randperm(engine.num_blocks - 1, generator=torch.Generator().manual_seed(layout_seed)) + 1).tolist()
+    seqs, tables = [], []
+    for i, (ids, n) in enumerate(zip(tokens, pages)):
+        seqs.append(Sequence(str(i), None, list(ids), SamplingParams()))
+        tables.append(free[:n])
+        free = free[n:]
+    first_chunk = [max(1, n // 2) for n in prompt_lens]
+    schedule = [first_chunk, [n - c for n, c in zip(prompt_lens, first_chunk)]]
+    schedule += [[1] * len(seqs)] * min(len(t) - n for t, n in zip(tokens, prompt_lens))
+    logits = []
+    for step, num_new in enumerate(schedule):
+        for s, table, n in zip(seqs, tables, num_new):  # the pages a sequence holds so far
+            s.block_table = table[: -(-(s.num_computed_tokens + n) // block_size)]
+        inputs = prepare_step(seqs, num_new, block_size, engine.num_blocks, device)
+        ends = torch.tensor(inputs.metadata.query_start_loc_cpu[1:], device=device) - 1
+        inputs.logits_indices = ends  # every sequence's last token, prompt finished or not
+        out = runner.run(inputs, runner.backend.prepare(inputs.metadata))
+        if step:
+            logits.append(out.float().cpu())
+        for s, n in zip(seqs, num_new):
+            s.num_computed_tokens += n
+    return torch.stack(logits)
+
+
+def engine_check(backends: list[str], device: torch.device, dtypes: list[torch.dtype], model: str = "tiny-llama",
+                 num_seqs: int = 4, prompt_len: int = 40, steps: int = 24) -> list[dict]:
+    """Each backend's teacher-forced logits against `reference`'s in the same dtype: max abs
+    difference, held to ENGINE_FACTOR x that dtype's own noise (reference in the dtype vs in fp32),
+    and top-1 agreement where reference's top-2 gap exceeds the noise."""
+    from pagedbench.loader import resolve_model_config
+
+    vocab = resolve_model_config(model)[0].vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt_lens = [prompt_len - 7 * i for i in range(num_seqs)]  # ragged, on and off page boundaries
+    tokens = [torch.randint(3, vocab, (n + steps,), generator=gen).tolist() for n in prompt_lens]
+    rows = []
+    fp32 = teacher_forced_logits(model, "reference", device, torch.float32, tokens, prompt_lens)
+    for dtype in dtypes:
+        expected = teacher_forced_logits(model, "reference", device, dtype, tokens, prompt_lens)
+        noise = max(float((expected - fp32).abs().max()), ENGINE_NOISE_FLOOR)
+        top2 = expected.topk(2, dim=-1).values
+        decisive = (top2[..., 0] - top2[..., 1]) > 2 * noise
+        case = f"engine {model} teacher-forced {str(dtype).removeprefix('torch.')}"
+        head = {"case": case, "batch": "engine", "dtype": str(dtype).removeprefix("torch."), "num_seqs": num_seqs,
+                "num_query_tokens": sum(prompt_lens) + steps * num_seqs, "tolerance": ENGINE_FACTOR * noise}
+        for name in backends:
+            if name == "reference":
+                continue
+            row = {**head, "backend": name}
+            try:
+                got = teacher_forced_logits(model, name, device, dtype, tokens, prompt_lens, layout_seed=1)
+            except ValueError as e:  # unavailable here: the engine says why
+                rows.append({**row, "status": "skipped", "reason": str(e)})
+                continue
+            diff = float((got - expected).abs().max())
+            agree = (got.argmax(-1) == expected.argmax(-1))[decisive].float()
+            top1 = float(agree.mean()) if agree.numel() else float("nan")
+            why = []
+            if diff > row["tolerance"]:
+                why.append(f"logits differ by {diff:.3g} > {row['tolerance']:.3g}")
+            if agree.numel() and top1 < 1.0:
+                why.append(f"top-1 differs at {int((agree == 0).sum())} of {agree.numel()} decisive positions")
+            rows.append({**row, "max_abs_error": diff, "top1_agreement": top1, "status": "fail" if why else "pass",
+                         "reason": "; ".join(why) or f"{agree.numel()} decisive positions of {decisive.numel()}"})
+    return rows

@@ -100,7 +100,7 @@ def cmd_kernels(args) -> None:
 
 
 def cmd_check(args) -> int:
-    from pagedbench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, run_check, summary
+    from pagedbench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, engine_check, run_check, summary
     from pagedbench.environment import environment
     from pagedbench.report import tidy, write_reports
 
@@ -108,7 +108,11 @@ def cmd_check(args) -> int:
     names = args.dtypes or ("fp32,bf16" if device.type == "cpu" else "bf16,fp16,fp32")
     dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
     env = environment(device, dtypes[0])
-    rows = [{**env, **row} for row in run_check(backend_names(args.backends), device, dtypes, full=args.full)]
+    backends = backend_names(args.backends)
+    rows = run_check(backends, device, dtypes, full=args.full)
+    if args.engine or args.full:
+        rows += engine_check(backends, device, dtypes, model=args.model)
+    rows = [{**env, **row} for row in rows]
     print(f"device {env['device_name']}, torch {torch.__version__}, {'full' if args.full else 'quick'} grid, "
           f"dtypes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}")
     print(f"tolerance: {TOLERANCE_FACTOR:g} x the error of the naive computation in each dtype + "
@@ -207,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     grid = chk.add_mutually_exclusive_group()
     grid.add_argument("--quick", dest="full", action="store_false", help="the default: minutes on a CPU")
     grid.add_argument("--full", dest="full", action="store_true", help="every batch x heads x head_dim x page size")
+    chk.add_argument("--engine", action="store_true",
+                     help="also teacher-force the whole model through each backend and compare logits (in --full)")
+    chk.add_argument("--model", default="tiny-llama", help="model for --engine (a preset or HF directory)")
     chk.add_argument("--out", default="reports")
     chk.set_defaults(func=cmd_check, full=False)
 

@@ -34,7 +34,7 @@ KERNEL_COLUMNS = ENVIRONMENT + [
 ]
 CHECK_COLUMNS = ENVIRONMENT + [
     "case", "batch", "heads", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_seqs", "num_query_tokens",
-    "max_abs_error", "mean_abs_error", "placement_diff", "tolerance",
+    "max_abs_error", "mean_abs_error", "placement_diff", "tolerance", "top1_agreement",
 ]
 SCHEMAS = {"serving": SERVING_COLUMNS, "requests": REQUEST_COLUMNS, "kernels": KERNEL_COLUMNS, "check": CHECK_COLUMNS}
 TIME_PARTS = ["time_schedule_s", "time_metadata_s", "time_backend_prepare_s", "time_forward_s", "time_sample_s"]

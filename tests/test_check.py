@@ -114,3 +114,19 @@ def test_check_command_passes_and_writes_reports(monkeypatch, tmp_path, capsys):
     assert rows[rows["status"] == "pass"]["max_abs_error"].le(rows[rows["status"] == "pass"]["tolerance"]).all()
     assert "Skipped (never counted as passed)" in out and "flash-attn" in out
     assert "Correctness check" in (tmp_path / "check.md").read_text()
+
+
+def test_engine_check_teacher_forces_the_model_through_each_backend(monkeypatch):
+    """Whole-model logits, prompts in two chunks then forced decode steps, against reference's in the
+    same dtype: sdpa and flex pass in fp32 and bf16; a backend reading a neighbour's page fails."""
+    monkeypatch.setitem(registry._loaded, ReadsNeighboursPage.name, ReadsNeighboursPage)
+    rows = check.engine_check(["reference", "sdpa", "flex", ReadsNeighboursPage.name], torch.device("cpu"),
+                              [torch.float32, torch.bfloat16], num_seqs=3, prompt_len=30, steps=8)
+    verdict = {(r["backend"], r["dtype"]): r for r in rows}
+    for backend in ("sdpa", "flex"):
+        for dtype in ("float32", "bfloat16"):
+            row = verdict[backend, dtype]
+            assert row["status"] == "pass" and row["top1_agreement"] == 1.0, row
+    assert verdict["sdpa", "float32"]["max_abs_error"] < 1e-4
+    bad = verdict[ReadsNeighboursPage.name, "float32"]
+    assert bad["status"] == "fail" and "logits differ" in bad["reason"]
