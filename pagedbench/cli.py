@@ -2,7 +2,9 @@
 re-render reports, list scenarios and backends."""
 import argparse
 import dataclasses
+import functools
 import logging
+import os
 import sys
 
 import pandas as pd
@@ -32,9 +34,17 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
 
 
+CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model says otherwise
+
+
 def scenario_from_args(args) -> Scenario:
     scenario = load_scenario(args.scenario).scaled(args.scale)
     changes = {f: getattr(args, f) for f in SCENARIO_OVERRIDES if getattr(args, f) is not None}
+    device, _ = resolve_device_dtype(args.device, args.dtype)
+    if device.type == "cpu" and "model" not in changes and scenario.model != CPU_MODEL:
+        print(f"pagedbench: note: on cpu, model {CPU_MODEL} instead of the scenario's {scenario.model} "
+              f"(pass --model {scenario.model} to run that)")
+        changes["model"] = CPU_MODEL
     for length in {"input_len", "output_len"} & set(changes):
         changes[length] = LengthRange(changes[length], changes[length])
     if "num_blocks" in changes:
@@ -59,11 +69,34 @@ def backend_names(text: str | None) -> list[str]:
     return [b.strip() for b in text.split(",") if b.strip()] if text else list_backends()
 
 
+def prepare_out_dir(path: str) -> None:
+    """Fail before a long run, not after it, when reports cannot be written."""
+    from pathlib import Path
+
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the output directory {path!r}: {e.strerror}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write reports to {path!r}: permission denied")
+
+
+def warn_if_busy(device: torch.device) -> None:
+    from pagedbench.environment import busy_warning
+
+    warning = busy_warning(device)
+    if warning:  # on stdout, beside the figures it qualifies (stderr is for errors: one line each)
+        print(f"pagedbench: warning: {warning}")
+
+
 def serving_report(args, backends: list[str], command: str) -> None:
     from pagedbench.bench import compare
     from pagedbench.report import console_table, tidy, write_reports
 
+    prepare_out_dir(args.out)
     scenario = scenario_from_args(args)
+    warn_if_busy(resolve_device_dtype(args.device, args.dtype)[0])
     result = compare(scenario, backends, args.scale, args.device, args.dtype, args.repeats, args.warmup)
     if command == "run" and result.unavailable:
         raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
@@ -81,7 +114,9 @@ def cmd_kernels(args) -> None:
     from pagedbench.kernels import GRID_PRESETS, run_kernels
     from pagedbench.report import kernel_table, markdown, not_run_lines, tidy, write_reports
 
+    prepare_out_dir(args.out)
     device, _ = resolve_device_dtype(args.device, args.dtype)
+    warn_if_busy(device)
     grid = dataclasses.replace(GRID_PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")])
     for name in ("batch_sizes", "context_lens", "block_sizes"):
         if getattr(args, name):
@@ -104,6 +139,7 @@ def cmd_check(args) -> int:
     from pagedbench.environment import environment
     from pagedbench.report import tidy, write_reports
 
+    prepare_out_dir(args.out)
     device, _ = resolve_device_dtype(args.device, None)
     names = args.dtypes or ("fp32,bf16" if device.type == "cpu" else "bf16,fp16,fp32")
     dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
@@ -173,11 +209,17 @@ def cmd_backends(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedbench", description="Compare paged-attention backends in one engine.")
+    from pagedbench import __version__
+
+    parser = argparse.ArgumentParser(prog="pagedbench", description="Compare paged-attention backends in one engine.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pagedbench {__version__} (torch {torch.__version__})")
+    parser.epilog = "Errors are one line on stderr with exit code 2; `check` exits 1 when a case fails."
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     run = sub.add_parser("run", help="run a scenario on one backend: throughput, latency, engine internals")
-    run.add_argument("--backend", default="sdpa")
+    run.add_argument("--backend", default="sdpa", help="a name from `pagedbench backends`")
     add_scenario_args(run)
     run.set_defaults(func=cmd_run)
 
@@ -201,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--repeats", type=int)
     kern.add_argument("--device", default=None)
     kern.add_argument("--dtype", default=None)
-    kern.add_argument("--out", default="reports")
+    kern.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
     kern.set_defaults(func=cmd_kernels)
 
     chk = sub.add_parser("check", help="every backend against a dense oracle on a grid of paged-attention problems")
@@ -214,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--engine", action="store_true",
                      help="also teacher-force the whole model through each backend and compare logits (in --full)")
     chk.add_argument("--model", default="tiny-llama", help="model for --engine (a preset or HF directory)")
-    chk.add_argument("--out", default="reports")
+    chk.add_argument("--out", default="reports", help="directory for check.csv and check.md")
     chk.set_defaults(func=cmd_check, full=False)
 
     rep = sub.add_parser("report", help="re-render markdown and plots from CSVs (merging runs and machines)")
@@ -250,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_stderr()
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedbench: error: {e}", file=sys.stderr)
         return 2
 

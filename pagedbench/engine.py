@@ -234,7 +234,7 @@ class LLMEngine:
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
-                seq.output_text = seq.output_text[:i]
+                seq.output_text = seq.output_text[:i + len(s) if p.include_stop_str_in_output else i]
                 self.scheduler.finish(seq, "stop", s)
         if not seq.finished and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             self.scheduler.finish(seq, "length")

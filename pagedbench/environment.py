@@ -1,5 +1,6 @@
 """What every reported number is recorded with: code version, torch, device, time."""
 import datetime
+import os
 import subprocess
 from pathlib import Path
 
@@ -28,8 +29,29 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+BUSY_LOAD_PER_CORE = 0.5  # a 1-minute load average above this many runnable tasks per core: CPU timings suffer
+
+
+def load_average() -> float:
+    """The 1-minute load average (NaN where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+
+
+def busy_warning(device: torch.device) -> str | None:
+    """A warning when CPU figures are about to be taken on a machine that is already busy."""
+    load, cores = load_average(), os.cpu_count() or 1
+    if device.type == "cpu" and load > BUSY_LOAD_PER_CORE * cores:
+        return (f"the machine is busy (load average {load:.2f} on {cores} cores): CPU timings will be slower and "
+                f"noisier; set OMP_NUM_THREADS and rerun when idle")
+    return None
+
+
 def environment(device: torch.device, dtype: torch.dtype) -> dict:
     return {
+        "load_average": round(load_average(), 2),  # at the start; CPU timings move with it
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
         "torch_version": torch.__version__,

@@ -13,6 +13,7 @@ class LLM:
                  dtype: str | torch.dtype | None = None, block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  seed: int = 0):
+        self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
         self.engine = LLMEngine(EngineConfig(
             model=model, backend=backend, device=device, dtype=dtype, block_size=block_size,
             num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -46,4 +47,12 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         bar.update(1)
+                    elif out.finished:
+                        self._other_outputs.append(out)
         return [results[i] for i in ids]
+
+    def take_other_outputs(self) -> list[RequestOutput]:
+        """Finished outputs of requests added straight to `self.engine` that a `generate` call
+        ran to completion (generate returns only its own); each is handed out once."""
+        taken, self._other_outputs = self._other_outputs, []
+        return taken

@@ -11,8 +11,8 @@ import pandas as pd  # noqa: E402
 
 from pagedbench.metrics import LATENCIES, STATISTICS  # noqa: E402
 
-ENVIRONMENT = ["kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "dtype",
-               "backend", "provider", "status", "reason"]
+ENVIRONMENT = ["kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads",
+               "load_average", "dtype", "backend", "provider", "status", "reason"]
 SERVING_COLUMNS = ENVIRONMENT + [
     "scenario", "scenario_hash", "scale", "seed", "model", "block_size", "num_blocks", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "arrival", "request_rate", "temperature", "repeat",
@@ -163,7 +163,7 @@ def _pair(df: pd.DataFrame, name: str) -> pd.Series:
 
 
 def _environment_section(df: pd.DataFrame) -> str:
-    cols = ["device_name", "cpu_threads", "torch_version", "git_sha", "dtype", "backend", "provider"]
+    cols = ["device_name", "cpu_threads", "load_average", "torch_version", "git_sha", "dtype", "backend", "provider"]
     env = df[cols].drop_duplicates().copy()
     env["git_sha"] = env["git_sha"].astype(str).str.replace(r"^(\w{12})\w*", r"\1", regex=True)
     return f"## Environment ({df['kind'].iloc[0]})\n\n{markdown(env)}\n"
@@ -191,7 +191,8 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
         "backend": ok["backend"], "device": ok["device_name"], "phase": ok["phase"], "batch": ok["batch_size"],
         "context": ok["context_len"], "block": ok["block_size"],
-        "heads": ok["num_heads"].astype(str) + "/" + ok["num_kv_heads"].astype(str), "head_dim": ok["head_dim"],
+        "heads": ok["num_heads"].astype("Int64").astype(str) + "/" + ok["num_kv_heads"].astype("Int64").astype(str),
+        "head_dim": ok["head_dim"],
         "prepare ms": ok["prepare_median_ms"].round(3), "forward ms (median)": ok["forward_median_ms"].round(3),
         "forward ms (min)": ok["forward_min_ms"].round(3), "GB/s": ok["bandwidth_gbps"].round(1),
         "% peak": ok["pct_of_peak_bandwidth"].round(1), "TFLOP/s": ok["tflops"].round(3),

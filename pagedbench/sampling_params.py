@@ -1,9 +1,13 @@
+import math
 from dataclasses import dataclass
+
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling and stopping rules, with vLLM's names. temperature 0 is greedy."""
+    """Per-request sampling and stopping rules, with vLLM's names. temperature 0 is greedy.
+    A wrong type is a TypeError, a value out of range a ValueError; both name the field."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -12,17 +16,31 @@ class SamplingParams:
     max_tokens: int = 16
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     seed: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise TypeError(f"stop must be a str or a list of str, got {type(self.stop).__name__}")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of int, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
+        for name in ("top_k", "max_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -33,9 +51,29 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise TypeError("stop must be a str or a list of str")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise TypeError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

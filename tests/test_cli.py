@@ -24,3 +24,33 @@ def test_backends_lists_every_backend_with_status(capsys):
     for provider in ("fa3: ", "fa4: ", "fa2: ", "torch: "):  # why each provider was passed over
         assert provider in rows["flash-attn"][3]
     assert rows["flex"][1].endswith("flex compiled")
+
+
+def test_version_and_help_show_defaults(capsys):
+    import pytest
+    import torch
+
+    from pagedbench import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"pagedbench {__version__} (torch {torch.__version__})"
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "(default: synthetic)" in capsys.readouterr().out
+
+
+def test_unwritable_out_fails_before_running(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for command in (["run", "--num-prompts", "2"], ["kernels"], ["check"]):
+        assert main([*command, "--out", str(blocker / "reports")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("pagedbench: error: cannot create the output directory") and "\n" not in err
+
+
+def test_cpu_runs_the_tiny_preset_unless_told(tmp_path, capsys):
+    args = ["--scenario", "mixed", "--scale", "0.02", "--no-warmup", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(["run", *args]) == 0
+    out = capsys.readouterr().out
+    assert "note: on cpu, model tiny-llama instead of the scenario's qwen3-0.6b" in out and "model tiny-llama" in out

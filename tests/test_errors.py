@@ -28,6 +28,52 @@ def test_bad_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(max_tokens=5.5), TypeError, "max_tokens must be an int, got 5.5"),
+    (dict(max_tokens=True), TypeError, "max_tokens must be an int"),
+    (dict(temperature=float("nan")), ValueError, "temperature must be finite"),
+    (dict(top_p=float("inf")), ValueError, "top_p must be finite"),
+    (dict(temperature="0.5"), TypeError, "temperature must be a number"),
+    (dict(stop=123), TypeError, "stop must be a str or a list of str"),
+    (dict(stop=["ok", 5]), TypeError, "stop must be a str or a list of str"),
+    (dict(stop_token_ids=[1, 2.0]), TypeError, "stop_token_ids must be ints"),
+    (dict(seed=2**70), ValueError, r"seed must be in \[0, 2\*\*63 - 1\]"),
+    (dict(seed=-1), ValueError, "seed must be in"),
+    (dict(seed=1.5), TypeError, "seed must be an int"),
+    (dict(top_k=2.0), TypeError, "top_k must be an int"),
+    (dict(ignore_eos="yes"), TypeError, "ignore_eos must be a bool"),
+])
+def test_bad_sampling_param_types_name_the_field(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_a_bad_request_mid_run_loses_nothing(engine):
+    """Params made valid, then broken after construction, are refused at add_request: others finish."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    keep = engine.add_request({"prompt_token_ids": [5, 6, 7]}, params)
+    engine.step()
+    broken = SamplingParams(max_tokens=3)
+    broken.max_tokens = 2.5
+    with pytest.raises(TypeError, match="max_tokens must be an int"):
+        engine.add_request({"prompt_token_ids": [5, 6]}, broken)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == [keep] and len(done[0].outputs[0].token_ids) == 4
+
+
+def test_generate_keeps_outputs_of_requests_added_elsewhere(tiny_models):
+    llm = LLM(tiny_models["llama"][0], dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    other = llm.engine.add_request({"prompt_token_ids": [5, 6, 7]}, params)
+    mine = llm.generate([{"prompt_token_ids": [8, 9]}], params, use_tqdm=False)
+    assert len(mine) == 1 and mine[0].request_id != other
+    kept = llm.take_other_outputs()
+    assert [o.request_id for o in kept] == [other] and len(kept[0].outputs[0].token_ids) == 3
+    assert llm.take_other_outputs() == []
+
+
 @pytest.mark.parametrize("prompt,message", [
     ({"prompt_token_ids": []}, "empty"),
     ("", "empty"),

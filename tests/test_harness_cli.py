@@ -13,7 +13,8 @@ from pagedbench.backends.sdpa import SDPABackend
 from pagedbench.cli import main
 
 SERVING_COLUMNS = {
-    "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "dtype", "backend",
+    "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "load_average",
+    "dtype", "backend",
     "provider", "status", "reason", "scenario", "scenario_hash", "scale", "seed", "model", "block_size",
     "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "arrival", "request_rate",
     "temperature", "repeat",
@@ -25,7 +26,8 @@ SERVING_COLUMNS = {
     "time_backend_prepare_s", "time_forward_s", "time_sample_s", "time_backend_compile_s", "throughput_vs_best", "identical_token_share",
 }
 KERNEL_COLUMNS = {
-    "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "dtype", "backend",
+    "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "load_average",
+    "dtype", "backend",
     "provider", "status", "reason", "phase", "batch_size", "context_len", "block_size", "num_heads",
     "num_kv_heads", "head_dim", "num_query_tokens", "kv_bytes", "flops", "warmup", "repeats",
     "prepare_min_ms", "prepare_median_ms", "forward_min_ms", "forward_median_ms", "bandwidth_gbps",

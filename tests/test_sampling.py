@@ -105,3 +105,16 @@ def test_stop_string_cuts_text(llama, tiny_models):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     assert out.token_ids == expected[:len(out.token_ids)] and len(out.token_ids) < 12
     assert stop in tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_kept_when_asked(llama, tiny_models):
+    llm, hf = llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"][0])
+    prompt = tok.encode("the quick brown fox jumps")
+    full_text = tok.decode(hf_greedy(hf, prompt, 12), skip_special_tokens=True)
+    stop = next(full_text[i:i + 2] for i in range(3, len(full_text) - 2) if "\ufffd" not in full_text[i:i + 2])
+    params = SamplingParams(temperature=0, max_tokens=12, stop=[stop], include_stop_str_in_output=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == full_text[:full_text.index(stop) + len(stop)] and out.text.endswith(stop)
