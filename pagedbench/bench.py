@@ -116,8 +116,9 @@ def run_backend(scenario: Scenario, requests: list[Request], backend: str, devic
 
 
 def compare(scenario: Scenario, backends: list[str], scale: float, device: str | None = None,
-            dtype: str | None = None, repeats: int = 1, warmup: bool = True) -> Comparison:
-    """Every available backend on the identical request set and KV budget, one engine at a time."""
+            dtype: str | None = None, repeats: int = 1, warmup: bool = True, rows: list | None = None) -> Comparison:
+    """Every available backend on the identical request set and KV budget, one engine at a time.
+    Serving rows are appended to `rows` (a report.CsvLog writes each out) as runs finish."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     classes = {name: get_backend(name) for name in backends}  # an unknown name fails before any run
@@ -132,7 +133,8 @@ def compare(scenario: Scenario, backends: list[str], scale: float, device: str |
         "max_num_batched_tokens": scenario.max_num_batched_tokens, "arrival": scenario.arrival,
         "request_rate": scenario.request_rate, "temperature": scenario.temperature,
     }
-    rows, request_rows, unavailable, measured = [], [], {}, {}
+    rows = [] if rows is None else rows
+    request_rows, unavailable, measured = [], {}, {}
     for name, cls in classes.items():
         provider, reason = probe(cls, dev, dt, model.head_dim, scenario.block_size,
                                  num_heads=model.num_heads, num_kv_heads=model.num_kv_heads)

@@ -133,8 +133,10 @@ def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scal
     return backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata))
 
 
-def run_check(backends: list[str], device: torch.device, dtypes: list[torch.dtype], full: bool = False) -> list[dict]:
-    rows = []
+def run_check(backends: list[str], device: torch.device, dtypes: list[torch.dtype], full: bool = False,
+              rows: list | None = None) -> list[dict]:
+    """Every case of the grid; rows are appended to `rows` (a report.CsvLog writes each out) as they come."""
+    rows = [] if rows is None else rows
     for case in tqdm(build_cases(dtypes, full), desc="check", disable=None):
         rows += run_case(case, backends, device)
     return rows

@@ -1,10 +1,12 @@
 """The `pagedbench` command: run / compare scenarios, microbenchmark attention kernels,
 re-render reports, list scenarios and backends."""
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import signal
 import sys
 
 import pandas as pd
@@ -82,6 +84,28 @@ def prepare_out_dir(path: str) -> None:
         raise ValueError(f"cannot write reports to {path!r}: permission denied")
 
 
+class Interrupted(Exception):
+    """A long command stopped by Ctrl-C or SIGTERM after writing what it had measured."""
+
+
+@contextlib.contextmanager
+def keep_partial(log):
+    """On Ctrl-C or SIGTERM (a time limit), render the rows measured so far, then stop."""
+    from pagedbench.report import render, tidy
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except KeyboardInterrupt:
+        paths = [log.path] + (render(tidy(list(log), log.kind, log.command), log.path.parent, log.path.stem)
+                              if len(log) else [])
+        raise Interrupted(f"interrupted after {len(log)} rows; kept: {', '.join(map(str, paths))}") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def warn_if_busy(device: torch.device) -> None:
     from pagedbench.environment import busy_warning
 
@@ -92,12 +116,14 @@ def warn_if_busy(device: torch.device) -> None:
 
 def serving_report(args, backends: list[str], command: str) -> None:
     from pagedbench.bench import compare
-    from pagedbench.report import console_table, tidy, write_reports
+    from pagedbench.report import CsvLog, console_table, tidy, write_reports
 
     prepare_out_dir(args.out)
     scenario = scenario_from_args(args)
     warn_if_busy(resolve_device_dtype(args.device, args.dtype)[0])
-    result = compare(scenario, backends, args.scale, args.device, args.dtype, args.repeats, args.warmup)
+    log = CsvLog(args.out, f"{command}-{scenario.name}", "serving", command)
+    with keep_partial(log):
+        result = compare(scenario, backends, args.scale, args.device, args.dtype, args.repeats, args.warmup, rows=log)
     if command == "run" and result.unavailable:
         raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
     serving = tidy(result.rows, "serving", command)
@@ -112,7 +138,7 @@ def serving_report(args, backends: list[str], command: str) -> None:
 
 def cmd_kernels(args) -> None:
     from pagedbench.kernels import GRID_PRESETS, run_kernels
-    from pagedbench.report import kernel_table, markdown, not_run_lines, tidy, write_reports
+    from pagedbench.report import CsvLog, kernel_table, markdown, not_run_lines, tidy, write_reports
 
     prepare_out_dir(args.out)
     device, _ = resolve_device_dtype(args.device, args.dtype)
@@ -128,7 +154,10 @@ def cmd_kernels(args) -> None:
     for name in ("head_dim", "max_kv_tokens", "max_query_tokens", "warmup", "repeats"):
         if getattr(args, name) is not None:
             setattr(grid, name, getattr(args, name))
-    kernels = tidy(run_kernels(backend_names(args.backends), grid, args.device, args.dtype), "kernels", "kernels")
+    log = CsvLog(args.out, "kernels", "kernels", "kernels")
+    with keep_partial(log):
+        run_kernels(backend_names(args.backends), grid, args.device, args.dtype, rows=log)
+    kernels = tidy(log, "kernels", "kernels")
     print("\n".join([markdown(kernel_table(kernels)), *not_run_lines(kernels)]))
     paths = write_reports({"kernels": kernels}, args.out, "kernels")
     print(f"reports: {', '.join(map(str, paths))}")
@@ -137,7 +166,7 @@ def cmd_kernels(args) -> None:
 def cmd_check(args) -> int:
     from pagedbench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, engine_check, run_check, summary
     from pagedbench.environment import environment
-    from pagedbench.report import tidy, write_reports
+    from pagedbench.report import EnvCsvLog, tidy, write_reports
 
     prepare_out_dir(args.out)
     device, _ = resolve_device_dtype(args.device, None)
@@ -145,10 +174,12 @@ def cmd_check(args) -> int:
     dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
     env = environment(device, dtypes[0])
     backends = backend_names(args.backends)
-    rows = run_check(backends, device, dtypes, full=args.full)
-    if args.engine or args.full:
-        rows += engine_check(backends, device, dtypes, model=args.model)
-    rows = [{**env, **row} for row in rows]
+    log = EnvCsvLog(env, args.out, "check", "check", "check")
+    with keep_partial(log):
+        run_check(backends, device, dtypes, full=args.full, rows=log)
+        if args.engine or args.full:
+            log += engine_check(backends, device, dtypes, model=args.model)
+    rows = list(log)
     print(f"device {env['device_name']}, torch {torch.__version__}, {'full' if args.full else 'quick'} grid, "
           f"dtypes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}")
     print(f"tolerance: {TOLERANCE_FACTOR:g} x the error of the naive computation in each dtype + "
@@ -295,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedbench: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"pagedbench: {e}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -84,8 +84,19 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: Path) -> "ModelConfig":
-        with open(path / "config.json") as f:
-            cfg = cls.from_dict(json.load(f))
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path / 'config.json'} is not a JSON object")
+        try:
+            cfg = cls.from_dict(raw)
+        except KeyError as e:
+            raise ValueError(f"{path / 'config.json'} has no {e.args[0]!r}, which a "
+                             f"{(raw.get('architectures') or ['model'])[0]} needs") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path / 'config.json'}: {e}") from None
         gen = path / "generation_config.json"
         if gen.exists():  # generation_config's eos list wins, as in transformers
             eos = json.loads(gen.read_text()).get("eos_token_id")

@@ -124,8 +124,10 @@ def peak_bandwidth(device: torch.device) -> tuple[float, str]:
     return 2 * nbytes / seconds / 1e9, "measured copy (read + write)"
 
 
-def run_kernels(backends: list[str], grid: KernelGrid, device: str | None = None, dtype: str | None = None) -> list[dict]:
-    """One row per backend x grid point: min and median of prepare and forward, bandwidth, TFLOP/s."""
+def run_kernels(backends: list[str], grid: KernelGrid, device: str | None = None, dtype: str | None = None,
+                rows: list | None = None) -> list[dict]:
+    """One row per backend x grid point: min and median of prepare and forward, bandwidth, TFLOP/s.
+    Rows are appended to `rows` (a report.CsvLog writes each one out) as they are measured."""
     grid.validate()
     classes = {name: get_backend(name) for name in backends}
     dev, dt = resolve_device_dtype(device, dtype)
@@ -134,7 +136,7 @@ def run_kernels(backends: list[str], grid: KernelGrid, device: str | None = None
     points = list(grid.points())
     if not points:
         raise ValueError("every grid point exceeds max_kv_tokens or max_query_tokens")
-    rows = []
+    rows = [] if rows is None else rows
     for phase, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(points, desc="kernels", disable=None):
         spec = batch_spec(phase, batch_size, context_len)
         kv_tokens = sum(map(sum, spec))

@@ -2,7 +2,7 @@
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagedbench.config import ModelConfig
 from pagedbench.model import CausalLM
@@ -51,19 +51,27 @@ def _init_random(model: CausalLM, seed: int) -> None:
 def _load_safetensors(model: CausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
-    loaded = set()
+    loaded: set[str] = set()
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name not in params:
-                    if "rotary_emb" in name or (tied and name == "lm_head.weight"):
-                        continue
-                    raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                tensor = f.get_tensor(name)
-                if tensor.shape != params[name].shape:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-                params[name].data.copy_(tensor)
-                loaded.add(name)
+        try:
+            _load_file(file, params, tied, loaded)
+        except (OSError, RuntimeError, SafetensorError) as e:  # truncated or corrupt: one line naming the file
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"cannot read weights from {file}: {reason}") from None
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
     if missing:
         raise ValueError(f"weights missing from {path}: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def _load_file(file: Path, params: dict[str, torch.nn.Parameter], tied: bool, loaded: set[str]) -> None:
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            if name not in params:
+                if "rotary_emb" in name or (tied and name == "lm_head.weight"):
+                    continue
+                raise ValueError(f"unexpected weight {name!r} in {file.name}")
+            tensor = f.get_tensor(name)
+            if tensor.shape != params[name].shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)

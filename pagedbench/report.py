@@ -47,6 +47,39 @@ def tidy(rows: list[dict], kind: str, command: str) -> pd.DataFrame:
     return frame.astype({k: "Int64" for k in ints & set(frame)})  # ints stay ints next to empty cells
 
 
+class CsvLog(list):
+    """A list of result rows that also appends each row to `<out_dir>/<stem>.csv` as it arrives,
+    so a long command cut short keeps what it measured (`pagedbench report` renders it)."""
+
+    def __init__(self, out_dir: str | Path, stem: str, kind: str, command: str):
+        super().__init__()
+        self.path, self.kind, self.command = Path(out_dir) / f"{stem}.csv", kind, command
+        self.path.unlink(missing_ok=True)
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        tidy([row], self.kind, self.command).to_csv(self.path, mode="a", header=not self.path.exists(), index=False)
+
+    def extend(self, rows) -> None:
+        for row in rows:
+            self.append(row)
+
+    def __iadd__(self, rows):
+        self.extend(rows)
+        return self
+
+
+class EnvCsvLog(CsvLog):
+    """A CsvLog whose rows get the environment columns `env` (row values win)."""
+
+    def __init__(self, env: dict, *args):
+        super().__init__(*args)
+        self.env = env
+
+    def append(self, row: dict) -> None:
+        super().append({**self.env, **row})
+
+
 def write_reports(frames: dict[str, pd.DataFrame], out_dir: str | Path, stem: str) -> list[Path]:
     """The first frame as `<stem>.csv`, the others as `<stem>-<kind>.csv`, then markdown and plots."""
     out = Path(out_dir)

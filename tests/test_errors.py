@@ -180,3 +180,29 @@ def test_cli_errors_are_one_line(args, message):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_broken_model_directories_are_one_line_errors(tiny_models, tmp_path):
+    import json
+
+    source = tiny_models["llama"][0]
+    truncated = tmp_path / "truncated"
+    shutil.copytree(source, truncated)
+    weights = next(truncated.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"cannot read weights from {weights}"):
+        LLM(str(truncated), device="cpu")
+    no_key = tmp_path / "no-key"
+    shutil.copytree(source, no_key)
+    config = json.loads((no_key / "config.json").read_text())
+    del config["hidden_size"]
+    (no_key / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json has no 'hidden_size', which a LlamaForCausalLM needs"):
+        LLM(str(no_key), device="cpu")
+    (no_key / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        LLM(str(no_key), device="cpu")
+    proc = run_cli("run", "--model", str(truncated), "--num-prompts", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedbench: error: cannot read weights from"), proc.stderr

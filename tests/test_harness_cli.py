@@ -153,3 +153,22 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
         lines = stderr.strip().splitlines()
         assert proc.returncode != 0 and "Traceback" not in stderr, (args, stderr)
         assert len(lines) == 1 and message in lines[0], (args, stderr)
+
+
+def test_a_cut_kernels_run_keeps_its_rows(monkeypatch, tmp_path, capsys):
+    """Ctrl-C or SIGTERM (a time limit) mid-grid: the rows measured so far stay in the CSV, rendered."""
+    from pagedbench import kernels
+
+    timed = []
+
+    def time_then_stop(*args):
+        if len(timed) == 3:
+            raise KeyboardInterrupt
+        timed.append(args)
+        return {"forward_median_ms": 1.0}
+    monkeypatch.setattr(kernels, "_time_backend", time_then_stop)
+    code = main(["kernels", "--backends", "reference,sdpa", "--phases", "decode", "--batch-sizes", "1,2",
+                 "--context-lens", "16,32", "--out", str(tmp_path)])
+    assert code == 130 and "interrupted after 3 rows" in capsys.readouterr().err
+    rows = pd.read_csv(tmp_path / "kernels.csv")
+    assert len(rows) == 3 and (rows["status"] == "ok").all() and (tmp_path / "kernels.md").exists()
