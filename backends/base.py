@@ -3,6 +3,7 @@
 KV cache layout (one for every backend): per layer K and V `[num_blocks, block_size, H_kv, D]`.
 Slot `s` is token `s % block_size` of block `s // block_size`.
 """
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -62,7 +63,9 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store k, v [T, H_kv, D] at `slot_mapping` [T] in the paged caches (shared by all backends)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
@@ -83,8 +86,16 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -95,8 +106,9 @@ class AttentionBackend(ABC):
         self.compile_seconds = 0.0  # JIT compilation inside forward() so far (a backend that knows adds it)
 
     @classmethod
-    def unavailable_reason(cls, device: torch.device | str, dtype: torch.dtype, head_dim: int,
-                           block_size: int, **kwargs) -> str | None:
+    def unavailable_reason(
+        cls, device: torch.device | str, dtype: torch.dtype, head_dim: int, block_size: int, **kwargs
+    ) -> str | None:
         """Why this backend cannot run with these settings, or None when it can."""
         return None
 

@@ -15,17 +15,18 @@ these settings wins; `PAGEDBENCH_FLASH_PROVIDER=fa3|fa4|fa2|torch` forces one):
 FA4 installs `flash_attn/cute/` without `flash_attn/__init__.py`, so `import flash_attn` can
 succeed as an empty namespace package: probes look for attributes, and catch everything.
 """
+
 import functools
 import inspect
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module, metadata
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata, one_line
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,11 @@ def _import(name: str) -> Any:
     try:
         return import_module(name)
     except ModuleNotFoundError as e:
-        return f"{e.name or name} not installed" if e.name in (name, name.split(".")[0]) else f"import {name}: {one_line(e)}"
+        return (
+            f"{e.name or name} not installed"
+            if e.name in (name, name.split(".")[0])
+            else f"import {name}: {one_line(e)}"
+        )
     except Exception as e:  # a broken install raises anything at import time
         return f"import {name}: {one_line(e)}"
 
@@ -82,7 +87,9 @@ def _probe_fa3() -> Provider | str:
 def _probe_fa4() -> Provider | str:
     fa4 = _import("flash_attn.cute")
     if isinstance(fa4, str):
-        return fa4.replace("flash_attn not installed", "flash_attn.cute not installed") + INSTALL_HINT["fa4"] * fa4.endswith("not installed")
+        return fa4.replace("flash_attn not installed", "flash_attn.cute not installed") + INSTALL_HINT[
+            "fa4"
+        ] * fa4.endswith("not installed")
     fn = getattr(fa4, "flash_attn_varlen_func", None)
     if fn is None:
         return "flash_attn.cute has no flash_attn_varlen_func"
@@ -156,7 +163,9 @@ def provider_reason(kind: str, capability: tuple[int, int], block_size: int, hea
     major, minor = capability
     if kind == "fa4":
         if major not in (9, 10, 11):
-            return f"compute capability {major}.{minor}: FA4 has paged KV only on 9.x (Hopper) and 10.x/11.x (Blackwell)"
+            return (
+                f"compute capability {major}.{minor}: FA4 has paged KV only on 9.x (Hopper) and 10.x/11.x (Blackwell)"
+            )
         # FA4's _validate_head_dims: SM90 8..256; SM100/110 8..128, or 256.
         return _head_dim_reason(head_dim, 8, 256) if major == 9 else _head_dim_reason(head_dim, 8, 128, also=(256,))
     if major < 8:
@@ -168,8 +177,9 @@ def provider_reason(kind: str, capability: tuple[int, int], block_size: int, hea
     return _head_dim_reason(head_dim, 8, MAX_HEAD_DIM)
 
 
-def _machine_reason(device: torch.device, dtype: torch.dtype, num_heads: int | None,
-                    num_kv_heads: int | None) -> str | None:
+def _machine_reason(
+    device: torch.device, dtype: torch.dtype, num_heads: int | None, num_kv_heads: int | None
+) -> str | None:
     """What rules out every provider."""
     if device.type != "cuda":
         return f"no CUDA device (device is {device})"
@@ -182,9 +192,15 @@ def _machine_reason(device: torch.device, dtype: torch.dtype, num_heads: int | N
     return None
 
 
-def select_provider(device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    head_dim: int | None = None, block_size: int | None = None, num_heads: int | None = None,
-                    num_kv_heads: int | None = None, **_) -> tuple[Provider | None, str | None]:
+def select_provider(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    block_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    **_,
+) -> tuple[Provider | None, str | None]:
     """(the first candidate provider that imports and runs these settings, None), or (None, why
     not, naming each provider tried). Without settings: the first one that imports."""
     try:
@@ -256,9 +272,13 @@ class StepBuffers:
         table[:, :cols].copy_(meta.block_table)
         table[:, cols:].zero_()
         return FlashAttnState(
-            cu_seqlens_q=self.cu_seqlens_q[: b + 1], cu_seqlens_k=self.cu_seqlens_k[: b + 1],
-            seq_lens=self.seq_lens[:b], block_table=table, max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len, decode_only=meta.num_prefills == 0,
+            cu_seqlens_q=self.cu_seqlens_q[: b + 1],
+            cu_seqlens_k=self.cu_seqlens_k[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_table=table,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            decode_only=meta.num_prefills == 0,
         )
 
 
@@ -291,16 +311,21 @@ class FlashAttnBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        found, reason = select_provider(self.device, self.dtype, self.head_dim, self.block_size,
-                                        self.num_heads, self.num_kv_heads)
+        found, reason = select_provider(
+            self.device, self.dtype, self.head_dim, self.block_size, self.num_heads, self.num_kv_heads
+        )
         if found is None and self.device.type != "cuda":  # CPU: fakes in tests; the kernels need CUDA
             found = select_provider()[0]
         if found is None:
             raise ValueError(f"flash-attn cannot run here: {reason}")
         self.impl = found
         self.buffers = StepBuffers(self.device)
-        self._attend = {"fa3": self._attend_fa3, "fa4": self._attend_fa4, "fa2": self._attend_fa2,
-                        "torch": self._attend_torch}[found.kind]
+        self._attend = {
+            "fa3": self._attend_fa3,
+            "fa4": self._attend_fa4,
+            "fa2": self._attend_fa2,
+            "torch": self._attend_torch,
+        }[found.kind]
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (9, 0)
         self.fa4_num_splits = fa4_num_splits(capability)
         self._fa4_announced = False
@@ -313,22 +338,41 @@ class FlashAttnBackend(AttentionBackend):
 
     def _attend_fa3(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
         return self.impl.api.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=s.seq_lens, page_table=s.block_table,
-            cu_seqlens_q=s.cu_seqlens_q, max_seqlen_q=s.max_query_len, softmax_scale=self.scale, causal=True)
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=s.seq_lens,
+            page_table=s.block_table,
+            cu_seqlens_q=s.cu_seqlens_q,
+            max_seqlen_q=s.max_query_len,
+            softmax_scale=self.scale,
+            causal=True,
+        )
 
     def _attend_fa4(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
         # page_table excludes cu_seqlens_k; key lengths come from seqused_k. Whole pages are loaded,
         # so rows past seqused_k must be finite: the model runner's cache starts zeroed.
         before = _fa4_compiled_kernels(self.impl.api)
         if not self._fa4_announced and before is not None:
-            logger.info("flash-attn (FA4): each new kernel shape JIT-compiles on first use (seconds each); "
-                        "warmup runs absorb it")
+            logger.info(
+                "flash-attn (FA4): each new kernel shape JIT-compiles on first use (seconds each); "
+                "warmup runs absorb it"
+            )
             self._fa4_announced = True
         start = time.perf_counter()
         result = self.impl.api.flash_attn_varlen_func(
-            q, k_cache, v_cache, cu_seqlens_q=s.cu_seqlens_q, max_seqlen_q=s.max_query_len,
-            max_seqlen_k=s.max_seq_len, seqused_k=s.seq_lens, page_table=s.block_table,
-            softmax_scale=self.scale, causal=True, num_splits=self.fa4_num_splits)
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=s.cu_seqlens_q,
+            max_seqlen_q=s.max_query_len,
+            max_seqlen_k=s.max_seq_len,
+            seqused_k=s.seq_lens,
+            page_table=s.block_table,
+            softmax_scale=self.scale,
+            causal=True,
+            num_splits=self.fa4_num_splits,
+        )
         if before is not None and _fa4_compiled_kernels(self.impl.api) != before:
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
@@ -338,14 +382,39 @@ class FlashAttnBackend(AttentionBackend):
     def _attend_fa2(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
         if s.decode_only:  # [B, 1, H, D]: the split-KV decode kernel
             return self.impl.api.flash_attn_with_kvcache(
-                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=s.seq_lens, block_table=s.block_table,
-                softmax_scale=self.scale, causal=True).squeeze(1)
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=s.seq_lens,
+                block_table=s.block_table,
+                softmax_scale=self.scale,
+                causal=True,
+            ).squeeze(1)
         return self.impl.api.flash_attn_varlen_func(
-            q, k_cache, v_cache, s.cu_seqlens_q, s.cu_seqlens_k, s.max_query_len, s.max_seq_len,
-            softmax_scale=self.scale, causal=True, block_table=s.block_table)
+            q,
+            k_cache,
+            v_cache,
+            s.cu_seqlens_q,
+            s.cu_seqlens_k,
+            s.max_query_len,
+            s.max_seq_len,
+            softmax_scale=self.scale,
+            causal=True,
+            block_table=s.block_table,
+        )
 
     def _attend_torch(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
         return self.impl.api(
-            q, k_cache, v_cache, s.cu_seqlens_q, s.cu_seqlens_k, s.max_query_len, s.max_seq_len,
-            scale=self.scale, window_size=(-1, 0), enable_gqa=self.num_heads != self.num_kv_heads,
-            seqused_k=s.seq_lens, block_table=s.block_table)
+            q,
+            k_cache,
+            v_cache,
+            s.cu_seqlens_q,
+            s.cu_seqlens_k,
+            s.max_query_len,
+            s.max_seq_len,
+            scale=self.scale,
+            window_size=(-1, 0),
+            enable_gqa=self.num_heads != self.num_kv_heads,
+            seqused_k=s.seq_lens,
+            block_table=s.block_table,
+        )

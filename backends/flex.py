@@ -24,6 +24,7 @@ batch is a static power of two, as flex's decoding kernel needs. `compile_stats`
 PAGEDBENCH_FLEX_KERNEL=flash picks FlexAttention's FA4-based kernels (CUDA, with flash-attn-4
 installed, a torch whose flex has BACKEND='FLASH') instead of its Triton ones.
 """
+
 import logging
 import os
 import time
@@ -31,9 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata, to_device
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ _announced: set[str] = set()  # call kinds whose first compile this process has 
 
 
 def _attend(q, k, v, block_mask: BlockMask, scale: float, kernel_options: dict | None):
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
-                          kernel_options=kernel_options)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
 
 
 def _inductor_counting(gm, example_inputs):
@@ -66,9 +65,12 @@ _attend_compiled = torch.compile(_attend, backend=_inductor_counting, fullgraph=
 def _attend_fused(*args):
     """Compiled `_attend`. Past the recompile limit dynamo would silently run flex's unfused eager
     path instead; here that raises. Sizes equal by chance must not become guards (duck shapes)."""
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True,
-                                    specialize_float=True), \
-            torch.fx.experimental._config.patch(use_duck_shape=False):
+    with (
+        torch._dynamo.config.patch(
+            recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True, specialize_float=True
+        ),
+        torch.fx.experimental._config.patch(use_duck_shape=False),
+    ):
         return _attend_compiled(*args)
 
 
@@ -105,8 +107,9 @@ class FlexState:
 class _Entries:
     """(mask row, logical page) pairs a call reads, split into full and masked blocks; host arrays."""
 
-    def __init__(self, row_seq: np.ndarray, first_pos: np.ndarray, last_pos: np.ndarray, block_size: int,
-                 all_masked: bool):
+    def __init__(
+        self, row_seq: np.ndarray, first_pos: np.ndarray, last_pos: np.ndarray, block_size: int, all_masked: bool
+    ):
         pages = np.where(last_pos >= 0, last_pos // block_size + 1, 0)  # pages up to the row's last query
         # Pages wholly at or before the row's first query position: every query of the row sees them.
         self.num_full = np.zeros_like(pages) if all_masked else np.minimum((first_pos + 1) // block_size, pages)
@@ -121,8 +124,18 @@ class _Entries:
 class FlexBackend(AttentionBackend):
     name = "flex"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype,
-                 compile: bool = True, q_block_size: int | None = None):
+    def __init__(
+        self,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        scale,
+        block_size,
+        device,
+        dtype,
+        compile: bool = True,
+        q_block_size: int | None = None,
+    ):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype)
         self.compiled = compile and _compile_enabled()
         # Triton wants query tiles of 64+ rows; the CPU kernel is compute bound and takes short ones.
@@ -136,8 +149,13 @@ class FlexBackend(AttentionBackend):
         else:  # Triton tiles must divide the mask's blocks
             self.kernel_options = {
                 "decode": {"BLOCK_N": min(64, self.kv_block_size)} if cuda else None,
-                "prefill": {"BACKEND": "TRITON", "BLOCK_M": min(64, self.q_block_size),
-                            "BLOCK_N": min(64, self.kv_block_size)} if cuda else None,
+                "prefill": {
+                    "BACKEND": "TRITON",
+                    "BLOCK_M": min(64, self.q_block_size),
+                    "BLOCK_N": min(64, self.kv_block_size),
+                }
+                if cuda
+                else None,
             }
         self.static_decode_batch = cuda  # flex's decoding kernel needs a static batch
         self._buffers: dict[str, torch.Tensor] = {}
@@ -161,7 +179,10 @@ class FlexBackend(AttentionBackend):
             if reason:
                 return f"PAGEDBENCH_FLEX_KERNEL=flash: {reason}"
             if block_size < MIN_KV_BLOCK:
-                return f"PAGEDBENCH_FLEX_KERNEL=flash: pages of {block_size} share KV blocks, leaving no full blocks, which FLASH needs"
+                return (
+                    f"PAGEDBENCH_FLEX_KERNEL=flash: pages of {block_size} share KV blocks, "
+                    "leaving no full blocks, which FLASH needs"
+                )
         if device.type == "cpu" and _compile_enabled():
             from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
 
@@ -205,8 +226,14 @@ class FlexBackend(AttentionBackend):
         seq_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
         ctx = np.asarray(meta.context_lens_cpu, dtype=np.int64)
         short = q_lens <= MAX_DECODE_QUERY
-        plans = [plan for plan in (self._plan_decode(np.flatnonzero(short), qsl, ctx),
-                                   self._plan_prefill(np.flatnonzero(~short), qsl, ctx)) if plan is not None]
+        plans = [
+            plan
+            for plan in (
+                self._plan_decode(np.flatnonzero(short), qsl, ctx),
+                self._plan_prefill(np.flatnonzero(~short), qsl, ctx),
+            )
+            if plan is not None
+        ]
         # One host-to-device copy carries every index array of the step.
         seq_pages = -(-seq_lens // bs)
         inv_seq = np.repeat(np.arange(len(seq_lens)), seq_pages)
@@ -218,16 +245,18 @@ class FlexBackend(AttentionBackend):
         calls, offset = [], 2
         for plan in plans:
             count = len(plan["host"])
-            calls.append(self._build_call(plan, dev[offset:offset + count], meta, num_pages))
+            calls.append(self._build_call(plan, dev[offset : offset + count], meta, num_pages))
             offset += count
         return FlexState(calls, meta.num_tokens)
 
-    def _fill_inverse(self, meta: AttentionMetadata, seq: torch.Tensor, logical: torch.Tensor, num_seqs: int,
-                      num_pages: int) -> None:
+    def _fill_inverse(
+        self, meta: AttentionMetadata, seq: torch.Tensor, logical: torch.Tensor, num_seqs: int, num_pages: int
+    ) -> None:
         """inv[s, page] = logical page of `page` in sequence s, -1 elsewhere. Only the last step's
         entries are reset, so the cost follows the block tables, not the cache size."""
-        inv = self._buffer("inv", (_capacity(num_seqs, MIN_ROW_CAPACITY), _capacity(num_pages, MIN_PAGE_CAPACITY)),
-                           fill=-1)
+        inv = self._buffer(
+            "inv", (_capacity(num_seqs, MIN_ROW_CAPACITY), _capacity(num_pages, MIN_PAGE_CAPACITY)), fill=-1
+        )
         if self._inv_written is not None and self._inv_written[0] is inv:  # a regrown table starts all -1
             inv[self._inv_written[1], self._inv_written[2]] = -1
         pages = meta.block_table[seq, logical].long()
@@ -254,11 +283,29 @@ class FlexBackend(AttentionBackend):
         entries = _Entries(rows, first_pos, last_pos, self.block_size, self.kv_block_size != self.block_size)
         identity = q_len == 1 and len(seqs) == batch and np.array_equal(seqs, np.arange(batch)) and qsl[batch] == batch
         real = (np.arange(q_len)[None, :] < q_lens[:, None]).reshape(-1)
-        return {"kind": "decode", "batch": batch, "q_len": q_len, "identity": identity, "rows": len(rows),
-                "real_rows": q_lens, "entries": entries,
-                "host": [token.reshape(-1), np.flatnonzero(real), token.reshape(-1)[real], rows, pos.reshape(-1),
-                         entries.row, entries.seq, entries.logical, entries.full.astype(np.int64), entries.col,
-                         entries.num_full, entries.num_masked]}
+        return {
+            "kind": "decode",
+            "batch": batch,
+            "q_len": q_len,
+            "identity": identity,
+            "rows": len(rows),
+            "real_rows": q_lens,
+            "entries": entries,
+            "host": [
+                token.reshape(-1),
+                np.flatnonzero(real),
+                token.reshape(-1)[real],
+                rows,
+                pos.reshape(-1),
+                entries.row,
+                entries.seq,
+                entries.logical,
+                entries.full.astype(np.int64),
+                entries.col,
+                entries.num_full,
+                entries.num_masked,
+            ],
+        }
 
     def _plan_prefill(self, seqs: np.ndarray, qsl: np.ndarray, ctx: np.ndarray) -> dict | None:
         """Query blocks of the flat prefill call, each within one sequence's chunk."""
@@ -282,11 +329,29 @@ class FlexBackend(AttentionBackend):
         token = (qsl[block_seq][:, None] + offset).reshape(-1)
         pos = (ctx[block_seq][:, None] + offset).reshape(-1)
         seq_of_row = np.repeat(block_seq, qb)
-        return {"kind": "prefill", "batch": 1, "q_len": len(token), "identity": False, "rows": num_rows,
-                "real_rows": np.append(block_real, 0), "entries": entries,
-                "host": [token, np.flatnonzero(real), token[real], seq_of_row, pos,
-                         entries.row, entries.seq, entries.logical, entries.full.astype(np.int64), entries.col,
-                         entries.num_full, entries.num_masked]}
+        return {
+            "kind": "prefill",
+            "batch": 1,
+            "q_len": len(token),
+            "identity": False,
+            "rows": num_rows,
+            "real_rows": np.append(block_real, 0),
+            "entries": entries,
+            "host": [
+                token,
+                np.flatnonzero(real),
+                token[real],
+                seq_of_row,
+                pos,
+                entries.row,
+                entries.seq,
+                entries.logical,
+                entries.full.astype(np.int64),
+                entries.col,
+                entries.num_full,
+                entries.num_masked,
+            ],
+        }
 
     def _build_call(self, plan: dict, dev: list[torch.Tensor], meta: AttentionMetadata, num_pages: int) -> FlexCall:
         token, real, dest, seq_of, pos, e_row, e_seq, e_logical, e_full, e_col, num_full, num_masked = dev
@@ -302,7 +367,9 @@ class FlexBackend(AttentionBackend):
             counts[1, :rows].copy_(num_full)
             tables[e_full, e_row, e_col] = pages
             full_num = counts[1, :rows].view(rows, 1, 1) if kind == "decode" else counts[1, :rows].view(1, 1, rows)
-            full_idx = tables[1, :rows].view(rows, 1, 1, -1) if kind == "decode" else tables[1, :rows].view(1, 1, rows, -1)
+            full_idx = (
+                tables[1, :rows].view(rows, 1, 1, -1) if kind == "decode" else tables[1, :rows].view(1, 1, rows, -1)
+            )
         else:  # pages of one row may share a KV block: list each block once, without a device sync
             listed = torch.zeros(rows, tables.shape[-1], dtype=torch.bool, device=self.device)
             listed[e_row, pages.long() // (kv_block // bs)] = True
@@ -318,27 +385,41 @@ class FlexBackend(AttentionBackend):
             dec_seq = self._buffer("decode_seq", (cap_rows,))
             dec_seq[:rows].copy_(seq_of)
             dec_pos = self._buffer("decode_pos", (cap_rows, MAX_DECODE_QUERY))
-            dec_pos[:rows, :plan["q_len"]].copy_(pos.view(rows, -1))
+            dec_pos[:rows, : plan["q_len"]].copy_(pos.view(rows, -1))
 
             def visible(b, h, q_idx, kv_idx):
                 logical = inv[dec_seq[b], kv_idx // bs]
                 return (logical >= 0) & (logical * bs + kv_idx % bs <= dec_pos[b, q_idx])
         else:
             pre_seq = self._buffer("prefill_seq", (_capacity(len(seq_of), MIN_TOKEN_CAPACITY),))
-            pre_seq[:len(seq_of)].copy_(seq_of)
+            pre_seq[: len(seq_of)].copy_(seq_of)
             pre_pos = self._buffer("prefill_pos", (_capacity(len(pos), MIN_TOKEN_CAPACITY),))
-            pre_pos[:len(pos)].copy_(pos)
+            pre_pos[: len(pos)].copy_(pos)
 
             def visible(b, h, q_idx, kv_idx):
                 logical = inv[pre_seq[q_idx], kv_idx // bs]
                 return (logical >= 0) & (logical * bs + kv_idx % bs <= pre_pos[q_idx])
 
         identity = plan["identity"]
-        call = FlexCall(kind, plan["batch"], plan["q_len"], None if identity else token,
-                        None if identity else real, None if identity else dest, plan["real_rows"])
+        call = FlexCall(
+            kind,
+            plan["batch"],
+            plan["q_len"],
+            None if identity else token,
+            None if identity else real,
+            None if identity else dest,
+            plan["real_rows"],
+        )
         call.block_mask = BlockMask.from_kv_blocks(
-            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(self.q_block_size, kv_block), mask_mod=visible,
-            seq_lengths=(plan["q_len"], num_pages * bs), compute_q_blocks=False)
+            kv_num,
+            kv_idx,
+            full_num,
+            full_idx,
+            BLOCK_SIZE=(self.q_block_size, kv_block),
+            mask_mod=visible,
+            seq_lengths=(plan["q_len"], num_pages * bs),
+            compute_q_blocks=False,
+        )
         return call
 
     # --- forward: once per layer ---------------------------------------------------------------
@@ -397,8 +478,11 @@ class FlexBackend(AttentionBackend):
             mask = call.block_mask
             rows = len(call.real_rows)
             masked = mask.kv_num_blocks.reshape(-1)[:rows].long().cpu()
-            full = (mask.full_kv_num_blocks.reshape(-1)[:rows].long().cpu() if mask.full_kv_num_blocks is not None
-                    else torch.zeros(rows, dtype=torch.long))
+            full = (
+                mask.full_kv_num_blocks.reshape(-1)[:rows].long().cpu()
+                if mask.full_kv_num_blocks is not None
+                else torch.zeros(rows, dtype=torch.long)
+            )
             real = torch.as_tensor(call.real_rows, dtype=torch.long)
             computed += int((real * (masked + full)).sum()) * kv_block
             kept += int((real * full).sum()) * kv_block

@@ -4,11 +4,11 @@
 Probing never crashes: a backend whose module fails to import, or whose `provider()` or
 `unavailable_reason()` raises, is reported as unavailable with that error as its reason, and
 every other backend stays usable."""
+
 from importlib import import_module
 from importlib.metadata import entry_points
 
 import torch
-
 from pagedbench.backends.base import AttentionBackend, one_line
 
 _BUILTIN = {
@@ -79,8 +79,14 @@ def get_backend(name: str) -> type[AttentionBackend]:
     return cls
 
 
-def probe(cls: type[AttentionBackend], device: torch.device | str, dtype: torch.dtype, head_dim: int,
-          block_size: int, **settings) -> tuple[str, str | None]:
+def probe(
+    cls: type[AttentionBackend],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    **settings,
+) -> tuple[str, str | None]:
     """(provider, unavailable reason or None) of a backend class for these settings; an exception
     raised by either classmethod becomes the reason."""
     try:

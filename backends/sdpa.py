@@ -4,11 +4,11 @@
 Decodes and prefills are separate padded groups, so one long prefill does not pad every
 decode to its query length.
 """
+
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata, gather_kv_slots
 
 
@@ -41,8 +41,9 @@ class SDPABackend(AttentionBackend):
             q_pos = meta.context_lens[start:end, None] + torch.arange(max_q, device=seq.device)  # [n, max_q]
             kv_pos = torch.arange(max_kv, device=seq.device)
             mask = (kv_pos <= q_pos[..., None]) & (kv_pos < meta.seq_lens[start:end, None, None])
-            groups.append(_Group(t0, t1, q_dest, gather_kv_slots(meta, start, end, max_kv),
-                                 mask.unsqueeze(1), end - start, max_q))
+            groups.append(
+                _Group(t0, t1, q_dest, gather_kv_slots(meta, start, end, max_kv), mask.unsqueeze(1), end - start, max_q)
+            )
         return groups
 
     def forward(self, q, k_cache, v_cache, state: list[_Group]) -> torch.Tensor:
@@ -51,11 +52,12 @@ class SDPABackend(AttentionBackend):
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         for g in state:
             q_pad = q.new_zeros(g.num_seqs * g.max_q, self.num_heads, self.head_dim)
-            q_pad[g.q_dest] = q[g.token_start:g.token_end]
+            q_pad[g.q_dest] = q[g.token_start : g.token_end]
             q_pad = q_pad.view(g.num_seqs, g.max_q, self.num_heads, self.head_dim).transpose(1, 2)
             k = k_flat[g.kv_slots].transpose(1, 2)  # [n, H_kv, max_kv, D]
             v = v_flat[g.kv_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=g.mask, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
-            out[g.token_start:g.token_end] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[g.q_dest]
+            o = F.scaled_dot_product_attention(
+                q_pad, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+            out[g.token_start : g.token_end] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[g.q_dest]
         return out

@@ -1,4 +1,5 @@
 """pagedbench: a vLLM-style inference engine whose only swappable part is the paged-attention backend."""
+
 from pagedbench.config import EngineConfig
 from pagedbench.engine import LLMEngine
 from pagedbench.llm import LLM

@@ -6,6 +6,7 @@ from a pool whose block 0 is never used and whose spare blocks hold loud garbage
 sharing pages between sequences (a common prefix, or a fork sharing everything). The oracle
 attends from the logical tensors alone, so it is independent of every backend and every layout.
 """
+
 from dataclasses import dataclass, field
 
 import torch
@@ -41,9 +42,15 @@ class AttentionProblem:
         return self.k[0].shape[1]
 
 
-def random_problem(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype = torch.float32, seed: int = 0,
-                   shared: dict[int, tuple[int, int]] | None = None) -> AttentionProblem:
+def random_problem(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    shared: dict[int, tuple[int, int]] | None = None,
+) -> AttentionProblem:
     """Normal random queries, keys and values in `dtype` (on the CPU). `shared` makes sequence b's
     first `tokens` keys and values equal to sequence a's (a < b), so a layout may share their pages."""
     gen = torch.Generator().manual_seed(seed)
@@ -72,8 +79,14 @@ def shared_pages(problem: AttentionProblem, b: int, block_size: int) -> tuple[in
     return a, blocks_needed(tokens, block_size) if fork else tokens // block_size
 
 
-def place(problem: AttentionProblem, block_size: int, device: torch.device | str = "cpu", layout_seed: int = 0,
-          spare_blocks: int = 3, null_block: bool = True) -> AttentionBatch:
+def place(
+    problem: AttentionProblem,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    layout_seed: int = 0,
+    spare_blocks: int = 3,
+    null_block: bool = True,
+) -> AttentionBatch:
     """The problem in a paged cache on `device`: pages at random (block 0 never used when
     `null_block`, `spare_blocks` unused ones of garbage), the shared ones shared, and the step's
     AttentionMetadata (whose table rows are padded with 0)."""
@@ -92,8 +105,13 @@ def place(problem: AttentionProblem, block_size: int, device: torch.device | str
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=gen).mul_(100).to(device, dtype)  # garbage: loud if read
     v_cache = torch.randn(cache_shape, generator=gen).mul_(100).to(device, dtype)
-    slots = torch.cat([torch.tensor(table, dtype=torch.long).repeat_interleave(block_size)[: len(k)] * block_size
-                       + torch.arange(len(k)) % block_size for table, k in zip(tables, problem.k)])
+    slots = torch.cat(
+        [
+            torch.tensor(table, dtype=torch.long).repeat_interleave(block_size)[: len(k)] * block_size
+            + torch.arange(len(k)) % block_size
+            for table, k in zip(tables, problem.k)
+        ]
+    )
     write_kv(torch.cat(problem.k).to(device), torch.cat(problem.v).to(device), k_cache, v_cache, slots.to(device))
     sequences = []
     for i, ((ctx, qlen), table) in enumerate(zip(problem.seqs, tables)):
@@ -104,14 +122,15 @@ def place(problem: AttentionProblem, block_size: int, device: torch.device | str
     return AttentionBatch(problem.q.to(device), k_cache, v_cache, step.metadata)
 
 
-def attend_dense(problem: AttentionProblem, scale: float, dtype: torch.dtype, device: torch.device | str = "cpu"
-                 ) -> torch.Tensor:
+def attend_dense(
+    problem: AttentionProblem, scale: float, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Per sequence, causal attention (aligned to the end of its keys) on the logical tensors,
     every operation in `dtype` on `device`: [T, H, D] in `dtype`. In fp64 it is the oracle; in the
     problem's dtype, the naive computation whose error sets that dtype's tolerance."""
     out, start = [], 0
     for (ctx, qlen), k, v in zip(problem.seqs, problem.k, problem.v):
-        q = problem.q[start:start + qlen].to(device, dtype).transpose(0, 1)  # [H, q, D]
+        q = problem.q[start : start + qlen].to(device, dtype).transpose(0, 1)  # [H, q, D]
         group = q.shape[0] // k.shape[1]
         k = k.to(device, dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         v = v.to(device, dtype).repeat_interleave(group, dim=1).transpose(0, 1)
@@ -122,17 +141,31 @@ def attend_dense(problem: AttentionProblem, scale: float, dtype: torch.dtype, de
     return torch.cat(out)
 
 
-def random_attention_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-                           block_size: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                           seed: int = 0, spare_blocks: int = 3, null_block: bool = True) -> AttentionBatch:
+def random_attention_batch(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+    null_block: bool = True,
+) -> AttentionBatch:
     """`seqs` lists (context_len, query_len) per sequence, decodes (query_len 1) first: a random
     problem placed on fragmented block tables, its new tokens' K/V written as the model would."""
     problem = random_problem(seqs, num_heads, num_kv_heads, head_dim, dtype, seed)
     return place(problem, block_size, device, seed, spare_blocks, null_block)
 
 
-def paged_metadata(seqs: list[tuple[int, int]], block_size: int, device: torch.device | str = "cpu", seed: int = 0,
-                   spare_blocks: int = 3) -> AttentionMetadata:
+def paged_metadata(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> AttentionMetadata:
     """Only the step's AttentionMetadata for `seqs` on fragmented block tables (no cache, no
     tensors): enough to build and inspect a backend's per-step state at any size."""
     gen = torch.Generator().manual_seed(seed)

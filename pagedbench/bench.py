@@ -1,5 +1,6 @@
 """The benchmark driver: one scenario's request set on one or more backends, in one process,
 each with the same KV budget and engine limits; warmup, then measured runs."""
+
 import dataclasses
 import gc
 import statistics
@@ -13,14 +14,13 @@ from tqdm.auto import tqdm
 
 from pagedbench.backends.registry import get_backend, probe
 from pagedbench.config import EngineConfig
-from pagedbench.engine import LLMEngine, resolve_device_dtype
+from pagedbench.device import resolve_device_dtype
+from pagedbench.engine import LLMEngine
 from pagedbench.environment import environment, synchronize
 from pagedbench.loader import resolve_model_config
 from pagedbench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.outputs import RequestOutput
 from pagedbench.scenario import Request, Scenario, build_requests
-
-STEP_PARTS = ("schedule", "metadata", "backend_prepare", "forward", "sample")
 
 
 @dataclass(slots=True)
@@ -40,10 +40,18 @@ class Comparison:
 
 
 def engine_config(scenario: Scenario, backend: str, device: str | None, dtype: str | None) -> EngineConfig:
-    return EngineConfig(model=scenario.model, backend=backend, device=device, dtype=dtype,
-                        block_size=scenario.block_size, num_blocks=scenario.kv_blocks,
-                        max_num_seqs=scenario.max_num_seqs, max_num_batched_tokens=scenario.max_num_batched_tokens,
-                        max_model_len=scenario.max_model_len, seed=scenario.seed)
+    return EngineConfig(
+        model=scenario.model,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        block_size=scenario.block_size,
+        num_blocks=scenario.kv_blocks,
+        max_num_seqs=scenario.max_num_seqs,
+        max_num_batched_tokens=scenario.max_num_batched_tokens,
+        max_model_len=scenario.max_model_len,
+        seed=scenario.seed,
+    )
 
 
 def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[float, list[RequestOutput]]:
@@ -58,8 +66,12 @@ def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[f
             now = time.perf_counter()
             while pending and start + requests[pending[0]].arrival_time <= now:
                 i = pending.popleft()
-                engine.add_request({"prompt_token_ids": requests[i].prompt_token_ids}, requests[i].params,
-                                   request_id=str(i), arrival_time=start + requests[i].arrival_time)
+                engine.add_request(
+                    {"prompt_token_ids": requests[i].prompt_token_ids},
+                    requests[i].params,
+                    request_id=str(i),
+                    arrival_time=start + requests[i].arrival_time,
+                )
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, start + requests[pending[0]].arrival_time - time.perf_counter()))
                 continue
@@ -85,38 +97,54 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "preemptions": st.preemptions,
         "peak_kv_blocks": st.peak_blocks_used,
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
-        **{f"time_{part}_s": getattr(st, f"time_{part}") for part in STEP_PARTS},
+        **st.time_columns(),
         "time_backend_compile_s": engine.backend.compile_seconds - compile_before,  # 0 after a warmup run
     }
-    per_request = [{"request": i, "input_len": len(r.prompt_token_ids), "output_len": len(ids),
-                    **request_latencies(o.metrics)}
-                   for i, (r, o, ids) in enumerate(zip(requests, outputs, output_ids))]
+    per_request = [
+        {"request": i, "input_len": len(r.prompt_token_ids), "output_len": len(ids), **request_latencies(o.metrics)}
+        for i, (r, o, ids) in enumerate(zip(requests, outputs, output_ids))
+    ]
     return Measurement(row, output_ids, per_request)
 
 
 def warmup_requests(requests: list[Request], max_tokens: int = 16) -> list[Request]:
     """Every request, all at t=0, generating at most `max_tokens`: the prefill shapes and
     batch sizes of the measured run compile (and caches warm) before timing starts."""
-    return [Request(r.prompt_token_ids, dataclasses.replace(r.params, max_tokens=min(max_tokens, r.params.max_tokens)),
-                    0.0) for r in requests]
+    return [
+        Request(r.prompt_token_ids, dataclasses.replace(r.params, max_tokens=min(max_tokens, r.params.max_tokens)), 0.0)
+        for r in requests
+    ]
 
 
-def run_backend(scenario: Scenario, requests: list[Request], backend: str, device, dtype, repeats: int,
-                warmup: bool) -> tuple[int, list[Measurement]]:
+def run_backend(
+    scenario: Scenario, requests: list[Request], backend: str, device, dtype, repeats: int, warmup: bool
+) -> tuple[int, list[Measurement]]:
     """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
     engine = LLMEngine(engine_config(scenario, backend, device, dtype))
     engine.sync_timing = engine.device.type == "cuda"  # honest time split; costs a sync per part
     if scenario.longest_request > engine.max_model_len:
-        raise ValueError(f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "
-                         f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
-                         f"of {engine.num_blocks} blocks x {scenario.block_size}); lower --scale")
+        raise ValueError(
+            f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "
+            f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
+            f"of {engine.num_blocks} blocks x {scenario.block_size}); lower --scale"
+        )
     if warmup:
         drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
-    return engine.max_model_len, [measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)]
+    return engine.max_model_len, [
+        measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)
+    ]
 
 
-def compare(scenario: Scenario, backends: list[str], scale: float, device: str | None = None,
-            dtype: str | None = None, repeats: int = 1, warmup: bool = True, rows: list | None = None) -> Comparison:
+def compare(
+    scenario: Scenario,
+    backends: list[str],
+    scale: float,
+    device: str | None = None,
+    dtype: str | None = None,
+    repeats: int = 1,
+    warmup: bool = True,
+    rows: list | None = None,
+) -> Comparison:
     """Every available backend on the identical request set and KV budget, one engine at a time.
     Serving rows are appended to `rows` (a report.CsvLog writes each out) as runs finish."""
     if repeats < 1:
@@ -127,17 +155,31 @@ def compare(scenario: Scenario, backends: list[str], scale: float, device: str |
     requests = build_requests(scenario, model.vocab_size)
     env = environment(dev, dt)
     scenario_columns = {
-        "scenario": scenario.name, "scenario_hash": scenario.content_hash(), "scale": scale, "seed": scenario.seed,
-        "model": scenario.model, "block_size": scenario.block_size, "num_blocks": scenario.kv_blocks,
+        "scenario": scenario.name,
+        "scenario_hash": scenario.content_hash(),
+        "scale": scale,
+        "seed": scenario.seed,
+        "model": scenario.model,
+        "block_size": scenario.block_size,
+        "num_blocks": scenario.kv_blocks,
         "max_num_seqs": scenario.max_num_seqs,
-        "max_num_batched_tokens": scenario.max_num_batched_tokens, "arrival": scenario.arrival,
-        "request_rate": scenario.request_rate, "temperature": scenario.temperature,
+        "max_num_batched_tokens": scenario.max_num_batched_tokens,
+        "arrival": scenario.arrival,
+        "request_rate": scenario.request_rate,
+        "temperature": scenario.temperature,
     }
     rows = [] if rows is None else rows
     request_rows, unavailable, measured = [], {}, {}
     for name, cls in classes.items():
-        provider, reason = probe(cls, dev, dt, model.head_dim, scenario.block_size,
-                                 num_heads=model.num_heads, num_kv_heads=model.num_kv_heads)
+        provider, reason = probe(
+            cls,
+            dev,
+            dt,
+            model.head_dim,
+            scenario.block_size,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+        )
         head = {**env, "backend": name, "provider": provider, **scenario_columns}
         if reason:
             unavailable[name] = reason
@@ -146,7 +188,9 @@ def compare(scenario: Scenario, backends: list[str], scale: float, device: str |
         max_model_len, runs = run_backend(scenario, requests, name, dev, dt, repeats, warmup)
         measured[name] = runs
         for repeat, m in enumerate(runs):
-            rows.append({**head, "status": "ok", "reason": "", "max_model_len": max_model_len, "repeat": repeat, **m.row})
+            rows.append(
+                {**head, "status": "ok", "reason": "", "max_model_len": max_model_len, "repeat": repeat, **m.row}
+            )
             request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
         gc.collect()
         if dev.type == "cuda":

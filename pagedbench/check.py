@@ -6,6 +6,7 @@ GPU), the same problem on a second random layout (placement invariance), and pas
 the dtype's tolerance: TOLERANCE_FACTOR x the error of the naive computation in that dtype (every
 operation in it, softmax included) plus a small floor, as peers' kernel tests derive it.
 """
+
 import zlib
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from tqdm.auto import tqdm
 
 from pagedbench.attention_batch import attend_dense, place, random_problem
 from pagedbench.backends.registry import get_backend, probe
+from pagedbench.device import dtype_name
 
 TOLERANCE_FACTOR = 4.0
 TOLERANCE_FLOOR = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
@@ -32,8 +34,7 @@ class CheckCase:
 
     @property
     def name(self) -> str:
-        return (f"{self.batch} {self.heads} d{self.head_dim} page{self.block_size} "
-                f"{str(self.dtype).removeprefix('torch.')}")
+        return f"{self.batch} {self.heads} d{self.head_dim} page{self.block_size} {dtype_name(self.dtype)}"
 
     @property
     def seed(self) -> int:  # stable across processes (never Python's hash())
@@ -52,8 +53,10 @@ def _batches(block_size: int, long_context: int) -> dict[str, tuple[list[tuple[i
         "many short": ([(i % 7, 1 + i % 3) for i in range(48)], {}),
         "length one": ([(0, 1), (0, 1), (1, 1), (0, 1)], {}),
         "page boundaries": ([(p - 1, 1), (p - 1, 2), (p, 1), (0, p), (0, p - 1), (p, p), (2 * p - 1, 1)], {}),
-        "shared prefix": ([(3 * p + 2, 1), (3 * p + 9, 1), (2 * p, p + 4), (3 * p + 2, 1)],
-                          {1: (0, 3 * p), 2: (0, 2 * p), 3: (0, 3 * p + 3)}),  # 3 is a fork of 0
+        "shared prefix": (
+            [(3 * p + 2, 1), (3 * p + 9, 1), (2 * p, p + 4), (3 * p + 2, 1)],
+            {1: (0, 3 * p), 2: (0, 2 * p), 3: (0, 3 * p + 3)},
+        ),  # 3 is a fork of 0
     }
 
 
@@ -72,8 +75,13 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
         for batch, (seqs, shared) in _batches(16, 2048).items():
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared))
         for batch in ("mixed", "shared prefix"):
-            for change in ({"heads": "MHA"}, {"heads": "GQA-3"}, {"heads": "MQA"}, {"head_dim": 128},
-                           {"block_size": 128}):
+            for change in (
+                {"heads": "MHA"},
+                {"heads": "GQA-3"},
+                {"heads": "MQA"},
+                {"head_dim": 128},
+                {"block_size": 128},
+            ):
                 seqs, shared = _batches(change.get("block_size", 16), 2048)[batch]
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **change))
     return cases
@@ -87,27 +95,38 @@ def tolerance(problem, scale: float, dtype: torch.dtype, device: torch.device, e
 def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list[dict]:
     """One row per backend: errors against the oracle and between two layouts, and the verdict."""
     num_heads, num_kv_heads = HEADS[case.heads]
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     oracle_dtype = torch.float64 if device.type == "cpu" else torch.float32
     problem = random_problem(case.seqs, num_heads, num_kv_heads, case.head_dim, case.dtype, case.seed, case.shared)
     expected = attend_dense(problem, scale, oracle_dtype, device)
     tol = tolerance(problem, scale, case.dtype, device, expected)
     layouts = None
-    head = {"case": case.name, "batch": case.batch, "heads": case.heads, "num_heads": num_heads,
-            "num_kv_heads": num_kv_heads, "head_dim": case.head_dim, "block_size": case.block_size,
-            "dtype": str(case.dtype).removeprefix("torch."), "num_seqs": len(case.seqs),
-            "num_query_tokens": problem.q.shape[0], "tolerance": tol}
+    head = {
+        "case": case.name,
+        "batch": case.batch,
+        "heads": case.heads,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": case.head_dim,
+        "block_size": case.block_size,
+        "dtype": dtype_name(case.dtype),
+        "num_seqs": len(case.seqs),
+        "num_query_tokens": problem.q.shape[0],
+        "tolerance": tol,
+    }
     rows = []
     for name in backends:
         cls = get_backend(name)
-        provider, reason = probe(cls, device, case.dtype, case.head_dim, case.block_size,
-                                 num_heads=num_heads, num_kv_heads=num_kv_heads)
+        provider, reason = probe(
+            cls, device, case.dtype, case.head_dim, case.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
+        )
         row = {**head, "backend": name, "provider": provider}
         if reason:
             rows.append({**row, "status": "skipped", "reason": reason})
             continue
-        layouts = layouts or [place(problem, case.block_size, device, layout_seed=seed, spare_blocks=5)
-                              for seed in (1, 2)]
+        layouts = layouts or [
+            place(problem, case.block_size, device, layout_seed=seed, spare_blocks=5) for seed in (1, 2)
+        ]
         try:
             outs = [_attend(cls, batch, num_heads, num_kv_heads, case, scale) for batch in layouts]
         except Exception as e:  # a backend that raises fails this case; the others go on
@@ -133,8 +152,9 @@ def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scal
     return backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata))
 
 
-def run_check(backends: list[str], device: torch.device, dtypes: list[torch.dtype], full: bool = False,
-              rows: list | None = None) -> list[dict]:
+def run_check(
+    backends: list[str], device: torch.device, dtypes: list[torch.dtype], full: bool = False, rows: list | None = None
+) -> list[dict]:
     """Every case of the grid; rows are appended to `rows` (a report.CsvLog writes each out) as they come."""
     rows = [] if rows is None else rows
     for case in tqdm(build_cases(dtypes, full), desc="check", disable=None):
@@ -155,7 +175,9 @@ def summary(rows: list[dict]) -> str:
     ran = frame[frame["status"] != "skipped"]
     if "max_abs_error" in ran:
         counts["worst error"] = ran.groupby(keys)["max_abs_error"].max()
-        counts["worst error / tolerance"] = (ran["max_abs_error"] / ran["tolerance"]).groupby([ran[k] for k in keys]).max()
+        counts["worst error / tolerance"] = (
+            (ran["max_abs_error"] / ran["tolerance"]).groupby([ran[k] for k in keys]).max()
+        )
         counts["worst placement diff"] = ran.groupby(keys)["placement_diff"].max()
     lines = [counts.reset_index().to_markdown(index=False)]
     failed = frame[frame["status"] == "fail"]
@@ -173,9 +195,16 @@ ENGINE_NOISE_FLOOR = 1e-4  # logits: below this, differences are rounding in any
 ENGINE_FACTOR = 8.0  # a backend's logits may differ from reference's by this x the dtype's own noise
 
 
-def teacher_forced_logits(model: str, backend: str, device: torch.device, dtype: torch.dtype,
-                          tokens: list[list[int]], prompt_lens: list[int], block_size: int = 16,
-                          layout_seed: int = 0) -> torch.Tensor:
+def teacher_forced_logits(
+    model: str,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokens: list[list[int]],
+    prompt_lens: list[int],
+    block_size: int = 16,
+    layout_seed: int = 0,
+) -> torch.Tensor:
     """fp32 logits [steps, B, vocab] of every sequence at the end of its prompt and after each
     forced continuation token: the prompt in two chunks (a chunked prefill), then one decode step
     per token, on pages scattered at random through the cache."""
@@ -186,8 +215,17 @@ def teacher_forced_logits(model: str, backend: str, device: torch.device, dtype:
     from pagedbench.sequence import Sequence
 
     pages = [-(-len(t) // block_size) for t in tokens]
-    engine = LLMEngine(EngineConfig(model=model, backend=backend, device=str(device), dtype=dtype,
-                                    block_size=block_size, num_blocks=sum(pages) + 8, seed=0))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            backend=backend,
+            device=str(device),
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=sum(pages) + 8,
+            seed=0,
+        )
+    )
     runner = engine.runner
     free = (torch.randperm(engine.num_blocks - 1, generator=torch.Generator().manual_seed(layout_seed)) + 1).tolist()
     seqs, tables = [], []
@@ -213,8 +251,15 @@ def teacher_forced_logits(model: str, backend: str, device: torch.device, dtype:
     return torch.stack(logits)
 
 
-def engine_check(backends: list[str], device: torch.device, dtypes: list[torch.dtype], model: str = "tiny-llama",
-                 num_seqs: int = 4, prompt_len: int = 40, steps: int = 24) -> list[dict]:
+def engine_check(
+    backends: list[str],
+    device: torch.device,
+    dtypes: list[torch.dtype],
+    model: str = "tiny-llama",
+    num_seqs: int = 4,
+    prompt_len: int = 40,
+    steps: int = 24,
+) -> list[dict]:
     """Each backend's teacher-forced logits against `reference`'s in the same dtype: max abs
     difference, held to ENGINE_FACTOR x that dtype's own noise (reference in the dtype vs in fp32),
     and top-1 agreement where reference's top-2 gap exceeds the noise."""
@@ -231,9 +276,15 @@ def engine_check(backends: list[str], device: torch.device, dtypes: list[torch.d
         noise = max(float((expected - fp32).abs().max()), ENGINE_NOISE_FLOOR)
         top2 = expected.topk(2, dim=-1).values
         decisive = (top2[..., 0] - top2[..., 1]) > 2 * noise
-        case = f"engine {model} teacher-forced {str(dtype).removeprefix('torch.')}"
-        head = {"case": case, "batch": "engine", "dtype": str(dtype).removeprefix("torch."), "num_seqs": num_seqs,
-                "num_query_tokens": sum(prompt_lens) + steps * num_seqs, "tolerance": ENGINE_FACTOR * noise}
+        case = f"engine {model} teacher-forced {dtype_name(dtype)}"
+        head = {
+            "case": case,
+            "batch": "engine",
+            "dtype": dtype_name(dtype),
+            "num_seqs": num_seqs,
+            "num_query_tokens": sum(prompt_lens) + steps * num_seqs,
+            "tolerance": ENGINE_FACTOR * noise,
+        }
         for name in backends:
             if name == "reference":
                 continue
@@ -251,6 +302,13 @@ def engine_check(backends: list[str], device: torch.device, dtypes: list[torch.d
                 why.append(f"logits differ by {diff:.3g} > {row['tolerance']:.3g}")
             if agree.numel() and top1 < 1.0:
                 why.append(f"top-1 differs at {int((agree == 0).sum())} of {agree.numel()} decisive positions")
-            rows.append({**row, "max_abs_error": diff, "top1_agreement": top1, "status": "fail" if why else "pass",
-                         "reason": "; ".join(why) or f"{agree.numel()} decisive positions of {decisive.numel()}"})
+            rows.append(
+                {
+                    **row,
+                    "max_abs_error": diff,
+                    "top1_agreement": top1,
+                    "status": "fail" if why else "pass",
+                    "reason": "; ".join(why) or f"{agree.numel()} decisive positions of {decisive.numel()}",
+                }
+            )
     return rows

@@ -1,5 +1,6 @@
 """The `pagedbench` command: run / compare scenarios, microbenchmark attention kernels,
 re-render reports, list scenarios and backends."""
+
 import argparse
 import contextlib
 import dataclasses
@@ -12,19 +13,33 @@ import sys
 import pandas as pd
 import torch
 
-from pagedbench.engine import resolve_device_dtype
+from pagedbench.device import dtype_name, resolve_device_dtype
 from pagedbench.presets import PRESETS
 from pagedbench.scenario import LengthRange, Scenario, builtin_scenarios, load_scenario
 
 # Flags that override the scenario's field of the same name (after --scale), equally for every backend.
-SCENARIO_OVERRIDES = ("model", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                      "seed", "num_prompts", "input_len", "output_len")
+SCENARIO_OVERRIDES = (
+    "model",
+    "block_size",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "seed",
+    "num_prompts",
+    "input_len",
+    "output_len",
+)
 
 
 def add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default="synthetic", help="built-in name (see `pagedbench scenarios`) or a TOML file")
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="request counts, lengths and max_num_seqs times F, the KV budget times F^2")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="request counts, lengths and max_num_seqs times F, the KV budget times F^2",
+    )
     p.add_argument("--repeats", type=int, default=1, help="measured runs after the warmup")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
     p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
@@ -44,8 +59,10 @@ def scenario_from_args(args) -> Scenario:
     changes = {f: getattr(args, f) for f in SCENARIO_OVERRIDES if getattr(args, f) is not None}
     device, _ = resolve_device_dtype(args.device, args.dtype)
     if device.type == "cpu" and "model" not in changes and scenario.model != CPU_MODEL:
-        print(f"pagedbench: note: on cpu, model {CPU_MODEL} instead of the scenario's {scenario.model} "
-              f"(pass --model {scenario.model} to run that)")
+        print(
+            f"pagedbench: note: on cpu, model {CPU_MODEL} instead of the scenario's {scenario.model} "
+            f"(pass --model {scenario.model} to run that)"
+        )
         changes["model"] = CPU_MODEL
     for length in {"input_len", "output_len"} & set(changes):
         changes[length] = LengthRange(changes[length], changes[length])
@@ -95,12 +112,14 @@ def keep_partial(log):
 
     def terminate(signum, frame):
         raise KeyboardInterrupt
+
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         yield
     except KeyboardInterrupt:
-        paths = [log.path] + (render(tidy(list(log), log.kind, log.command), log.path.parent, log.path.stem)
-                              if len(log) else [])
+        paths = [log.path] + (
+            render(tidy(list(log), log.kind, log.command), log.path.parent, log.path.stem) if len(log) else []
+        )
         raise Interrupted(f"interrupted after {len(log)} rows; kept: {', '.join(map(str, paths))}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -127,9 +146,11 @@ def serving_report(args, backends: list[str], command: str) -> None:
     if command == "run" and result.unavailable:
         raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
     serving = tidy(result.rows, "serving", command)
-    print(f"scenario {scenario.name} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): "
-          f"{scenario.num_prompts} requests, model {scenario.model}, KV budget {scenario.kv_blocks} blocks "
-          f"x {scenario.block_size} for every backend")
+    print(
+        f"scenario {scenario.name} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): "
+        f"{scenario.num_prompts} requests, model {scenario.model}, KV budget {scenario.kv_blocks} blocks "
+        f"x {scenario.block_size} for every backend"
+    )
     print(console_table(serving, cross_backend=command == "compare"))
     frames = {"serving": serving, "requests": tidy(result.request_rows, "requests", command)}
     paths = write_reports(frames, args.out, f"{command}-{scenario.name}")
@@ -180,10 +201,14 @@ def cmd_check(args) -> int:
         if args.engine or args.full:
             log += engine_check(backends, device, dtypes, model=args.model)
     rows = list(log)
-    print(f"device {env['device_name']}, torch {torch.__version__}, {'full' if args.full else 'quick'} grid, "
-          f"dtypes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}")
-    print(f"tolerance: {TOLERANCE_FACTOR:g} x the error of the naive computation in each dtype + "
-          + ", ".join(f"{str(d).removeprefix('torch.')} {f:g}" for d, f in TOLERANCE_FLOOR.items()))
+    print(
+        f"device {env['device_name']}, torch {torch.__version__}, {'full' if args.full else 'quick'} grid, "
+        f"dtypes {', '.join(dtype_name(d) for d in dtypes)}"
+    )
+    print(
+        f"tolerance: {TOLERANCE_FACTOR:g} x the error of the naive computation in each dtype + "
+        + ", ".join(f"{dtype_name(d)} {f:g}" for d, f in TOLERANCE_FLOOR.items())
+    )
     print(summary(rows))
     paths = write_reports({"check": tidy(rows, "check", "check")}, args.out, "check")
     print(f"reports: {', '.join(map(str, paths))}")
@@ -219,9 +244,18 @@ def cmd_scenarios(args) -> None:
     for name in sorted(builtin_scenarios()):
         s = load_scenario(name)
         arrival = s.arrival if s.request_rate is None else f"{s.arrival} {s.request_rate:g}/s"
-        rows.append({"scenario": name, "description": s.description, "requests": s.num_prompts,
-                     "input": str(s.input_len), "output": str(s.output_len), "arrival": arrival,
-                     "KV blocks": s.kv_blocks, "model": s.model})
+        rows.append(
+            {
+                "scenario": name,
+                "description": s.description,
+                "requests": s.num_prompts,
+                "input": str(s.input_len),
+                "output": str(s.output_len),
+                "arrival": arrival,
+                "KV blocks": s.kv_blocks,
+                "model": s.model,
+            }
+        )
     print(pd.DataFrame(rows).to_markdown(index=False))
 
 
@@ -232,18 +266,29 @@ def cmd_backends(args) -> None:
     rows = []
     for name in list_backends():
         provider, reason = probe(get_backend(name), device, dtype, args.head_dim, args.block_size)
-        rows.append({"backend": name, "provider": provider, "status": "unavailable" if reason else "available",
-                     "reason": reason or ""})
-    print(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, head_dim {args.head_dim}, "
-          f"block_size {args.block_size}, torch {torch.__version__}")
+        rows.append(
+            {
+                "backend": name,
+                "provider": provider,
+                "status": "unavailable" if reason else "available",
+                "reason": reason or "",
+            }
+        )
+    print(
+        f"device {device}, dtype {dtype_name(dtype)}, head_dim {args.head_dim}, "
+        f"block_size {args.block_size}, torch {torch.__version__}"
+    )
     print(pd.DataFrame(rows).to_markdown(index=False))
 
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedbench import __version__
 
-    parser = argparse.ArgumentParser(prog="pagedbench", description="Compare paged-attention backends in one engine.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pagedbench",
+        description="Compare paged-attention backends in one engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"pagedbench {__version__} (torch {torch.__version__})")
     parser.epilog = "Errors are one line on stderr with exit code 2; `check` exits 1 when a case fails."
     sub = parser.add_subparsers(dest="command", required=True)
@@ -280,12 +325,17 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check", help="every backend against a dense oracle on a grid of paged-attention problems")
     chk.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
     chk.add_argument("--device", default=None, help="cuda if available, else cpu")
-    chk.add_argument("--dtypes", default=None, help="comma-separated (default: fp32,bf16 on cpu; bf16,fp16,fp32 on cuda)")
+    chk.add_argument(
+        "--dtypes", default=None, help="comma-separated (default: fp32,bf16 on cpu; bf16,fp16,fp32 on cuda)"
+    )
     grid = chk.add_mutually_exclusive_group()
     grid.add_argument("--quick", dest="full", action="store_false", help="the default: minutes on a CPU")
     grid.add_argument("--full", dest="full", action="store_true", help="every batch x heads x head_dim x page size")
-    chk.add_argument("--engine", action="store_true",
-                     help="also teacher-force the whole model through each backend and compare logits (in --full)")
+    chk.add_argument(
+        "--engine",
+        action="store_true",
+        help="also teacher-force the whole model through each backend and compare logits (in --full)",
+    )
     chk.add_argument("--model", default="tiny-llama", help="model for --engine (a preset or HF directory)")
     chk.add_argument("--out", default="reports", help="directory for check.csv and check.md")
     chk.set_defaults(func=cmd_check, full=False)

@@ -1,4 +1,5 @@
 """Model config (read from a Hugging Face config.json in either of its two forms) and engine config."""
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,8 +94,10 @@ class ModelConfig:
         try:
             cfg = cls.from_dict(raw)
         except KeyError as e:
-            raise ValueError(f"{path / 'config.json'} has no {e.args[0]!r}, which a "
-                             f"{(raw.get('architectures') or ['model'])[0]} needs") from None
+            raise ValueError(
+                f"{path / 'config.json'} has no {e.args[0]!r}, which a "
+                f"{(raw.get('architectures') or ['model'])[0]} needs"
+            ) from None
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path / 'config.json'}: {e}") from None
         gen = path / "generation_config.json"

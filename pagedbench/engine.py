@@ -1,13 +1,14 @@
 """LLMEngine: requests in, one step at a time, RequestOutputs out."""
+
 import itertools
 import time
-from dataclasses import dataclass, fields
 
 import torch
 
 from pagedbench.backends.registry import get_backend, probe
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
+from pagedbench.device import resolve_device_dtype
 from pagedbench.environment import synchronize
 from pagedbench.loader import build_model, resolve_model_config
 from pagedbench.model_runner import ModelRunner, kv_bytes_per_block
@@ -16,45 +17,8 @@ from pagedbench.sampler import Sampler, SamplingBatch
 from pagedbench.sampling_params import SamplingParams
 from pagedbench.scheduler import Scheduler
 from pagedbench.sequence import Sequence
+from pagedbench.stats import STEP_PARTS, EngineStats
 from pagedbench.tokenizer import detokenize_incrementally, load_tokenizer
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_device_dtype(device: str | None, dtype: str | torch.dtype | None) -> tuple[torch.device, torch.dtype]:
-    """Defaults: cuda if available else cpu; bf16 on cuda, fp32 on cpu."""
-    try:
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
-        raise ValueError(f"bad device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but CUDA is not available")
-    if dtype is None:
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dev, dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    return dev, DTYPES[dtype]
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counters and wall time (seconds) per part of the step, summed over steps."""
-
-    steps: int = 0
-    preemptions: int = 0
-    peak_blocks_used: int = 0
-    time_schedule: float = 0.0
-    time_metadata: float = 0.0
-    time_backend_prepare: float = 0.0
-    time_forward: float = 0.0
-    time_sample: float = 0.0
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, f.default)
 
 
 class LLMEngine:
@@ -65,8 +29,15 @@ class LLMEngine:
         self.model_config, path = resolve_model_config(config.model)
         cfg = self.model_config
         backend_cls = get_backend(config.backend)
-        _, reason = probe(backend_cls, self.device, self.dtype, cfg.head_dim, config.block_size,
-                          num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+        _, reason = probe(
+            backend_cls,
+            self.device,
+            self.dtype,
+            cfg.head_dim,
+            config.block_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+        )
         if reason:
             raise ValueError(f"backend {config.backend!r} is unavailable here: {reason}")
         self.tokenizer = load_tokenizer(path) if path is not None else None
@@ -89,8 +60,9 @@ class LLMEngine:
                     f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower max_model_len"
                 )
         self.num_blocks = num_blocks
-        backend = backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, bs,
-                              self.device, self.dtype)
+        backend = backend_cls(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, bs, self.device, self.dtype
+        )
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, self.device, self.dtype)
         self.block_manager = BlockManager(num_blocks, bs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -122,8 +94,10 @@ class LLMEngine:
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"model {self.config.model!r} is a preset without a tokenizer; "
-                                 "pass {'prompt_token_ids': [...]} prompts")
+                raise ValueError(
+                    f"model {self.config.model!r} is a preset without a tokenizer; "
+                    "pass {'prompt_token_ids': [...]} prompts"
+                )
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -145,8 +119,13 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Queue a request; raises ValueError (and changes nothing) when it is invalid."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
@@ -167,8 +146,6 @@ class LLMEngine:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return
-        if seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
         self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -204,14 +181,9 @@ class LLMEngine:
         t5 = time.perf_counter()
         st.steps += 1
         st.peak_blocks_used = max(st.peak_blocks_used, self.block_manager.num_used_blocks)
-        st.time_schedule += t1 - t0
-        st.time_metadata += t2 - t1
-        st.time_backend_prepare += t3 - t2
-        st.time_forward += t4 - t3
-        st.time_sample += t5 - t4
-
-        for seq, n in zip(sched.seqs, sched.num_tokens):
-            seq.num_computed_tokens += n
+        for part, start, end in zip(STEP_PARTS, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+            st.time[part] += end - start
+        self.scheduler.computed(sched)
         outputs = []
         for seq, token in zip(sampling_seqs, tokens):
             self._append_token(seq, token, t5)
@@ -234,7 +206,7 @@ class LLMEngine:
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
-                seq.output_text = seq.output_text[:i + len(s) if p.include_stop_str_in_output else i]
+                seq.output_text = seq.output_text[: i + len(s) if p.include_stop_str_in_output else i]
                 self.scheduler.finish(seq, "stop", s)
         if not seq.finished and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             self.scheduler.finish(seq, "length")
@@ -247,6 +219,7 @@ class LLMEngine:
         completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
         metrics = None
         if seq.finished:
-            metrics = RequestMetrics(seq.arrival_time, seq.token_times[0], seq.token_times,
-                                     seq.token_times[-1], seq.num_preemptions)
+            metrics = RequestMetrics(
+                seq.arrival_time, seq.token_times[0], seq.token_times, seq.token_times[-1], seq.num_preemptions
+            )
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.finished, metrics)

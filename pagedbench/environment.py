@@ -1,4 +1,5 @@
 """What every reported number is recorded with: code version, torch, device, time."""
+
 import datetime
 import os
 import subprocess
@@ -6,15 +7,23 @@ from pathlib import Path
 
 import torch
 
+from pagedbench.device import dtype_name
+
 
 def git_sha() -> str:
     """The commit of the pagedbench source tree, "+dirty" when it has uncommitted changes; "unknown" outside git."""
     source = Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=source,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=source,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return sha + ("+dirty" if dirty else "")
@@ -44,19 +53,21 @@ def busy_warning(device: torch.device) -> str | None:
     """A warning when CPU figures are about to be taken on a machine that is already busy."""
     load, cores = load_average(), os.cpu_count() or 1
     if device.type == "cpu" and load > BUSY_LOAD_PER_CORE * cores:
-        return (f"the machine is busy (load average {load:.2f} on {cores} cores): CPU timings will be slower and "
-                f"noisier; set OMP_NUM_THREADS and rerun when idle")
+        return (
+            f"the machine is busy (load average {load:.2f} on {cores} cores): CPU timings will be slower and "
+            f"noisier; set OMP_NUM_THREADS and rerun when idle"
+        )
     return None
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict:
     return {
         "load_average": round(load_average(), 2),  # at the start; CPU timings move with it
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
         "torch_version": torch.__version__,
         "device": device.type,
         "device_name": device_name(device),
         "cpu_threads": torch.get_num_threads(),  # CPU timings move with it (OMP_NUM_THREADS)
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
     }

@@ -1,5 +1,6 @@
 """Attention-only microbenchmark: each backend's prepare() and forward() timed separately on
 fragmented block tables (random_attention_batch), over batch x context x block size x phase."""
+
 import itertools
 import re
 import statistics
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 
 from pagedbench.attention_batch import random_attention_batch
 from pagedbench.backends.registry import get_backend, probe
-from pagedbench.engine import resolve_device_dtype
+from pagedbench.device import resolve_device_dtype
 from pagedbench.environment import environment, synchronize
 
 PHASES = ("decode", "prefill", "mixed")
@@ -64,11 +65,30 @@ class KernelGrid:
 
 
 GRID_PRESETS = {
-    "cpu": KernelGrid(batch_sizes=[1, 4], context_lens=[256, 1024], block_sizes=[16], heads=[(16, 8)], head_dim=64,
-                      phases=list(PHASES), max_kv_tokens=8192, max_query_tokens=4096, warmup=2, repeats=7),
-    "gpu": KernelGrid(batch_sizes=[1, 16, 64, 256], context_lens=[512, 2048, 8192, 16384], block_sizes=[16, 128, 256],
-                      heads=[(16, 8), (32, 8)], head_dim=128, phases=list(PHASES), max_kv_tokens=1 << 19,
-                      max_query_tokens=1 << 15, warmup=3, repeats=20),
+    "cpu": KernelGrid(
+        batch_sizes=[1, 4],
+        context_lens=[256, 1024],
+        block_sizes=[16],
+        heads=[(16, 8)],
+        head_dim=64,
+        phases=list(PHASES),
+        max_kv_tokens=8192,
+        max_query_tokens=4096,
+        warmup=2,
+        repeats=7,
+    ),
+    "gpu": KernelGrid(
+        batch_sizes=[1, 16, 64, 256],
+        context_lens=[512, 2048, 8192, 16384],
+        block_sizes=[16, 128, 256],
+        heads=[(16, 8), (32, 8)],
+        head_dim=128,
+        phases=list(PHASES),
+        max_kv_tokens=1 << 19,
+        max_query_tokens=1 << 15,
+        warmup=3,
+        repeats=20,
+    ),
 }
 
 
@@ -124,8 +144,9 @@ def peak_bandwidth(device: torch.device) -> tuple[float, str]:
     return 2 * nbytes / seconds / 1e9, "measured copy (read + write)"
 
 
-def run_kernels(backends: list[str], grid: KernelGrid, device: str | None = None, dtype: str | None = None,
-                rows: list | None = None) -> list[dict]:
+def run_kernels(
+    backends: list[str], grid: KernelGrid, device: str | None = None, dtype: str | None = None, rows: list | None = None
+) -> list[dict]:
     """One row per backend x grid point: min and median of prepare and forward, bandwidth, TFLOP/s.
     Rows are appended to `rows` (a report.CsvLog writes each one out) as they are measured."""
     grid.validate()
@@ -137,20 +158,32 @@ def run_kernels(backends: list[str], grid: KernelGrid, device: str | None = None
     if not points:
         raise ValueError("every grid point exceeds max_kv_tokens or max_query_tokens")
     rows = [] if rows is None else rows
-    for phase, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(points, desc="kernels", disable=None):
+    for phase, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(
+        points, desc="kernels", disable=None
+    ):
         spec = batch_spec(phase, batch_size, context_len)
         kv_tokens = sum(map(sum, spec))
         point = {
-            "phase": phase, "batch_size": batch_size, "context_len": context_len, "block_size": block_size,
-            "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": grid.head_dim,
-            "num_query_tokens": sum(q for _, q in spec), "kv_bytes": 2 * kv_tokens * num_kv_heads * grid.head_dim * dt.itemsize,
-            "flops": attention_flops(spec, num_heads, grid.head_dim), "warmup": grid.warmup, "repeats": grid.repeats,
-            "peak_bandwidth_gbps": peak_gbps, "peak_bandwidth_source": peak_source,
+            "phase": phase,
+            "batch_size": batch_size,
+            "context_len": context_len,
+            "block_size": block_size,
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": grid.head_dim,
+            "num_query_tokens": sum(q for _, q in spec),
+            "kv_bytes": 2 * kv_tokens * num_kv_heads * grid.head_dim * dt.itemsize,
+            "flops": attention_flops(spec, num_heads, grid.head_dim),
+            "warmup": grid.warmup,
+            "repeats": grid.repeats,
+            "peak_bandwidth_gbps": peak_gbps,
+            "peak_bandwidth_source": peak_source,
         }
         batch = None
         for name, cls in classes.items():
-            provider, reason = probe(cls, dev, dt, grid.head_dim, block_size,
-                                     num_heads=num_heads, num_kv_heads=num_kv_heads)
+            provider, reason = probe(
+                cls, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
+            )
             head = {**env, "backend": name, "provider": provider, **point}
             if reason:
                 rows.append({**head, "status": "unavailable", "reason": reason})
@@ -166,21 +199,32 @@ def run_kernels(backends: list[str], grid: KernelGrid, device: str | None = None
 
 
 def _time_backend(cls, batch, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
-    backend = cls(point["num_heads"], point["num_kv_heads"], grid.head_dim, grid.head_dim ** -0.5,
-                  point["block_size"], device, dtype)
+    backend = cls(
+        point["num_heads"],
+        point["num_kv_heads"],
+        grid.head_dim,
+        grid.head_dim**-0.5,
+        point["block_size"],
+        device,
+        dtype,
+    )
     state = backend.prepare(batch.metadata)
     backend.forward(batch.q, batch.k_cache, batch.v_cache, state)  # a JIT-compiling first call is never timed
     prepare = time_call(lambda: backend.prepare(batch.metadata), device, grid.warmup, grid.repeats)
     state = backend.prepare(batch.metadata)
-    forward = time_call(lambda: backend.forward(batch.q, batch.k_cache, batch.v_cache, state), device,
-                        grid.warmup, grid.repeats)
+    forward = time_call(
+        lambda: backend.forward(batch.q, batch.k_cache, batch.v_cache, state), device, grid.warmup, grid.repeats
+    )
     forward_median = statistics.median(forward)
     efficiency = getattr(backend, "tile_efficiency", None)  # flex: share of computed scores its mask keeps
     bandwidth = point["kv_bytes"] / forward_median / 1e9
     return {
-        "prepare_min_ms": 1e3 * min(prepare), "prepare_median_ms": 1e3 * statistics.median(prepare),
-        "forward_min_ms": 1e3 * min(forward), "forward_median_ms": 1e3 * forward_median,
-        "bandwidth_gbps": bandwidth, "pct_of_peak_bandwidth": 100 * bandwidth / point["peak_bandwidth_gbps"],
+        "prepare_min_ms": 1e3 * min(prepare),
+        "prepare_median_ms": 1e3 * statistics.median(prepare),
+        "forward_min_ms": 1e3 * min(forward),
+        "forward_median_ms": 1e3 * forward_median,
+        "bandwidth_gbps": bandwidth,
+        "pct_of_peak_bandwidth": 100 * bandwidth / point["peak_bandwidth_gbps"],
         "tflops": point["flops"] / forward_median / 1e12,
         "tile_efficiency": efficiency(state) if efficiency else float("nan"),
     }

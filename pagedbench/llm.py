@@ -1,4 +1,5 @@
 """The offline entry point, with vLLM's names: LLM(model).generate(prompts, params)."""
+
 import torch
 from tqdm.auto import tqdm
 
@@ -9,19 +10,38 @@ from pagedbench.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, backend: str = "sdpa", device: str | None = None,
-                 dtype: str | torch.dtype | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 seed: int = 0):
+    def __init__(
+        self,
+        model: str,
+        backend: str = "sdpa",
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
         self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
-        self.engine = LLMEngine(EngineConfig(
-            model=model, backend=backend, device=device, dtype=dtype, block_size=block_size,
-            num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, seed=seed,
-        ))
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                backend=backend,
+                device=device,
+                dtype=dtype,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                seed=seed,
+            )
+        )
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in input order. Every prompt is validated before
         any is queued, so a bad one raises ValueError without starting the others."""
         if isinstance(prompts, (str, dict)):

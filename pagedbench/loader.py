@@ -1,4 +1,5 @@
 """Build the model from a Hugging Face directory (config.json + safetensors) or a preset."""
+
 from pathlib import Path
 
 import torch
@@ -23,8 +24,9 @@ def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
     return ModelConfig.from_dir(path), path
 
 
-def build_model(cfg: ModelConfig, path: Path | None, device: torch.device, dtype: torch.dtype,
-                max_positions: int, seed: int) -> CausalLM:
+def build_model(
+    cfg: ModelConfig, path: Path | None, device: torch.device, dtype: torch.dtype, max_positions: int, seed: int
+) -> CausalLM:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
     try:
@@ -72,6 +74,8 @@ def _load_file(file: Path, params: dict[str, torch.nn.Parameter], tied: bool, lo
                 raise ValueError(f"unexpected weight {name!r} in {file.name}")
             tensor = f.get_tensor(name)
             if tensor.shape != params[name].shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                )
             params[name].data.copy_(tensor)
             loaded.add(name)

@@ -3,6 +3,7 @@
 TTFT: first token time - arrival. E2EL: finish time - arrival. TPOT: (E2EL - TTFT) /
 (output tokens - 1), only for requests with more than one output token. ITL: the gaps
 between consecutive token times, pooled over all requests. Times in, milliseconds out."""
+
 import numpy as np
 
 from pagedbench.outputs import RequestMetrics
@@ -29,8 +30,11 @@ def latency_summary(requests: list[RequestMetrics]) -> dict[str, float]:
         "itl": [1e3 * gap for m in requests for gap in np.diff(m.token_times)],
         "e2el": [r["e2el_ms"] for r in per_request],
     }
-    return {f"{stat}_{name}_ms": float(fn(samples[name])) if samples[name] else 0.0
-            for name in LATENCIES for stat, fn in STATISTICS.items()}
+    return {
+        f"{stat}_{name}_ms": float(fn(samples[name])) if samples[name] else 0.0
+        for name in LATENCIES
+        for stat, fn in STATISTICS.items()
+    }
 
 
 def throughput_summary(input_lens: list[int], output_lens: list[int], duration_s: float) -> dict[str, float]:

@@ -3,6 +3,7 @@
 Module names match Hugging Face's so checkpoints load by name. Attention goes through the
 step's `AttentionContext`: the KV write is shared code, the attention itself is the backend's.
 """
+
 import math
 from dataclasses import dataclass
 from typing import Any

@@ -1,5 +1,6 @@
 """Owns the model, the paged KV cache and the backend; turns a SchedulerOutput into one
 flat token batch plus its AttentionMetadata, built once per step."""
+
 import functools
 from dataclasses import dataclass
 
@@ -26,14 +27,22 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         cfg = model.config
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
         # One allocation; each layer's K and V are views [num_blocks, block_size, H_kv, D].
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    device=device, dtype=dtype)
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype
+        )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -45,8 +54,9 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)
 
 
-def prepare_step(seqs: list[Sequence], num_new: list[int], block_size: int, num_cache_blocks: int,
-                 device: torch.device) -> StepInputs:
+def prepare_step(
+    seqs: list[Sequence], num_new: list[int], block_size: int, num_cache_blocks: int, device: torch.device
+) -> StepInputs:
     """Flat inputs and AttentionMetadata for running `num_new[i]` more tokens of `seqs[i]`
     (decodes first). Host-side numpy, then one copy per tensor: no device sync."""
     _to = functools.partial(to_device, device=device)
@@ -59,14 +69,15 @@ def prepare_step(seqs: list[Sequence], num_new: list[int], block_size: int, num_
     token_seq = np.repeat(np.arange(len(seqs)), q_lens)
     positions = np.arange(num_tokens) - qsl[token_seq] + context[token_seq]
     input_ids = np.fromiter(
-        (t for s, c, n in zip(seqs, context, q_lens) for t in s.token_ids[c:c + n]), dtype=np.int64, count=num_tokens
+        (t for s, c, n in zip(seqs, context, q_lens) for t in s.token_ids[c : c + n]), dtype=np.int64, count=num_tokens
     )
     max_blocks = -(-int(seq_lens.max()) // block_size)
     block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
     for i, s in enumerate(seqs):
-        block_table[i, :len(s.block_table)] = s.block_table
-    slot_mapping = block_table[token_seq, positions // block_size].astype(np.int64) * block_size \
-        + positions % block_size
+        block_table[i, : len(s.block_table)] = s.block_table
+    slot_mapping = (
+        block_table[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    )
     sampling_rows = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
     num_decodes = int((q_lens == 1).sum())
     meta = AttentionMetadata(

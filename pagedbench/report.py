@@ -1,5 +1,6 @@
 """Reports: tidy CSVs (the schema lives here), a markdown summary and PNG plots; re-rendered
 from CSVs of any number of runs and machines by `pagedbench report`."""
+
 from pathlib import Path
 
 import matplotlib
@@ -10,34 +11,112 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from pagedbench.metrics import LATENCIES, STATISTICS  # noqa: E402
+from pagedbench.stats import TIME_COLUMNS  # noqa: E402
 
-ENVIRONMENT = ["kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads",
-               "load_average", "dtype", "backend", "provider", "status", "reason"]
-SERVING_COLUMNS = ENVIRONMENT + [
-    "scenario", "scenario_hash", "scale", "seed", "model", "block_size", "num_blocks", "max_num_seqs",
-    "max_num_batched_tokens", "max_model_len", "arrival", "request_rate", "temperature", "repeat",
-    "num_requests", "total_input_tokens", "total_output_tokens", "duration_s", "request_throughput",
-    "output_throughput", "total_token_throughput",
-    *[f"{stat}_{name}_ms" for name in LATENCIES for stat in STATISTICS],
-    "steps", "preemptions", "peak_kv_blocks", "peak_kv_utilization",
-    "time_schedule_s", "time_metadata_s", "time_backend_prepare_s", "time_forward_s", "time_sample_s",
-    "time_backend_compile_s", "throughput_vs_best", "identical_token_share",
+ENVIRONMENT = [
+    "kind",
+    "command",
+    "timestamp",
+    "git_sha",
+    "torch_version",
+    "device",
+    "device_name",
+    "cpu_threads",
+    "load_average",
+    "dtype",
+    "backend",
+    "provider",
+    "status",
+    "reason",
 ]
-REQUEST_COLUMNS = ["kind", "command", "device_name", "backend", "scenario", "scenario_hash", "repeat", "request",
-                   "input_len", "output_len", "ttft_ms", "tpot_ms", "e2el_ms"]
+SERVING_COLUMNS = ENVIRONMENT + [
+    "scenario",
+    "scenario_hash",
+    "scale",
+    "seed",
+    "model",
+    "block_size",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "arrival",
+    "request_rate",
+    "temperature",
+    "repeat",
+    "num_requests",
+    "total_input_tokens",
+    "total_output_tokens",
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    *[f"{stat}_{name}_ms" for name in LATENCIES for stat in STATISTICS],
+    "steps",
+    "preemptions",
+    "peak_kv_blocks",
+    "peak_kv_utilization",
+    *TIME_COLUMNS,
+    "time_backend_compile_s",
+    "throughput_vs_best",
+    "identical_token_share",
+]
+REQUEST_COLUMNS = [
+    "kind",
+    "command",
+    "device_name",
+    "backend",
+    "scenario",
+    "scenario_hash",
+    "repeat",
+    "request",
+    "input_len",
+    "output_len",
+    "ttft_ms",
+    "tpot_ms",
+    "e2el_ms",
+]
 KERNEL_COLUMNS = ENVIRONMENT + [
-    "phase", "batch_size", "context_len", "block_size", "num_heads", "num_kv_heads", "head_dim",
-    "num_query_tokens", "kv_bytes", "flops", "warmup", "repeats",
-    "prepare_min_ms", "prepare_median_ms", "forward_min_ms", "forward_median_ms",
-    "bandwidth_gbps", "peak_bandwidth_gbps", "peak_bandwidth_source", "pct_of_peak_bandwidth", "tflops",
+    "phase",
+    "batch_size",
+    "context_len",
+    "block_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_query_tokens",
+    "kv_bytes",
+    "flops",
+    "warmup",
+    "repeats",
+    "prepare_min_ms",
+    "prepare_median_ms",
+    "forward_min_ms",
+    "forward_median_ms",
+    "bandwidth_gbps",
+    "peak_bandwidth_gbps",
+    "peak_bandwidth_source",
+    "pct_of_peak_bandwidth",
+    "tflops",
     "tile_efficiency",
 ]
 CHECK_COLUMNS = ENVIRONMENT + [
-    "case", "batch", "heads", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_seqs", "num_query_tokens",
-    "max_abs_error", "mean_abs_error", "placement_diff", "tolerance", "top1_agreement",
+    "case",
+    "batch",
+    "heads",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "block_size",
+    "num_seqs",
+    "num_query_tokens",
+    "max_abs_error",
+    "mean_abs_error",
+    "placement_diff",
+    "tolerance",
+    "top1_agreement",
 ]
 SCHEMAS = {"serving": SERVING_COLUMNS, "requests": REQUEST_COLUMNS, "kernels": KERNEL_COLUMNS, "check": CHECK_COLUMNS}
-TIME_PARTS = ["time_schedule_s", "time_metadata_s", "time_backend_prepare_s", "time_forward_s", "time_sample_s"]
 
 
 def tidy(rows: list[dict], kind: str, command: str) -> pd.DataFrame:
@@ -138,6 +217,7 @@ def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
 
 # ---- tables -------------------------------------------------------------------------------
 
+
 def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     """One row per device x scenario x backend that ran: medians over runs, display names."""
     ok = serving[serving["status"] == "ok"]
@@ -146,30 +226,49 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     groups = ok.groupby(keys, sort=False, dropna=False)
     med = groups[list(numeric)].median().reset_index()
     med["runs"] = groups.size().values
-    return pd.DataFrame({
-        "backend": med["backend"], "device": med["device_name"], "scenario": med["scenario"],
-        "scale": med["scale"], "runs": med["runs"], "requests": med["num_requests"].astype(int),
-        "output tok/s": med["output_throughput"].round(1), "total tok/s": med["total_token_throughput"].round(1),
-        "vs best": med["throughput_vs_best"].round(3),
-        "TTFT mean/p99 ms": _pair(med, "ttft"), "TPOT mean/p99 ms": _pair(med, "tpot"),
-        "ITL mean/p99 ms": _pair(med, "itl"), "E2EL mean ms": med["mean_e2el_ms"].round(1),
-        "preemptions": med["preemptions"].astype(int), "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
-        "prepare %": _prepare_pct(med), "identical tokens": med["identical_token_share"].round(4),
-    })
+    return pd.DataFrame(
+        {
+            "backend": med["backend"],
+            "device": med["device_name"],
+            "scenario": med["scenario"],
+            "scale": med["scale"],
+            "runs": med["runs"],
+            "requests": med["num_requests"].astype(int),
+            "output tok/s": med["output_throughput"].round(1),
+            "total tok/s": med["total_token_throughput"].round(1),
+            "vs best": med["throughput_vs_best"].round(3),
+            "TTFT mean/p99 ms": _pair(med, "ttft"),
+            "TPOT mean/p99 ms": _pair(med, "tpot"),
+            "ITL mean/p99 ms": _pair(med, "itl"),
+            "E2EL mean ms": med["mean_e2el_ms"].round(1),
+            "preemptions": med["preemptions"].astype(int),
+            "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
+            "prepare %": _prepare_pct(med),
+            "identical tokens": med["identical_token_share"].round(4),
+        }
+    )
 
 
 def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
     """The table run/compare print: one row per run, the throughput columns first."""
     ok = serving[serving["status"] == "ok"]
-    table = pd.DataFrame({
-        "backend": ok["backend"], "device": ok["device_name"], "dtype": ok["dtype"],
-        "requests": ok["num_requests"].astype(int), "output tokens": ok["total_output_tokens"].astype(int),
-        "duration s": ok["duration_s"].round(2), "output tok/s": ok["output_throughput"].round(1),
-        "total tok/s": ok["total_token_throughput"].round(1),
-        "mean TTFT ms": ok["mean_ttft_ms"].round(1), "mean TPOT ms": ok["mean_tpot_ms"].round(2),
-        "steps": ok["steps"].astype(int), "preemptions": ok["preemptions"].astype(int),
-        "prepare %": _prepare_pct(ok),
-    })
+    table = pd.DataFrame(
+        {
+            "backend": ok["backend"],
+            "device": ok["device_name"],
+            "dtype": ok["dtype"],
+            "requests": ok["num_requests"].astype(int),
+            "output tokens": ok["total_output_tokens"].astype(int),
+            "duration s": ok["duration_s"].round(2),
+            "output tok/s": ok["output_throughput"].round(1),
+            "total tok/s": ok["total_token_throughput"].round(1),
+            "mean TTFT ms": ok["mean_ttft_ms"].round(1),
+            "mean TPOT ms": ok["mean_tpot_ms"].round(2),
+            "steps": ok["steps"].astype(int),
+            "preemptions": ok["preemptions"].astype(int),
+            "prepare %": _prepare_pct(ok),
+        }
+    )
     if cross_backend:
         table["vs best"] = ok["throughput_vs_best"].round(3)
         table["identical tokens"] = ok["identical_token_share"].round(4)
@@ -188,7 +287,7 @@ def not_run_lines(df: pd.DataFrame) -> list[str]:
 
 def _prepare_pct(df: pd.DataFrame) -> pd.Series:
     """backend.prepare()'s share of the engine step time, in %."""
-    return (100 * df["time_backend_prepare_s"] / df[TIME_PARTS].sum(axis=1).replace(0, np.nan)).round(2)
+    return (100 * df["time_backend_prepare_s"] / df[TIME_COLUMNS].sum(axis=1).replace(0, np.nan)).round(2)
 
 
 def _pair(df: pd.DataFrame, name: str) -> pd.Series:
@@ -204,14 +303,26 @@ def _environment_section(df: pd.DataFrame) -> str:
 
 def _serving_section(serving: pd.DataFrame) -> str:
     parts = ["## Serving\n"]
-    scen = serving[["scenario", "scenario_hash", "scale", "model", "num_blocks", "block_size", "max_num_seqs",
-                    "max_num_batched_tokens", "arrival", "request_rate"]].drop_duplicates(["scenario", "scenario_hash"])
+    scen = serving[
+        [
+            "scenario",
+            "scenario_hash",
+            "scale",
+            "model",
+            "num_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "arrival",
+            "request_rate",
+        ]
+    ].drop_duplicates(["scenario", "scenario_hash"])
     scen = scen.assign(scenario_hash=scen["scenario_hash"].astype(str).str.slice(0, 12))
     parts.append(markdown(scen) + "\n")
     if (serving["status"] == "ok").any():
         parts.append(markdown(serving_summary(serving)) + "\n")
         ok = serving[serving["status"] == "ok"]
-        split = ok.groupby(["device_name", "backend"], sort=False)[TIME_PARTS].sum()
+        split = ok.groupby(["device_name", "backend"], sort=False)[TIME_COLUMNS].sum()
         split = (100 * split.div(split.sum(axis=1), axis=0)).round(1)
         split.columns = [c.removeprefix("time_").removesuffix("_s") + " %" for c in split.columns]
         parts.append("Share of engine step time:\n\n" + markdown(split.reset_index()) + "\n")
@@ -221,35 +332,53 @@ def _serving_section(serving: pd.DataFrame) -> str:
 
 def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
     ok = kernels[kernels["status"] == "ok"]
-    return pd.DataFrame({
-        "backend": ok["backend"], "device": ok["device_name"], "phase": ok["phase"], "batch": ok["batch_size"],
-        "context": ok["context_len"], "block": ok["block_size"],
-        "heads": ok["num_heads"].astype("Int64").astype(str) + "/" + ok["num_kv_heads"].astype("Int64").astype(str),
-        "head_dim": ok["head_dim"],
-        "prepare ms": ok["prepare_median_ms"].round(3), "forward ms (median)": ok["forward_median_ms"].round(3),
-        "forward ms (min)": ok["forward_min_ms"].round(3), "GB/s": ok["bandwidth_gbps"].round(1),
-        "% peak": ok["pct_of_peak_bandwidth"].round(1), "TFLOP/s": ok["tflops"].round(3),
-        "tile eff.": ok["tile_efficiency"].round(3) if "tile_efficiency" in ok else float("nan"),
-    })
+    return pd.DataFrame(
+        {
+            "backend": ok["backend"],
+            "device": ok["device_name"],
+            "phase": ok["phase"],
+            "batch": ok["batch_size"],
+            "context": ok["context_len"],
+            "block": ok["block_size"],
+            "heads": ok["num_heads"].astype("Int64").astype(str) + "/" + ok["num_kv_heads"].astype("Int64").astype(str),
+            "head_dim": ok["head_dim"],
+            "prepare ms": ok["prepare_median_ms"].round(3),
+            "forward ms (median)": ok["forward_median_ms"].round(3),
+            "forward ms (min)": ok["forward_min_ms"].round(3),
+            "GB/s": ok["bandwidth_gbps"].round(1),
+            "% peak": ok["pct_of_peak_bandwidth"].round(1),
+            "TFLOP/s": ok["tflops"].round(3),
+            "tile eff.": ok["tile_efficiency"].round(3) if "tile_efficiency" in ok else float("nan"),
+        }
+    )
 
 
 def _kernel_section(kernels: pd.DataFrame) -> str:
-    peaks = kernels[["device_name", "peak_bandwidth_gbps", "peak_bandwidth_source"]].dropna().drop_duplicates("device_name")
-    parts = ["## Attention kernels\n", "Peak bandwidth used for % peak:\n\n" + markdown(peaks) + "\n",
-             markdown(kernel_table(kernels)) + "\n"]
+    peaks = (
+        kernels[["device_name", "peak_bandwidth_gbps", "peak_bandwidth_source"]].dropna().drop_duplicates("device_name")
+    )
+    parts = [
+        "## Attention kernels\n",
+        "Peak bandwidth used for % peak:\n\n" + markdown(peaks) + "\n",
+        markdown(kernel_table(kernels)) + "\n",
+    ]
     return "\n".join(parts + _unavailable_lines(kernels))
 
 
 def _check_section(check: pd.DataFrame) -> str:
     from pagedbench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, summary
+    from pagedbench.device import dtype_name
 
-    floors = ", ".join(f"{str(d).removeprefix('torch.')} {f:g}" for d, f in TOLERANCE_FLOOR.items())
-    table = check[["backend", "case", "status", "max_abs_error", "mean_abs_error", "placement_diff", "tolerance",
-                   "reason"]]
-    return (f"## Correctness check\n\nEach backend against a dense per-sequence oracle (fp64 on CPU, fp32 on GPU). "
-            f"Tolerance = {TOLERANCE_FACTOR:g} x the error of the naive computation in the case's dtype + a floor "
-            f"({floors}); placement_diff is the change in output when the same problem sits on another random page "
-            f"layout, held to the same tolerance.\n\n{summary(check.to_dict('records'))}\n\n{markdown(table)}\n")
+    floors = ", ".join(f"{dtype_name(d)} {f:g}" for d, f in TOLERANCE_FLOOR.items())
+    table = check[
+        ["backend", "case", "status", "max_abs_error", "mean_abs_error", "placement_diff", "tolerance", "reason"]
+    ]
+    return (
+        f"## Correctness check\n\nEach backend against a dense per-sequence oracle (fp64 on CPU, fp32 on GPU). "
+        f"Tolerance = {TOLERANCE_FACTOR:g} x the error of the naive computation in the case's dtype + a floor "
+        f"({floors}); placement_diff is the change in output when the same problem sits on another random page "
+        f"layout, held to the same tolerance.\n\n{summary(check.to_dict('records'))}\n\n{markdown(table)}\n"
+    )
 
 
 def _unavailable_lines(df: pd.DataFrame) -> list[str]:
@@ -258,6 +387,7 @@ def _unavailable_lines(df: pd.DataFrame) -> list[str]:
 
 
 # ---- plots --------------------------------------------------------------------------------
+
 
 def _labels(df: pd.DataFrame) -> pd.Series:
     """backend, plus device and scenario when the rows span several."""
@@ -303,8 +433,15 @@ def plot_kernel_bandwidth(kernels: pd.DataFrame, path: Path) -> Path:
     for ax, phase in zip(axes[0], phases):
         rows = ok[ok["phase"] == phase]
         rows = rows[rows["batch_size"] == rows["batch_size"].max()]
-        label = _labels(rows) + " bs" + rows["block_size"].astype(str) + " h" + rows["num_heads"].astype(str) \
-            + "/" + rows["num_kv_heads"].astype(str)
+        label = (
+            _labels(rows)
+            + " bs"
+            + rows["block_size"].astype(str)
+            + " h"
+            + rows["num_heads"].astype(str)
+            + "/"
+            + rows["num_kv_heads"].astype(str)
+        )
         for name, group in rows.groupby(label, sort=False):
             group = group.sort_values("context_len")
             ax.plot(group["context_len"], group["bandwidth_gbps"], marker="o", label=name)

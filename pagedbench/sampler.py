@@ -4,6 +4,7 @@ Random rows draw exponential noise and take argmax(probs / noise) (equivalent to
 from probs); a request with a seed draws its noise from its own generator, so its tokens do
 not depend on what else is in the batch.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ class SamplingBatch:
         return cls(
             temperature=col([p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32),
             top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in ps], torch.int64)
-            if any(p.top_k > 0 for p in ps) else None,
+            if any(p.top_k > 0 for p in ps)
+            else None,
             top_p=col([p.top_p for p in ps], torch.float32) if any(p.top_p < 1 for p in ps) else None,
             min_p=col([p.min_p for p in ps], torch.float32) if any(p.min_p > 0 for p in ps) else None,
             greedy=col([p.temperature == 0 for p in ps], torch.bool),

@@ -3,6 +3,7 @@
 The request set depends only on the scenario and the model's vocabulary size (numpy's
 default_rng from the scenario seed), so every backend and every process gets the same
 token ids, lengths and arrival times."""
+
 import dataclasses
 import hashlib
 import json
@@ -59,7 +60,9 @@ class Scenario:
 
     def validate(self) -> None:
         positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens"]
-        positive += [f for f in ("num_blocks", "kv_tokens", "max_model_len", "request_rate") if getattr(self, f) is not None]
+        positive += [
+            f for f in ("num_blocks", "kv_tokens", "max_model_len", "request_rate") if getattr(self, f) is not None
+        ]
         for field in positive:
             if not getattr(self, field) > 0:
                 self._fail(field, f"must be > 0, got {getattr(self, field)}")
@@ -92,8 +95,13 @@ class Scenario:
         return self.shared_prefix_len + self.input_len.max + self.output_len.max
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=max_tokens, ignore_eos=self.ignore_eos)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+        )
 
     def scaled(self, factor: float) -> "Scenario":
         """Request counts, lengths and max_num_seqs times `factor`, the KV budget times
@@ -108,13 +116,16 @@ class Scenario:
             return max(1, round(n * f))
 
         out = dataclasses.replace(
-            self, num_prompts=times(self.num_prompts), max_num_seqs=times(self.max_num_seqs),
+            self,
+            num_prompts=times(self.num_prompts),
+            max_num_seqs=times(self.max_num_seqs),
             input_len=LengthRange(times(self.input_len.min), times(self.input_len.max)),
             output_len=LengthRange(times(self.output_len.min), times(self.output_len.max)),
             shared_prefix_len=round(self.shared_prefix_len * factor),
-            max_model_len=self.max_model_len and times(self.max_model_len))
+            max_model_len=self.max_model_len and times(self.max_model_len),
+        )
         floor = blocks_needed(out.longest_request, self.block_size)
-        out.num_blocks, out.kv_tokens = max(floor, times(self.kv_blocks, factor ** 2)), None
+        out.num_blocks, out.kv_tokens = max(floor, times(self.kv_blocks, factor**2)), None
         return out
 
     def content_hash(self) -> str:
@@ -146,8 +157,10 @@ def build_requests(scenario: Scenario, vocab_size: int) -> list[Request]:
         arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
     else:
         arrivals = np.zeros(n)
-    return [Request(prefix + body.tolist(), scenario.sampling_params(int(out)), float(t))
-            for body, out, t in zip(bodies, output_lens, arrivals)]
+    return [
+        Request(prefix + body.tolist(), scenario.sampling_params(int(out)), float(t))
+        for body, out, t in zip(bodies, output_lens, arrivals)
+    ]
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -170,8 +183,9 @@ def load_scenario(name_or_path: str) -> Scenario:
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise FileNotFoundError(f"scenario {name_or_path!r} is neither a file nor a built-in scenario "
-                                    f"({', '.join(sorted(builtin))})")
+            raise FileNotFoundError(
+                f"scenario {name_or_path!r} is neither a file nor a built-in scenario ({', '.join(sorted(builtin))})"
+            )
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -207,8 +221,14 @@ def _typed(scenario: str, field: str, value):
         _fail(scenario, field, f"must be an integer or {{min = ..., max = ...}} of integers, got {value!r}")
     kinds = [t for t in getattr(declared, "__args__", (declared,)) if t is not type(None)]
     kind = kinds[0]
-    if kind is int and _is_int(value) or kind is bool and isinstance(value, bool) \
-            or kind is str and isinstance(value, str):
+    if (
+        kind is int
+        and _is_int(value)
+        or kind is bool
+        and isinstance(value, bool)
+        or kind is str
+        and isinstance(value, str)
+    ):
         return value
     if kind is float and (_is_int(value) or isinstance(value, float)):
         return float(value)

@@ -105,10 +105,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def computed(self, out: SchedulerOutput) -> None:
+        """The scheduled tokens of `out` went through the model: their K/V are in the cache."""
+        for seq, n in zip(out.seqs, out.num_tokens):
+            seq.num_computed_tokens += n
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Stop `seq` for good (stop, length, abort), wherever it is queued, and free its blocks."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.block_manager.free(seq)

@@ -1,4 +1,5 @@
 """Tokenizer loading and incremental detokenization."""
+
 from pathlib import Path
 
 from pagedbench.sequence import Sequence
@@ -17,10 +18,10 @@ def detokenize_incrementally(tokenizer, seq: Sequence, flush: bool = False) -> s
     incomplete UTF-8 character (decoded as U+FFFD), as vLLM does, unless `flush` (the end).
     """
     tokens = seq.output_token_ids
-    prefix = tokenizer.decode(tokens[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(tokens[seq.prefix_offset:], skip_special_tokens=True)
+    prefix = tokenizer.decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+    full = tokenizer.decode(tokens[seq.prefix_offset :], skip_special_tokens=True)
     if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
-        new_text = full[len(prefix):]
+        new_text = full[len(prefix) :]
         seq.prefix_offset = seq.read_offset
         seq.read_offset = len(tokens)
         seq.output_text += new_text

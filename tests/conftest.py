@@ -1,5 +1,6 @@
 """Tiny random-weight Hugging Face models (saved with save_pretrained) and a trained tokenizer,
 built once per test session; Hugging Face's own greedy outputs as the reference."""
+
 import json
 
 import pytest
@@ -15,19 +16,40 @@ CORPUS = [
 
 # name -> (config class name, config kwargs); initializer_range 0.2 keeps logits far from ties.
 TINY_MODELS = {
-    "llama": ("LlamaConfig", dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,  # GQA
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-    )),
-    "qwen3": ("Qwen3Config", dict(
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32,  # MQA, explicit head_dim != hidden/heads
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )),
-    "qwen2": ("Qwen2Config", dict(
-        num_attention_heads=4, num_key_value_heads=4,  # MHA with q/k/v bias
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,  # GQA
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,  # MQA, explicit head_dim != hidden/heads
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,  # MHA with q/k/v bias
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
 }
 VOCAB = 320
 
@@ -39,8 +61,9 @@ def train_tokenizer(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<bos>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
     fast.save_pretrained(str(path))
@@ -52,8 +75,16 @@ def build_hf_model(name, path):
 
     cls_name, extra = TINY_MODELS[name]
     config = getattr(transformers, cls_name)(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **extra,
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -70,9 +101,10 @@ def tiny_models(tmp_path_factory):
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens):
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def write_legacy_config(src, dst):

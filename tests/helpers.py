@@ -2,7 +2,6 @@ import re
 
 import pytest
 import torch
-
 from pagedbench.backends.base import AttentionBackend
 from pagedbench.backends.registry import get_backend, list_backends, probe
 

@@ -1,16 +1,16 @@
 """Kernel level: every backend that runs here equals the dense oracle on random ragged batches over
 random page layouts (hypothesis). The fixed grid of cases (dtypes, head dims, page sizes, shared
 pages, placement) is `pagedbench check`'s, run by tests/test_check.py; helpers for other tests."""
+
 import random
 
 import pytest
 import torch
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pagedbench.backends.registry import get_backend, list_backends, probe
 
 from pagedbench.attention_batch import attend_dense, place, random_attention_batch, random_problem
-from pagedbench.backends.registry import get_backend, list_backends, probe
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -31,8 +31,9 @@ def ragged_batch_spec(phase: str, block_size: int, rng: random.Random) -> list[t
 
 
 def run_backend(name, batch, num_heads, num_kv_heads, head_dim, block_size, dtype, device, **kwargs):
-    backend = get_backend(name)(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, block_size,
-                                torch.device(device), dtype, **kwargs)
+    backend = get_backend(name)(
+        num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size, torch.device(device), dtype, **kwargs
+    )
     state = backend.prepare(batch.metadata)
     return backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
 
@@ -43,14 +44,24 @@ def ragged_batches(draw, block_size: int = 16) -> list[tuple[int, int]]:
     near_page = st.sampled_from([0, 1, block_size - 1, block_size, block_size + 1, 2 * block_size, 3 * block_size - 1])
     length = st.one_of(near_page, st.integers(0, 4 * block_size))
     decodes = draw(st.lists(length, max_size=6))
-    others = draw(st.lists(st.tuples(length, st.integers(1, 2 * block_size + 3)), min_size=0 if decodes else 1,
-                           max_size=4))
+    others = draw(
+        st.lists(st.tuples(length, st.integers(1, 2 * block_size + 3)), min_size=0 if decodes else 1, max_size=4)
+    )
     return [(c, 1) for c in decodes] + others
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skipif(
-    bool(probe(get_backend(n), "cpu", torch.float32, 64, 16)[1]), reason=f"{n} does not run on cpu"))
-    for n in list_backends()])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            n,
+            marks=pytest.mark.skipif(
+                bool(probe(get_backend(n), "cpu", torch.float32, 64, 16)[1]), reason=f"{n} does not run on cpu"
+            ),
+        )
+        for n in list_backends()
+    ],
+)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=ragged_batches(), heads=st.sampled_from(sorted(HEADS)), seed=st.integers(0, 2**16))
 def test_random_ragged_batches_match_the_oracle(name, spec, heads, seed):
@@ -61,9 +72,14 @@ def test_random_ragged_batches_match_the_oracle(name, spec, heads, seed):
     problem = random_problem(spec, num_heads, num_kv_heads, 64, seed=seed)
     batch = place(problem, 16, layout_seed=seed)
     got = run_backend(name, batch, num_heads, num_kv_heads, 64, 16, torch.float32, "cpu")
-    expected = attend_dense(problem, 64 ** -0.5, torch.float64)
-    torch.testing.assert_close(got.double(), expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32],
-                               msg=lambda m: f"{name} on {spec}: {m}")
+    expected = attend_dense(problem, 64**-0.5, torch.float64)
+    torch.testing.assert_close(
+        got.double(),
+        expected,
+        atol=TOLERANCE[torch.float32],
+        rtol=TOLERANCE[torch.float32],
+        msg=lambda m: f"{name} on {spec}: {m}",
+    )
 
 
 def test_reference_matches_dense_causal_attention():

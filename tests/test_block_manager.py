@@ -1,4 +1,5 @@
 """Block manager and scheduler invariants under random workloads (hypothesis)."""
+
 from collections import Counter
 
 from hypothesis import given, settings
@@ -28,8 +29,9 @@ def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     max_len = draw(st.integers(1, 64))
     num_blocks = blocks_needed(max_len, block_size) + draw(st.integers(0, 12))
-    requests = draw(st.lists(st.tuples(st.integers(1, max_len), st.integers(1, 20), st.integers(0, 6)),
-                             min_size=1, max_size=12))
+    requests = draw(
+        st.lists(st.tuples(st.integers(1, max_len), st.integers(1, 20), st.integers(0, 6)), min_size=1, max_size=12)
+    )
     return block_size, max_len, num_blocks, draw(st.integers(1, 40)), draw(st.integers(1, 6)), requests
 
 

@@ -1,16 +1,17 @@
 """`pagedbench check`: the quick matrix through the command's own code path (every backend against
 the dense oracle, two layouts), proof that it fails faulty backends with the case named, and the
 oracle itself against plain causal SDPA."""
+
 import dataclasses
 
 import pandas as pd
 import pytest
 import torch
+from pagedbench.backends import registry
+from pagedbench.backends.reference import ReferenceBackend
 
 from pagedbench import check
 from pagedbench.attention_batch import attend_dense, place, random_problem
-from pagedbench.backends import registry
-from pagedbench.backends.reference import ReferenceBackend
 from pagedbench.cli import main
 from tests.helpers import DEVICES
 
@@ -36,8 +37,9 @@ def test_oracle_is_plain_causal_attention():
     k = problem.k[0].repeat_interleave(2, dim=1).transpose(0, 1)
     v = problem.v[0].repeat_interleave(2, dim=1).transpose(0, 1)
     dense = torch.nn.functional.scaled_dot_product_attention(problem.q.transpose(0, 1), k, v, is_causal=True)
-    torch.testing.assert_close(attend_dense(problem, 32 ** -0.5, torch.float64).float(), dense.transpose(0, 1),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        attend_dense(problem, 32**-0.5, torch.float64).float(), dense.transpose(0, 1), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_layouts_share_pages_and_never_use_block_zero():
@@ -56,15 +58,19 @@ def test_layouts_share_pages_and_never_use_block_zero():
 
 class IgnoresPartialLastPage(ReferenceBackend):
     """Reads only whole pages: the tokens on a sequence's partial last page are invisible."""
+
     name = "faulty-partial-page"
 
     def prepare(self, meta):
-        return [dataclasses.replace(s, kv_slots=s.kv_slots[: max(len(s.kv_slots) // meta.block_size * meta.block_size,
-                                                                  1)]) for s in super().prepare(meta)]
+        return [
+            dataclasses.replace(s, kv_slots=s.kv_slots[: max(len(s.kv_slots) // meta.block_size * meta.block_size, 1)])
+            for s in super().prepare(meta)
+        ]
 
 
 class ReadsNeighboursPage(ReferenceBackend):
     """Takes sequence i's last page from sequence i+1's table."""
+
     name = "faulty-neighbour"
 
     def prepare(self, meta):
@@ -78,21 +84,36 @@ class ReadsNeighboursPage(ReferenceBackend):
 class DependsOnPlacement(ReferenceBackend):
     """Orders each sequence's keys by physical slot instead of logical position (right only when
     a sequence's pages happen to ascend), so its causal mask depends on where pages sit."""
+
     name = "faulty-placement"
 
     def prepare(self, meta):
         return [dataclasses.replace(s, kv_slots=s.kv_slots.sort().values) for s in super().prepare(meta)]
 
 
-@pytest.mark.parametrize("faulty,batch", [(IgnoresPartialLastPage, "decode"), (ReadsNeighboursPage, "mixed"),
-                                          (DependsOnPlacement, "chunked prefill")])
+@pytest.mark.parametrize(
+    "faulty,batch",
+    [(IgnoresPartialLastPage, "decode"), (ReadsNeighboursPage, "mixed"), (DependsOnPlacement, "chunked prefill")],
+)
 def test_check_fails_faulty_backends_naming_the_case(monkeypatch, tmp_path, capsys, faulty, batch):
     monkeypatch.setitem(registry._loaded, faulty.name, faulty)
     every_case = check.build_cases
-    monkeypatch.setattr(check, "build_cases", lambda dtypes, full: [
-        c for c in every_case(dtypes, full) if c.batch == batch][:1])
-    code = main(["check", "--backends", f"reference,{faulty.name}", "--device", "cpu", "--dtypes", "fp32",
-                 "--out", str(tmp_path)])
+    monkeypatch.setattr(
+        check, "build_cases", lambda dtypes, full: [c for c in every_case(dtypes, full) if c.batch == batch][:1]
+    )
+    code = main(
+        [
+            "check",
+            "--backends",
+            f"reference,{faulty.name}",
+            "--device",
+            "cpu",
+            "--dtypes",
+            "fp32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1 and "check failed: 1 case(s)" in err
     rows = pd.read_csv(tmp_path / "check.csv")
@@ -104,8 +125,11 @@ def test_check_fails_faulty_backends_naming_the_case(monkeypatch, tmp_path, caps
 
 def test_check_command_passes_and_writes_reports(monkeypatch, tmp_path, capsys):
     every_case = check.build_cases
-    monkeypatch.setattr(check, "build_cases", lambda dtypes, full: [
-        c for c in every_case(dtypes, full) if c.batch in ("mixed", "shared prefix")][:2])
+    monkeypatch.setattr(
+        check,
+        "build_cases",
+        lambda dtypes, full: [c for c in every_case(dtypes, full) if c.batch in ("mixed", "shared prefix")][:2],
+    )
     assert main(["check", "--device", "cpu", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = pd.read_csv(tmp_path / "check.csv")
@@ -120,8 +144,14 @@ def test_engine_check_teacher_forces_the_model_through_each_backend(monkeypatch)
     """Whole-model logits, prompts in two chunks then forced decode steps, against reference's in the
     same dtype: sdpa and flex pass in fp32 and bf16; a backend reading a neighbour's page fails."""
     monkeypatch.setitem(registry._loaded, ReadsNeighboursPage.name, ReadsNeighboursPage)
-    rows = check.engine_check(["reference", "sdpa", "flex", ReadsNeighboursPage.name], torch.device("cpu"),
-                              [torch.float32, torch.bfloat16], num_seqs=3, prompt_len=30, steps=8)
+    rows = check.engine_check(
+        ["reference", "sdpa", "flex", ReadsNeighboursPage.name],
+        torch.device("cpu"),
+        [torch.float32, torch.bfloat16],
+        num_seqs=3,
+        prompt_len=30,
+        steps=8,
+    )
     verdict = {(r["backend"], r["dtype"]): r for r in rows}
     for backend in ("sdpa", "flex"):
         for dtype in ("float32", "bfloat16"):

@@ -1,4 +1,5 @@
 """The `pagedbench` command end to end (small workloads)."""
+
 from pagedbench.cli import main
 
 
@@ -34,7 +35,9 @@ def test_version_and_help_show_defaults(capsys):
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"pagedbench {__version__} (torch {torch.__version__})"
+    assert (
+        e.value.code == 0 and capsys.readouterr().out.strip() == f"pagedbench {__version__} (torch {torch.__version__})"
+    )
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     assert "(default: synthetic)" in capsys.readouterr().out

@@ -1,4 +1,5 @@
 """Bad input: a clear one-line error, and nothing else is lost."""
+
 import shutil
 import subprocess
 import sys
@@ -14,35 +15,41 @@ def engine(tiny_models):
     return LLMEngine(EngineConfig(model=tiny_models["llama"][0], dtype="float32", device="cpu", max_model_len=64))
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_k=0), "top_k"),
-    (dict(top_k=-2), "top_k"),
-    (dict(min_p=1.5), "min_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+    ],
+)
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(max_tokens=5.5), TypeError, "max_tokens must be an int, got 5.5"),
-    (dict(max_tokens=True), TypeError, "max_tokens must be an int"),
-    (dict(temperature=float("nan")), ValueError, "temperature must be finite"),
-    (dict(top_p=float("inf")), ValueError, "top_p must be finite"),
-    (dict(temperature="0.5"), TypeError, "temperature must be a number"),
-    (dict(stop=123), TypeError, "stop must be a str or a list of str"),
-    (dict(stop=["ok", 5]), TypeError, "stop must be a str or a list of str"),
-    (dict(stop_token_ids=[1, 2.0]), TypeError, "stop_token_ids must be ints"),
-    (dict(seed=2**70), ValueError, r"seed must be in \[0, 2\*\*63 - 1\]"),
-    (dict(seed=-1), ValueError, "seed must be in"),
-    (dict(seed=1.5), TypeError, "seed must be an int"),
-    (dict(top_k=2.0), TypeError, "top_k must be an int"),
-    (dict(ignore_eos="yes"), TypeError, "ignore_eos must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(max_tokens=5.5), TypeError, "max_tokens must be an int, got 5.5"),
+        (dict(max_tokens=True), TypeError, "max_tokens must be an int"),
+        (dict(temperature=float("nan")), ValueError, "temperature must be finite"),
+        (dict(top_p=float("inf")), ValueError, "top_p must be finite"),
+        (dict(temperature="0.5"), TypeError, "temperature must be a number"),
+        (dict(stop=123), TypeError, "stop must be a str or a list of str"),
+        (dict(stop=["ok", 5]), TypeError, "stop must be a str or a list of str"),
+        (dict(stop_token_ids=[1, 2.0]), TypeError, "stop_token_ids must be ints"),
+        (dict(seed=2**70), ValueError, r"seed must be in \[0, 2\*\*63 - 1\]"),
+        (dict(seed=-1), ValueError, "seed must be in"),
+        (dict(seed=1.5), TypeError, "seed must be an int"),
+        (dict(top_k=2.0), TypeError, "top_k must be an int"),
+        (dict(ignore_eos="yes"), TypeError, "ignore_eos must be a bool"),
+    ],
+)
 def test_bad_sampling_param_types_name_the_field(kwargs, error, message):
     with pytest.raises(error, match=message):
         SamplingParams(**kwargs)
@@ -74,14 +81,17 @@ def test_generate_keeps_outputs_of_requests_added_elsewhere(tiny_models):
     assert llm.take_other_outputs() == []
 
 
-@pytest.mark.parametrize("prompt,message", [
-    ({"prompt_token_ids": []}, "empty"),
-    ("", "empty"),
-    ({"prompt_token_ids": list(range(3, 3 + 65))}, "max_model_len"),
-    ({"prompt_token_ids": [1, 10**6]}, "vocabulary"),
-    ({"prompt_token_ids": [1, "x"]}, "ints"),
-    (42, "prompt"),
-])
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        ({"prompt_token_ids": []}, "empty"),
+        ("", "empty"),
+        ({"prompt_token_ids": list(range(3, 3 + 65))}, "max_model_len"),
+        ({"prompt_token_ids": [1, 10**6]}, "vocabulary"),
+        ({"prompt_token_ids": [1, "x"]}, "ints"),
+        (42, "prompt"),
+    ],
+)
 def test_bad_prompts(engine, prompt, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, SamplingParams())
@@ -168,12 +178,15 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "pagedbench", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["run", "--backend", "nope"], "unknown backend 'nope'"),
-    (["run", "--model", "/no/such/model"], "neither a directory nor a preset"),
-    (["run", "--num-prompts", "0"], "num_prompts"),
-    (["run", "--dtype", "float8"], "unknown dtype"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run", "--backend", "nope"], "unknown backend 'nope'"),
+        (["run", "--model", "/no/such/model"], "neither a directory nor a preset"),
+        (["run", "--num-prompts", "0"], "num_prompts"),
+        (["run", "--dtype", "float8"], "unknown dtype"),
+    ],
+)
 def test_cli_errors_are_one_line(args, message):
     proc = run_cli(*args)
     assert proc.returncode != 0

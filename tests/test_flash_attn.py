@@ -3,6 +3,7 @@ strings and order, and the kernel calls of all four providers (FA3, FA4, FA2, to
 through fakes that have the real signatures, assert each kernel's documented argument contract
 and compute attention from the arguments they are given (the only way to run the call path
 without a GPU). On CUDA: the real kernels against `reference`, on every page size the provider takes."""
+
 import random
 import sys
 import types
@@ -10,11 +11,11 @@ import types
 import pytest
 import torch
 import torch.nn.attention.varlen
-
-from pagedbench.attention_batch import random_attention_batch
 from pagedbench.backends import flash_attn
 from pagedbench.backends.flash_attn import FlashAttnBackend
 from pagedbench.backends.registry import get_backend
+
+from pagedbench.attention_batch import random_attention_batch
 from tests.helpers import backend_id
 from tests.test_backends import HEADS, ragged_batch_spec, run_backend
 
@@ -52,25 +53,61 @@ def check_max_lengths(cu_seqlens_q, seq_lens, max_q, max_k):
 
 def fake_fa2(calls):
     """`flash_attn` 2.8.3: the two entry points, with their real parameters."""
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+        block_table=None,
+    ):
         calls.append("flash_attn_varlen_func")
         check_index_tensors(cu_seqlens_q, cu_seqlens_k, block_table)
         seq_lens = cu_seqlens_k.diff()  # no seqused_k here: key lengths come from cu_seqlens_k
         check_max_lengths(cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k)
         return paged_attention(q, k, v, cu_seqlens_q, seq_lens, block_table, softmax_scale, causal)
 
-    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    def flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k=None,
+        v=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_seqlens=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        block_table=None,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        rotary_interleaved=True,
+        alibi_slopes=None,
+        num_splits=0,
+        return_softmax_lse=False,
+    ):
         calls.append("flash_attn_with_kvcache")
-        assert q.dim() == 4 and q.shape[1] == 1 and k is None and v is None  # [B, 1, H, D]; the cache is written already
+        assert (
+            q.dim() == 4 and q.shape[1] == 1 and k is None and v is None
+        )  # [B, 1, H, D]; the cache is written already
         check_index_tensors(cache_seqlens, block_table)
         cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-        return paged_attention(q[:, 0], k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table,
-                               softmax_scale, causal).unsqueeze(1)
+        return paged_attention(
+            q[:, 0], k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table, softmax_scale, causal
+        ).unsqueeze(1)
 
     module = types.ModuleType("flash_attn")
     module.__version__ = "2.8.3"
@@ -81,13 +118,39 @@ def fake_fa2(calls):
 
 def fake_fa3(calls):
     """`flash_attn_interface` (hopper/): flash_attn_with_kvcache with page_table and varlen queries."""
-    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
-                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
-                                cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
-                                q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
-                                window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
-                                scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
-                                return_softmax_lse=False):
+
+    def flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k=None,
+        v=None,
+        qv=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_seqlens=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        page_table=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k_new=None,
+        max_seqlen_q=None,
+        rotary_seqlens=None,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        attention_chunk=0,
+        softcap=0.0,
+        rotary_interleaved=True,
+        scheduler_metadata=None,
+        num_splits=0,
+        pack_gqa=None,
+        sm_margin=0,
+        return_softmax_lse=False,
+    ):
         calls.append("flash_attn_with_kvcache")
         assert q.dim() == 3 and k is None and v is None  # [T, H, D] with cu_seqlens_q
         check_index_tensors(cu_seqlens_q, cache_seqlens, page_table)
@@ -106,15 +169,42 @@ def fake_fa4(calls, compile_cache=None):
     never combined with cu_seqlens_k; cu_seqlens_q [B+1] and seqused_k [B] int32 contiguous;
     rows past seqused_k in a sequence's last page finite (whole pages are loaded). Returns
     (out, lse). A new (dtype, head_dim, page_size, decode?) shape "JIT-compiles" into the cache."""
-    def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                               max_seqlen_k=None, min_seqlen_k=None, seqused_q=None, seqused_k=None,
-                               gather_kv_indices=None, page_table=None, softmax_scale=None, causal=False,
-                               window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
-                               pack_gqa=None, deterministic=False, score_mod=None, score_mod_bwd=None,
-                               mask_mod=None, block_sparse_tensors=None, aux_tensors=None, aux_scalars=None,
-                               return_lse=False, scheduler_metadata=None, seqlen_k_per_split=None,
-                               disable_scheduler_metadata=False, gather_bwd_recompute_p=False,
-                               gather_bwd_token_chunk=None):
+
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        qv=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        min_seqlen_k=None,
+        seqused_q=None,
+        seqused_k=None,
+        gather_kv_indices=None,
+        page_table=None,
+        softmax_scale=None,
+        causal=False,
+        window_size=(None, None),
+        learnable_sink=None,
+        softcap=0.0,
+        num_splits=1,
+        pack_gqa=None,
+        deterministic=False,
+        score_mod=None,
+        score_mod_bwd=None,
+        mask_mod=None,
+        block_sparse_tensors=None,
+        aux_tensors=None,
+        aux_scalars=None,
+        return_lse=False,
+        scheduler_metadata=None,
+        seqlen_k_per_split=None,
+        disable_scheduler_metadata=False,
+        gather_bwd_recompute_p=False,
+        gather_bwd_token_chunk=None,
+    ):
         calls.append("flash_attn_varlen_func")
         assert cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"
         total_q, num_heads, head_dim = q.shape
@@ -133,7 +223,10 @@ def fake_fa4(calls, compile_cache=None):
         for i, used in enumerate(seqused_k.tolist()):
             if used % page_size:  # the rest of the last page is loaded too
                 last = int(page_table[i, used // page_size])
-                assert torch.isfinite(k[last, used % page_size:]).all() and torch.isfinite(v[last, used % page_size:]).all()
+                assert (
+                    torch.isfinite(k[last, used % page_size :]).all()
+                    and torch.isfinite(v[last, used % page_size :]).all()
+                )
         if compile_cache is not None:
             compile_cache.setdefault((q.dtype, head_dim, page_size, max_seqlen_q == 1), "compiled kernel")
         out = paged_attention(q, k, v, cu_seqlens_q, seqused_k, page_table, softmax_scale, causal)
@@ -143,25 +236,42 @@ def fake_fa4(calls, compile_cache=None):
     module.flash_attn_varlen_func = flash_attn_varlen_func
     if compile_cache is not None:  # where flash_attn.cute.interface keeps its compiled forward kernels
         module.interface = types.SimpleNamespace(
-            _flash_attn_fwd=types.SimpleNamespace(compile_cache=types.SimpleNamespace(cache=compile_cache)))
+            _flash_attn_fwd=types.SimpleNamespace(compile_cache=types.SimpleNamespace(cache=compile_cache))
+        )
     return module
 
 
 def fake_varlen_attn(calls):
     """torch 2.13's `varlen_attn`, same parameters; causal is window_size (-1, 0)."""
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+
+    def varlen_attn(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+        enable_gqa=False,
+        seqused_k=None,
+        block_table=None,
+        num_splits=None,
+    ):
         calls.append("varlen_attn")
         assert num_splits == 1  # split-KV is wrong on the paged varlen path (pytorch#194167)
         assert enable_gqa == (query.shape[1] != key.shape[2])
         check_index_tensors(cu_seq_q, seqused_k, block_table)
         check_max_lengths(cu_seq_q, seqused_k, max_q, max_k)
         return paged_attention(query, key, value, cu_seq_q, seqused_k, block_table, scale, window_size == (-1, 0))
+
     return varlen_attn
 
 
-def varlen_attn_without_paging(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
-                               return_aux=None):
+def varlen_attn_without_paging(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     """The shape of varlen_attn before seqused_k/block_table (torch 2.10-era)."""
     raise AssertionError("never called")
 
@@ -186,8 +296,12 @@ def install(monkeypatch, fa3=None, fa4=None, fa2=None, varlen=None):
 
 def install_only(monkeypatch, kind, calls=None, **fake_kwargs):
     calls = [] if calls is None else calls
-    fakes = {"fa3": lambda: dict(fa3=fake_fa3(calls)), "fa4": lambda: dict(fa4=fake_fa4(calls, **fake_kwargs)),
-             "fa2": lambda: dict(fa2=fake_fa2(calls)), "torch": lambda: dict(varlen=fake_varlen_attn(calls))}
+    fakes = {
+        "fa3": lambda: dict(fa3=fake_fa3(calls)),
+        "fa4": lambda: dict(fa4=fake_fa4(calls, **fake_kwargs)),
+        "fa2": lambda: dict(fa2=fake_fa2(calls)),
+        "torch": lambda: dict(varlen=fake_varlen_attn(calls)),
+    }
     install(monkeypatch, **fakes[kind]())
 
 
@@ -200,17 +314,21 @@ def chosen(**settings):
     return found.kind if found else why_not
 
 
-NOT_INSTALLED = ("fa3: flash_attn_interface not installed; "
-                 "fa4: flash_attn.cute not installed (pip install 'pagedbench[fa4]'); "
-                 "fa2: flash_attn not installed (pip install 'pagedbench[flash-attn]'); ")
+NOT_INSTALLED = (
+    "fa3: flash_attn_interface not installed; "
+    "fa4: flash_attn.cute not installed (pip install 'pagedbench[fa4]'); "
+    "fa2: flash_attn not installed (pip install 'pagedbench[flash-attn]'); "
+)
 
 
 # --- unavailable_reason -------------------------------------------------------------------
 
+
 def test_cpu_reason_names_every_provider(monkeypatch):
     install(monkeypatch, varlen=fake_varlen_attn([]))
     assert reason("cpu", torch.float32, 512, 16) == (
-        f"no CUDA device (device is cpu); {NOT_INSTALLED}torch: torch {torch.__version__} varlen_attn importable")
+        f"no CUDA device (device is cpu); {NOT_INSTALLED}torch: torch {torch.__version__} varlen_attn importable"
+    )
     install_only(monkeypatch, "fa4")
     assert "fa4: flash_attn.cute (FA4) " in reason("cpu") and reason("cpu").startswith("no CUDA device")
 
@@ -223,8 +341,10 @@ def test_cuda_requested_without_a_device(monkeypatch):
 def test_no_provider_names_everything_tried(monkeypatch):
     fake_cuda(monkeypatch)
     install(monkeypatch)
-    assert reason() == (f"no FlashAttention provider runs these settings; {NOT_INSTALLED}"
-                        f"torch: torch {torch.__version__} has no torch.nn.attention.varlen")
+    assert reason() == (
+        f"no FlashAttention provider runs these settings; {NOT_INSTALLED}"
+        f"torch: torch {torch.__version__} has no torch.nn.attention.varlen"
+    )
 
 
 def test_torch_without_paged_varlen_is_no_provider(monkeypatch):
@@ -238,8 +358,9 @@ def test_fa3_without_page_table_falls_back(monkeypatch):
     old_fa3.flash_attn_with_kvcache = lambda q, k_cache, v_cache, cache_seqlens=None: None
     install(monkeypatch, fa3=old_fa3, fa4=fake_fa4([]), fa2=fake_fa2([]))
     assert chosen() == "fa4"
-    assert flash_attn.probe("fa3") == ("flash_attn_interface: flash_attn_with_kvcache has no page_table, "
-                                       "cu_seqlens_q, max_seqlen_q")
+    assert flash_attn.probe("fa3") == (
+        "flash_attn_interface: flash_attn_with_kvcache has no page_table, cu_seqlens_q, max_seqlen_q"
+    )
 
 
 def test_fa2_without_paged_varlen_is_skipped(monkeypatch):
@@ -265,7 +386,9 @@ def test_empty_flash_attn_namespace_package_is_not_fa2(monkeypatch):
 
 def test_a_provider_that_raises_anything_at_import_is_a_reason(monkeypatch, tmp_path):
     """A broken install (a missing CUDA library, say) raises OSError or RuntimeError, not ImportError."""
-    (tmp_path / "flash_attn_interface.py").write_text("raise OSError('libcudart.so.12: cannot open shared object file')\n")
+    (tmp_path / "flash_attn_interface.py").write_text(
+        "raise OSError('libcudart.so.12: cannot open shared object file')\n"
+    )
     (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("raise RuntimeError('no CUDA driver')\n")
     install(monkeypatch, varlen=fake_varlen_attn([]))
@@ -301,17 +424,29 @@ def test_dtype(monkeypatch, dtype):
 def test_head_dim(monkeypatch, head_dim):
     fake_cuda(monkeypatch)
     install_only(monkeypatch, "fa3")
-    assert f"fa3: flash_attn_interface (FA3) " in reason(head_dim=head_dim)
-    assert reason(head_dim=head_dim).endswith(f"head_dim {head_dim} unsupported: needs a multiple of 8 in 8..256; "
-                                              f"fa4: flash_attn.cute not installed (pip install 'pagedbench[fa4]'); "
-                                              f"fa2: flash_attn not installed (pip install 'pagedbench[flash-attn]'); "
-                                              f"torch: torch {torch.__version__} has no torch.nn.attention.varlen")
+    assert "fa3: flash_attn_interface (FA3) " in reason(head_dim=head_dim)
+    assert reason(head_dim=head_dim).endswith(
+        f"head_dim {head_dim} unsupported: needs a multiple of 8 in 8..256; "
+        f"fa4: flash_attn.cute not installed (pip install 'pagedbench[fa4]'); "
+        f"fa2: flash_attn not installed (pip install 'pagedbench[flash-attn]'); "
+        f"torch: torch {torch.__version__} has no torch.nn.attention.varlen"
+    )
 
 
-@pytest.mark.parametrize("capability,head_dim,ok", [
-    ((9, 0), 64, True), ((9, 0), 192, True), ((9, 0), 256, True), ((9, 0), 264, False), ((9, 0), 4, False),
-    ((10, 0), 128, True), ((10, 0), 192, False), ((10, 0), 256, True), ((11, 0), 96, True),
-])
+@pytest.mark.parametrize(
+    "capability,head_dim,ok",
+    [
+        ((9, 0), 64, True),
+        ((9, 0), 192, True),
+        ((9, 0), 256, True),
+        ((9, 0), 264, False),
+        ((9, 0), 4, False),
+        ((10, 0), 128, True),
+        ((10, 0), 192, False),
+        ((10, 0), 256, True),
+        ((11, 0), 96, True),
+    ],
+)
 def test_fa4_head_dims_follow_its_arch_rules(monkeypatch, capability, head_dim, ok):
     fake_cuda(monkeypatch, capability=capability)
     install_only(monkeypatch, "fa4")
@@ -326,15 +461,20 @@ def test_fa4_has_no_paged_kv_on_ampere_or_sm120(monkeypatch, capability):
     fake_cuda(monkeypatch, capability=capability)
     install(monkeypatch, fa4=fake_fa4([]), fa2=fake_fa2([]))
     major, minor = capability
-    assert (f"fa4: flash_attn.cute (FA4) (version unknown): compute capability {major}.{minor}: FA4 has paged KV "
-            f"only on 9.x (Hopper) and 10.x/11.x (Blackwell)") in reason(block_size=16)
+    assert (
+        f"fa4: flash_attn.cute (FA4) (version unknown): compute capability {major}.{minor}: FA4 has paged KV "
+        f"only on 9.x (Hopper) and 10.x/11.x (Blackwell)"
+    ) in reason(block_size=16)
     assert chosen(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256) == "fa2"  # next in order
 
 
 def test_compute_capability(monkeypatch):
     fake_cuda(monkeypatch, capability=(7, 5))
     install_only(monkeypatch, "fa2")
-    assert "fa2: flash_attn 2.8.3: compute capability 7.5 unsupported: FlashAttention needs 8.0 (Ampere) or newer" in reason()
+    assert (
+        "fa2: flash_attn 2.8.3: compute capability 7.5 unsupported: FlashAttention needs 8.0 (Ampere) or newer"
+        in reason()
+    )
 
 
 def test_torch_built_without_flash_kernels(monkeypatch):
@@ -369,6 +509,7 @@ def test_heads_must_group(monkeypatch):
 
 
 # --- provider -----------------------------------------------------------------------------
+
 
 def test_provider_prefers_fa3_then_fa4_then_fa2_then_torch(monkeypatch):
     versions = {"flash_attn_3": "3.0.0b1", "flash-attn-4": "4.0.0b36"}
@@ -405,9 +546,11 @@ def test_forced_provider(monkeypatch):
     install(monkeypatch, fa3=fake_fa3([]), fa4=fake_fa4([]), fa2=fake_fa2([]))
     monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa2")
     assert chosen() == "fa2" and FlashAttnBackend.provider() == "flash_attn 2.8.3"
-    assert reason(block_size=16) == ("no FlashAttention provider runs these settings; PAGEDBENCH_FLASH_PROVIDER forces "
-                                     "fa2: flash_attn 2.8.3: block_size 16 is not a multiple of 256 (FlashAttention-2's "
-                                     "paged kernels)")
+    assert reason(block_size=16) == (
+        "no FlashAttention provider runs these settings; PAGEDBENCH_FLASH_PROVIDER forces "
+        "fa2: flash_attn 2.8.3: block_size 16 is not a multiple of 256 (FlashAttention-2's "
+        "paged kernels)"
+    )
     monkeypatch.setenv(flash_attn.PROVIDER_ENV, "FA4")
     assert chosen() == "fa4"
     monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa5")
@@ -424,14 +567,17 @@ def test_forced_provider_that_cannot_run_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa4")
     with pytest.raises(ValueError) as e:
         LLMEngine(EngineConfig(model="tiny-llama", backend="flash-attn", device="cuda", dtype="bf16"))
-    assert str(e.value) == ("backend 'flash-attn' is unavailable here: no FlashAttention provider runs these settings; "
-                            "PAGEDBENCH_FLASH_PROVIDER forces fa4: flash_attn.cute not installed "
-                            "(pip install 'pagedbench[fa4]')")
+    assert str(e.value) == (
+        "backend 'flash-attn' is unavailable here: no FlashAttention provider runs these settings; "
+        "PAGEDBENCH_FLASH_PROVIDER forces fa4: flash_attn.cute not installed "
+        "(pip install 'pagedbench[fa4]')"
+    )
 
 
 def test_fa3_version_unknown_without_distribution(monkeypatch):
     def no_dist(dist):
         raise flash_attn.metadata.PackageNotFoundError(dist)
+
     monkeypatch.setattr(flash_attn.metadata, "version", no_dist)
     install_only(monkeypatch, "fa3")
     assert FlashAttnBackend.provider() == "flash_attn_interface (FA3) (version unknown)"
@@ -452,13 +598,18 @@ def test_fa4_splits_kv_only_on_blackwell(capability, splits):
 # --- dispatch through fakes ---------------------------------------------------------------
 
 EXPECTED_CALL = {
-    ("fa3", "decode"): "flash_attn_with_kvcache", ("fa3", "prefill"): "flash_attn_with_kvcache",
+    ("fa3", "decode"): "flash_attn_with_kvcache",
+    ("fa3", "prefill"): "flash_attn_with_kvcache",
     ("fa3", "mixed"): "flash_attn_with_kvcache",
-    ("fa4", "decode"): "flash_attn_varlen_func", ("fa4", "prefill"): "flash_attn_varlen_func",
+    ("fa4", "decode"): "flash_attn_varlen_func",
+    ("fa4", "prefill"): "flash_attn_varlen_func",
     ("fa4", "mixed"): "flash_attn_varlen_func",
-    ("fa2", "decode"): "flash_attn_with_kvcache", ("fa2", "prefill"): "flash_attn_varlen_func",
+    ("fa2", "decode"): "flash_attn_with_kvcache",
+    ("fa2", "prefill"): "flash_attn_varlen_func",
     ("fa2", "mixed"): "flash_attn_varlen_func",
-    ("torch", "decode"): "varlen_attn", ("torch", "prefill"): "varlen_attn", ("torch", "mixed"): "varlen_attn",
+    ("torch", "decode"): "varlen_attn",
+    ("torch", "prefill"): "varlen_attn",
+    ("torch", "mixed"): "varlen_attn",
 }
 
 
@@ -555,8 +706,16 @@ def test_fakes_notice_wrong_arguments(monkeypatch):
     bad = backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
     assert not torch.allclose(bad, good, atol=1e-2)
     with pytest.raises(AssertionError):
-        paged_attention(batch.q, batch.k_cache, batch.v_cache, state.cu_seqlens_q, state.seq_lens,
-                        state.block_table, SCALE, causal=False)
+        paged_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            state.cu_seqlens_q,
+            state.seq_lens,
+            state.block_table,
+            SCALE,
+            causal=False,
+        )
 
 
 def test_fa4_fake_enforces_its_contract(monkeypatch):
@@ -566,11 +725,14 @@ def test_fa4_fake_enforces_its_contract(monkeypatch):
     batch, num_heads, num_kv_heads = make_batch("decode", "gqa")
     backend, state, _ = attend("flash-attn", batch, num_heads, num_kv_heads)
     api = backend.impl.api
-    args = dict(cu_seqlens_q=state.cu_seqlens_q, max_seqlen_q=1, seqused_k=state.seq_lens, causal=True,
-                softmax_scale=SCALE)
-    for bad in (dict(page_table=state.block_table.long()),
-                dict(page_table=state.block_table.t().contiguous().t()),
-                dict(page_table=state.block_table, cu_seqlens_k=state.cu_seqlens_k)):
+    args = dict(
+        cu_seqlens_q=state.cu_seqlens_q, max_seqlen_q=1, seqused_k=state.seq_lens, causal=True, softmax_scale=SCALE
+    )
+    for bad in (
+        dict(page_table=state.block_table.long()),
+        dict(page_table=state.block_table.t().contiguous().t()),
+        dict(page_table=state.block_table, cu_seqlens_k=state.cu_seqlens_k),
+    ):
         if bad["page_table"].stride(-1) == 1 and bad["page_table"].dtype == torch.int32 and "cu_seqlens_k" not in bad:
             continue  # a 1-column table is contiguous either way
         with pytest.raises(AssertionError):
@@ -621,5 +783,10 @@ def test_kernels_match_reference_on_cuda(block_size, dtype, head_dim, phase, hea
         got = run_backend("flash-attn", *args)
         assert got.shape == expected.shape and got.dtype == dtype
         tol = FP16_TOLERANCE[dtype]
-        torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol,
-                                   msg=lambda m: f"flash-attn ({FlashAttnBackend.provider()}) on {spec}: {m}")
+        torch.testing.assert_close(
+            got.float(),
+            expected.float(),
+            atol=tol,
+            rtol=tol,
+            msg=lambda m, spec=spec: f"flash-attn ({FlashAttnBackend.provider()}) on {spec}: {m}",
+        )

@@ -7,17 +7,18 @@ one graph per configuration, ~10 s each on a CPU. Eager flex (mask_mod alone, no
 is cheap, so here it covers a representative slice of that matrix; the pitfall cases run in both
 modes, mostly on the configuration that test_backends has already compiled (GQA, d64, fp32).
 """
+
 import dataclasses
 import importlib.util
 import random
 
 import pytest
 import torch
+from pagedbench.backends import flex
+from pagedbench.backends.flex import FlexBackend
 
 from pagedbench import LLM, SamplingParams
 from pagedbench.attention_batch import paged_metadata, random_attention_batch
-from pagedbench.backends import flex
-from pagedbench.backends.flex import FlexBackend
 from pagedbench.kernels import batch_spec
 from tests.helpers import DEVICES
 from tests.test_backends import HEADS, TOLERANCE, ragged_batch_spec, run_backend
@@ -25,28 +26,55 @@ from tests.test_backends import HEADS, TOLERANCE, ragged_batch_spec, run_backend
 MODES = [pytest.param(True, id="compiled"), pytest.param(False, id="eager")]
 
 
-def check_flex(spec, device="cpu", compile=True, block_size=16, heads=(8, 2), head_dim=64, dtype=torch.float32,
-               seed=0, spare_blocks=3, null_block=True, **kwargs):
+def check_flex(
+    spec,
+    device="cpu",
+    compile=True,
+    block_size=16,
+    heads=(8, 2),
+    head_dim=64,
+    dtype=torch.float32,
+    seed=0,
+    spare_blocks=3,
+    null_block=True,
+    **kwargs,
+):
     """flex == reference on the batch `spec` (context_len, query_len per sequence); returns the batch."""
-    batch = random_attention_batch(spec, *heads, head_dim, block_size, dtype, device, seed=seed,
-                                   spare_blocks=spare_blocks, null_block=null_block)
+    batch = random_attention_batch(
+        spec, *heads, head_dim, block_size, dtype, device, seed=seed, spare_blocks=spare_blocks, null_block=null_block
+    )
     args = (batch, *heads, head_dim, block_size, dtype, device)
     expected = run_backend("reference", *args)
     got = run_backend("flex", *args, compile=compile, **kwargs)
-    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype],
-                               msg=lambda m: f"flex (compile={compile}) vs reference on {spec}: {m}")
+    torch.testing.assert_close(
+        got.float(),
+        expected.float(),
+        atol=TOLERANCE[dtype],
+        rtol=TOLERANCE[dtype],
+        msg=lambda m: f"flex (compile={compile}) vs reference on {spec}: {m}",
+    )
     return batch
 
 
-@pytest.mark.parametrize("dtype,head_dim,block_size", [(torch.float32, 64, 16), (torch.bfloat16, 128, 128)],
-                         ids=["fp32-d64-bs16", "bf16-d128-bs128"])
+@pytest.mark.parametrize(
+    "dtype,head_dim,block_size",
+    [(torch.float32, 64, 16), (torch.bfloat16, 128, 128)],
+    ids=["fp32-d64-bs16", "bf16-d128-bs128"],
+)
 @pytest.mark.parametrize("phase", ["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("heads", HEADS)
 def test_eager_matches_reference(dtype, head_dim, block_size, phase, heads):
     rng = random.Random(f"eager-{phase}-{heads}-{block_size}")
     for trial in range(2):
-        check_flex(ragged_batch_spec(phase, block_size, rng), compile=False, block_size=block_size,
-                   heads=HEADS[heads], head_dim=head_dim, dtype=dtype, seed=trial)
+        check_flex(
+            ragged_batch_spec(phase, block_size, rng),
+            compile=False,
+            block_size=block_size,
+            heads=HEADS[heads],
+            head_dim=head_dim,
+            dtype=dtype,
+            seed=trial,
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -70,8 +98,9 @@ def test_page_boundary_at_seq_len_and_partial_pages(device, compile):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compile", MODES)
-@pytest.mark.parametrize("spec", [[(0, 1)], [(7, 1)], [(0, 1), (0, 1), (5, 1), (0, 3), (4, 1)]],
-                         ids=["one-token", "one-decode", "several"])
+@pytest.mark.parametrize(
+    "spec", [[(0, 1)], [(7, 1)], [(0, 1), (0, 1), (5, 1), (0, 3), (4, 1)]], ids=["one-token", "one-decode", "several"]
+)
 def test_length_one_sequences(device, compile, spec):
     check_flex(spec, device, compile)
 
@@ -92,8 +121,15 @@ def test_many_short_sequences_in_one_query_block(device, compile, q_block_size):
 def test_pages_smaller_than_a_kv_block(device, compile, phase):
     """8-slot pages: two pages, maybe of two sequences, share one 16-slot KV block."""
     for trial in range(2):
-        check_flex(ragged_batch_spec(phase, 8, random.Random(trial)), device, compile, block_size=8,
-                   heads=(4, 2), head_dim=16, seed=trial)
+        check_flex(
+            ragged_batch_spec(phase, 8, random.Random(trial)),
+            device,
+            compile,
+            block_size=8,
+            heads=(4, 2),
+            head_dim=16,
+            seed=trial,
+        )
 
 
 def test_block_mask_lists_each_sequences_own_pages():
@@ -152,8 +188,9 @@ def test_shared_pages_give_every_sequence_its_answer(compile, dtype):
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     torch.testing.assert_close(got[3], got[2], atol=1e-6, rtol=0)  # forks: same pages, same query -> same answer
     unshared = random_attention_batch(spec, 8, 2, 64, 16, dtype)
-    assert not torch.allclose(got[4].float(), run_backend("flex", unshared, *args[1:], compile=compile)[4].float(),
-                              atol=0.1)  # sharing mattered
+    assert not torch.allclose(
+        got[4].float(), run_backend("flex", unshared, *args[1:], compile=compile)[4].float(), atol=0.1
+    )  # sharing mattered
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -167,8 +204,11 @@ def test_output_depends_on_logical_content_not_placement(compile, phase, dtype):
     moved_k, moved_v = torch.empty_like(batch.k_cache), torch.empty_like(batch.v_cache)
     moved_k[perm], moved_v[perm] = batch.k_cache, batch.v_cache
     meta = batch.metadata
-    moved_meta = dataclasses.replace(meta, block_table=perm[meta.block_table.long()].to(torch.int32),
-                                     slot_mapping=perm[meta.slot_mapping // 16] * 16 + meta.slot_mapping % 16)
+    moved_meta = dataclasses.replace(
+        meta,
+        block_table=perm[meta.block_table.long()].to(torch.int32),
+        slot_mapping=perm[meta.slot_mapping // 16] * 16 + meta.slot_mapping % 16,
+    )
     moved = dataclasses.replace(batch, k_cache=moved_k, v_cache=moved_v, metadata=moved_meta)
     args = (8, 2, 64, 16, dtype, "cpu")
     here = run_backend("flex", batch, *args, compile=compile)
@@ -177,8 +217,7 @@ def test_output_depends_on_logical_content_not_placement(compile, phase, dtype):
 
 
 def efficiency(spec, block_size=16, q_block_size=None):
-    backend = FlexBackend(16, 8, 128, 0.088, block_size, torch.device("cpu"), torch.bfloat16,
-                          q_block_size=q_block_size)
+    backend = FlexBackend(16, 8, 128, 0.088, block_size, torch.device("cpu"), torch.bfloat16, q_block_size=q_block_size)
     return backend.tile_efficiency(backend.prepare(paged_metadata(spec, block_size)))
 
 
@@ -218,8 +257,9 @@ def test_recompiles_stay_within_capacity_buckets():
     before = flex.compile_stats["graphs"]
     rng = random.Random(0)
     for step in range(8):
-        spec = [(rng.randint(0, 90), 1) for _ in range(rng.randint(0, 9))] + \
-               [(rng.randint(0, 60), rng.randint(2, 120)) for _ in range(rng.randint(1 if step % 3 else 0, 4))]
+        spec = [(rng.randint(0, 90), 1) for _ in range(rng.randint(0, 9))] + [
+            (rng.randint(0, 60), rng.randint(2, 120)) for _ in range(rng.randint(1 if step % 3 else 0, 4))
+        ]
         check_flex(spec or [(0, 1)], block_size=32, heads=(2, 1), head_dim=32, seed=step)
     assert flex.compile_stats["graphs"] - before == 3
     check_flex([(0, flex.MIN_TOKEN_CAPACITY + 50)], block_size=32, heads=(2, 1), head_dim=32)
@@ -235,8 +275,14 @@ def test_engine_run_compiles_once(tiny_models):
     outputs = {}
     before = flex.compile_stats["graphs"]
     for backend in ("sdpa", "flex"):
-        llm = LLM(tiny_models["llama"][0], backend=backend, device="cpu", dtype="float32",
-                  max_num_batched_tokens=64, max_num_seqs=6)
+        llm = LLM(
+            tiny_models["llama"][0],
+            backend=backend,
+            device="cpu",
+            dtype="float32",
+            max_num_batched_tokens=64,
+            max_num_seqs=6,
+        )
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outputs[backend] = [o.outputs[0].token_ids for o in outs]
     assert outputs["flex"] == outputs["sdpa"]
@@ -265,16 +311,19 @@ def test_flash_kernel_choice(monkeypatch):
     where they cannot run; a bad value is a reason too."""
     monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "flash")
     assert FlexBackend.unavailable_reason("cpu", torch.float32, 64, 16) == (
-        "PAGEDBENCH_FLEX_KERNEL=flash: FA4 kernels need CUDA (device is cpu)")
+        "PAGEDBENCH_FLEX_KERNEL=flash: FA4 kernels need CUDA (device is cpu)"
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
     assert FlexBackend.unavailable_reason("cuda", torch.bfloat16, 128, 16) == (
-        "PAGEDBENCH_FLEX_KERNEL=flash: flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')")
+        "PAGEDBENCH_FLEX_KERNEL=flash: flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')"
+    )
     assert FlexBackend.provider(device="cuda").endswith("flex compiled, FA4 kernels (BACKEND=FLASH)")
     assert FlexBackend.provider(device="cpu").endswith("flex compiled")
     monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "cutlass")
     assert FlexBackend.unavailable_reason("cpu", torch.float32, 64, 16) == (
-        "PAGEDBENCH_FLEX_KERNEL='cutlass' is not one of triton, flash")
+        "PAGEDBENCH_FLEX_KERNEL='cutlass' is not one of triton, flash"
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's FA4 kernels need CUDA")
@@ -284,8 +333,9 @@ def test_flash_kernels_match_triton_on_cuda(monkeypatch, phase):
     reason = FlexBackend.unavailable_reason("cuda", torch.bfloat16, 128, 16)
     if reason:
         pytest.skip(reason)
-    batch = random_attention_batch(ragged_batch_spec(phase, 16, random.Random(3)), 16, 8, 128, 16,
-                                   torch.bfloat16, "cuda")
+    batch = random_attention_batch(
+        ragged_batch_spec(phase, 16, random.Random(3)), 16, 8, 128, 16, torch.bfloat16, "cuda"
+    )
     args = (batch, 16, 8, 128, 16, torch.bfloat16, "cuda")
     flash = run_backend("flex", *args)
     monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "triton")

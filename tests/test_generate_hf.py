@@ -1,4 +1,5 @@
 """Greedy generation through the engine is token-identical to Hugging Face's greedy decoding."""
+
 import random
 
 import pytest

@@ -1,5 +1,6 @@
 """`pagedbench compare / run / kernels` end to end on the tiny preset at a tiny scale: the CSV
 schema, identical greedy tokens between reference and sdpa, online arrivals, one-line errors."""
+
 import os
 import subprocess
 import sys
@@ -7,31 +8,109 @@ import sys
 import pandas as pd
 import pytest
 import torch
-
 from pagedbench.backends import registry
 from pagedbench.backends.sdpa import SDPABackend
+
 from pagedbench.cli import main
 
 SERVING_COLUMNS = {
-    "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "load_average",
-    "dtype", "backend",
-    "provider", "status", "reason", "scenario", "scenario_hash", "scale", "seed", "model", "block_size",
-    "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "arrival", "request_rate",
-    "temperature", "repeat",
-    "num_requests", "total_input_tokens", "total_output_tokens", "duration_s", "request_throughput",
-    "output_throughput", "total_token_throughput",
-    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-    "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
-    "steps", "preemptions", "peak_kv_blocks", "peak_kv_utilization", "time_schedule_s", "time_metadata_s",
-    "time_backend_prepare_s", "time_forward_s", "time_sample_s", "time_backend_compile_s", "throughput_vs_best", "identical_token_share",
+    "kind",
+    "command",
+    "timestamp",
+    "git_sha",
+    "torch_version",
+    "device",
+    "device_name",
+    "cpu_threads",
+    "load_average",
+    "dtype",
+    "backend",
+    "provider",
+    "status",
+    "reason",
+    "scenario",
+    "scenario_hash",
+    "scale",
+    "seed",
+    "model",
+    "block_size",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "arrival",
+    "request_rate",
+    "temperature",
+    "repeat",
+    "num_requests",
+    "total_input_tokens",
+    "total_output_tokens",
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "steps",
+    "preemptions",
+    "peak_kv_blocks",
+    "peak_kv_utilization",
+    "time_schedule_s",
+    "time_metadata_s",
+    "time_backend_prepare_s",
+    "time_forward_s",
+    "time_sample_s",
+    "time_backend_compile_s",
+    "throughput_vs_best",
+    "identical_token_share",
 }
 KERNEL_COLUMNS = {
-    "kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name", "cpu_threads", "load_average",
-    "dtype", "backend",
-    "provider", "status", "reason", "phase", "batch_size", "context_len", "block_size", "num_heads",
-    "num_kv_heads", "head_dim", "num_query_tokens", "kv_bytes", "flops", "warmup", "repeats",
-    "prepare_min_ms", "prepare_median_ms", "forward_min_ms", "forward_median_ms", "bandwidth_gbps",
-    "peak_bandwidth_gbps", "peak_bandwidth_source", "pct_of_peak_bandwidth", "tflops", "tile_efficiency",
+    "kind",
+    "command",
+    "timestamp",
+    "git_sha",
+    "torch_version",
+    "device",
+    "device_name",
+    "cpu_threads",
+    "load_average",
+    "dtype",
+    "backend",
+    "provider",
+    "status",
+    "reason",
+    "phase",
+    "batch_size",
+    "context_len",
+    "block_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_query_tokens",
+    "kv_bytes",
+    "flops",
+    "warmup",
+    "repeats",
+    "prepare_min_ms",
+    "prepare_median_ms",
+    "forward_min_ms",
+    "forward_median_ms",
+    "bandwidth_gbps",
+    "peak_bandwidth_gbps",
+    "peak_bandwidth_source",
+    "pct_of_peak_bandwidth",
+    "tflops",
+    "tile_efficiency",
 }
 
 
@@ -59,9 +138,27 @@ def compared(tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("compare")
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(registry._loaded, "teapot", TeapotBackend)
-        code = main(["compare", "--backends", "reference,sdpa,teapot", "--scenario", "mixed", "--scale", "0.02",
-                     "--model", "tiny-llama", "--device", "cpu", "--dtype", "fp32", "--repeats", "2",
-                     "--out", str(out)])
+        code = main(
+            [
+                "compare",
+                "--backends",
+                "reference,sdpa,teapot",
+                "--scenario",
+                "mixed",
+                "--scale",
+                "0.02",
+                "--model",
+                "tiny-llama",
+                "--device",
+                "cpu",
+                "--dtype",
+                "fp32",
+                "--repeats",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
     assert code == 0
     return out, pd.read_csv(out / "compare-mixed.csv")
 
@@ -92,16 +189,35 @@ def test_greedy_tokens_identical_between_reference_and_sdpa(compared):
 
 def test_compare_writes_markdown_and_plots(compared):
     out, _ = compared
-    for name in ("compare-mixed.md", "compare-mixed-throughput.png", "compare-mixed-latency-cdf.png",
-                 "compare-mixed-requests.csv"):
+    for name in (
+        "compare-mixed.md",
+        "compare-mixed-throughput.png",
+        "compare-mixed-latency-cdf.png",
+        "compare-mixed-requests.csv",
+    ):
         assert (out / name).stat().st_size > 0
     requests = pd.read_csv(out / "compare-mixed-requests.csv")
     assert len(requests) == 2 * 2 * 5 and requests["ttft_ms"].gt(0).all()
 
 
 def test_online_run_adds_requests_at_their_arrival_times(tmp_path, capsys):
-    assert main(["run", "--scenario", "online", "--scale", "0.03", "--model", "tiny-llama", "--no-warmup",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--scenario",
+                "online",
+                "--scale",
+                "0.03",
+                "--model",
+                "tiny-llama",
+                "--no-warmup",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "| sdpa " in capsys.readouterr().out
     from pagedbench.scenario import build_requests, load_scenario
 
@@ -111,8 +227,30 @@ def test_online_run_adds_requests_at_their_arrival_times(tmp_path, capsys):
 
 
 def test_kernels_csv_schema_and_report(tmp_path, capsys):
-    assert main(["kernels", "--backends", "reference,sdpa", "--batch-sizes", "2", "--context-lens", "40",
-                 "--heads", "4/2", "--head-dim", "16", "--warmup", "0", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "kernels",
+                "--backends",
+                "reference,sdpa",
+                "--batch-sizes",
+                "2",
+                "--context-lens",
+                "40",
+                "--heads",
+                "4/2",
+                "--head-dim",
+                "16",
+                "--warmup",
+                "0",
+                "--repeats",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "| sdpa " in capsys.readouterr().out
     df = pd.read_csv(tmp_path / "kernels.csv")
     assert set(df.columns) == KERNEL_COLUMNS
@@ -121,16 +259,19 @@ def test_kernels_csv_schema_and_report(tmp_path, capsys):
     assert (tmp_path / "kernels-bandwidth.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("args,message", [
-    (["kernels", "--heads", "3/2"], "query heads must be a multiple of KV heads"),
-    (["kernels", "--batch-sizes", "1,x"], "batch_sizes must be integers"),
-    (["kernels", "--heads", "16"], "heads must be 2 integers separated by '/'"),
-    (["run", "--repeats", "0"], "repeats must be >= 1"),
-    (["run", "--scenario", "long-context", "--model", "tiny-llama", "--scale", "0.5"], "longest request needs"),
-    (["run", "--scenario", "nope"], "neither a file nor a built-in scenario"),
-    (["run", "--scale", "-2"], "scale must be a positive number"),
-    (["run", "--num-blocks", "0"], "num_blocks must be > 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["kernels", "--heads", "3/2"], "query heads must be a multiple of KV heads"),
+        (["kernels", "--batch-sizes", "1,x"], "batch_sizes must be integers"),
+        (["kernels", "--heads", "16"], "heads must be 2 integers separated by '/'"),
+        (["run", "--repeats", "0"], "repeats must be >= 1"),
+        (["run", "--scenario", "long-context", "--model", "tiny-llama", "--scale", "0.5"], "longest request needs"),
+        (["run", "--scenario", "nope"], "neither a file nor a built-in scenario"),
+        (["run", "--scale", "-2"], "scale must be a positive number"),
+        (["run", "--num-blocks", "0"], "num_blocks must be > 0"),
+    ],
+)
 def test_more_errors_in_process(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
@@ -146,8 +287,16 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
         (["run", "--scale", "0"], "scale must be a positive number"),
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, "-m", "pagedbench", *args, "--out", str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in cases]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pagedbench", *args, "--out", str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, _ in cases
+    ]
     for proc, (args, message) in zip(procs, cases):
         _, stderr = proc.communicate(timeout=120)
         lines = stderr.strip().splitlines()
@@ -166,9 +315,23 @@ def test_a_cut_kernels_run_keeps_its_rows(monkeypatch, tmp_path, capsys):
             raise KeyboardInterrupt
         timed.append(args)
         return {"forward_median_ms": 1.0}
+
     monkeypatch.setattr(kernels, "_time_backend", time_then_stop)
-    code = main(["kernels", "--backends", "reference,sdpa", "--phases", "decode", "--batch-sizes", "1,2",
-                 "--context-lens", "16,32", "--out", str(tmp_path)])
+    code = main(
+        [
+            "kernels",
+            "--backends",
+            "reference,sdpa",
+            "--phases",
+            "decode",
+            "--batch-sizes",
+            "1,2",
+            "--context-lens",
+            "16,32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 130 and "interrupted after 3 rows" in capsys.readouterr().err
     rows = pd.read_csv(tmp_path / "kernels.csv")
     assert len(rows) == 3 and (rows["status"] == "ok").all() and (tmp_path / "kernels.md").exists()

@@ -1,5 +1,6 @@
 """Metric math on a hand-made trace, checked against numbers computed by hand with vLLM
 benchmark_serving's definitions (p99 by linear interpolation, as np.percentile)."""
+
 import pytest
 
 from pagedbench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
@@ -27,14 +28,21 @@ def test_latency_summary_matches_hand_computed_numbers():
     got = latency_summary(TRACE)
     want = {
         # TTFT [100, 300, 50]: p99 of sorted [50, 100, 300] at rank 1.98 -> 100 + 0.98 * 200
-        "mean_ttft_ms": 150, "median_ttft_ms": 100, "p99_ttft_ms": 296,
+        "mean_ttft_ms": 150,
+        "median_ttft_ms": 100,
+        "p99_ttft_ms": 296,
         # TPOT over the two requests with > 1 token: [250, 116.67]
-        "mean_tpot_ms": (250 + 350 / 3) / 2, "median_tpot_ms": (250 + 350 / 3) / 2,
+        "mean_tpot_ms": (250 + 350 / 3) / 2,
+        "median_tpot_ms": (250 + 350 / 3) / 2,
         "p99_tpot_ms": 350 / 3 + 0.99 * (250 - 350 / 3),
         # ITL pooled over requests: [200, 300, 100, 50, 200]; sorted rank 3.96 -> 200 + 0.96 * 100
-        "mean_itl_ms": 170, "median_itl_ms": 200, "p99_itl_ms": 296,
+        "mean_itl_ms": 170,
+        "median_itl_ms": 200,
+        "p99_itl_ms": 296,
         # E2EL [600, 300, 400]
-        "mean_e2el_ms": 1300 / 3, "median_e2el_ms": 400, "p99_e2el_ms": 596,
+        "mean_e2el_ms": 1300 / 3,
+        "median_e2el_ms": 400,
+        "p99_e2el_ms": 596,
     }
     assert got == pytest.approx(want)
 
@@ -46,9 +54,17 @@ def test_empty_samples_are_zero_as_in_vllm():
 
 def test_throughput_summary():
     got = throughput_summary([10, 20, 30], [3, 1, 4], duration_s=2.0)
-    assert got == pytest.approx({"num_requests": 3, "total_input_tokens": 60, "total_output_tokens": 8,
-                                 "duration_s": 2.0, "request_throughput": 1.5, "output_throughput": 4.0,
-                                 "total_token_throughput": 34.0})
+    assert got == pytest.approx(
+        {
+            "num_requests": 3,
+            "total_input_tokens": 60,
+            "total_output_tokens": 8,
+            "duration_s": 2.0,
+            "request_throughput": 1.5,
+            "output_throughput": 4.0,
+            "total_token_throughput": 34.0,
+        }
+    )
 
 
 def test_identical_token_share():

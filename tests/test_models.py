@@ -1,4 +1,5 @@
 """Model loading: both config.json forms, sharded checkpoints, presets, unsupported models."""
+
 import json
 import shutil
 from pathlib import Path
@@ -17,8 +18,13 @@ PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
 
 def greedy(path, n=8):
     llm = LLM(str(path), dtype="float32", device="cpu")
-    return llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
+    return (
+        llm.generate(
+            [{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -51,7 +57,9 @@ def test_llama3_rope_matches_transformers(tiny_models):
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError, match="unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"
+    ):
         ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
         ModelConfig.from_dict({**PRESETS["tiny-llama"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
@@ -65,6 +73,7 @@ def test_presets_parse_to_real_shapes(name):
 
 def test_tiny_preset_generates_from_token_ids():
     llm = LLM("tiny-llama", max_model_len=128)
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""

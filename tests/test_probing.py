@@ -1,6 +1,7 @@
 """Probing never crashes: broken or half-installed packages on the path (FA4's empty `flash_attn`
 namespace package, a module that raises at import, a third-party backend that fails to load)
 leave every command and test collection working, each broken part saying why."""
+
 import os
 import subprocess
 import sys
@@ -8,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from pagedbench.backends import registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,9 @@ def run(planted: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def table_rows(out: str) -> dict[str, list[str]]:
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines() if line.startswith("|")]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines() if line.startswith("|")
+    ]
     return {r[0]: r for r in rows}
 
 
@@ -80,9 +82,19 @@ def test_commands_work_and_say_why(planted, tmp_path):
 
 
 def test_test_collection_survives(planted):
-    result = run(planted, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                 "tests/test_backends.py", "tests/test_check.py", "tests/test_flash_attn.py",
-                 "tests/test_generate_hf.py")
+    result = run(
+        planted,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_backends.py",
+        "tests/test_check.py",
+        "tests/test_flash_attn.py",
+        "tests/test_generate_hf.py",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "tests collected" in result.stdout and "ERROR" not in result.stdout
     assert "test_backends.py::test_random_ragged_batches_match_the_oracle[broken]" in result.stdout
@@ -102,7 +114,10 @@ def test_broken_backend_in_process(monkeypatch):
     cls = registry.get_backend("broken")
     provider, reason = registry.probe(cls, "cpu", None, 64, 16)
     assert provider == "none"
-    assert reason == "failed to load tests.no_such_module:Backend: ModuleNotFoundError: No module named 'tests.no_such_module'"
+    assert (
+        reason
+        == "failed to load tests.no_such_module:Backend: ModuleNotFoundError: No module named 'tests.no_such_module'"
+    )
     with pytest.raises(ValueError, match="backend 'broken' is unavailable here: failed to load"):
         LLMEngine(EngineConfig(model="tiny-llama", backend="broken", device="cpu"))
     registry._loaded.pop("broken")
@@ -122,5 +137,7 @@ def test_a_backend_whose_probe_raises_is_unavailable():
         def provider(cls, **settings):
             raise RuntimeError("no version")
 
-    assert registry.probe(Exploding, "cpu", None, 64, 16) == ("none (RuntimeError: no version)",
-                                                              "probing failed: KeyError: 'cuda'")
+    assert registry.probe(Exploding, "cpu", None, 64, 16) == (
+        "none (RuntimeError: no version)",
+        "probing failed: KeyError: 'cuda'",
+    )

@@ -1,12 +1,13 @@
 """The backend contract seen from outside: a third-party backend registered through the
 `pagedbench.backends` entry-point group, prepared once per step and called once per layer."""
+
 from importlib.metadata import EntryPoint
 
 import pytest
-
-from pagedbench import LLM, SamplingParams
 from pagedbench.backends import registry
 from pagedbench.backends.sdpa import SDPABackend
+
+from pagedbench import LLM, SamplingParams
 
 
 class CountingBackend(SDPABackend):

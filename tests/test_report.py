@@ -1,5 +1,6 @@
 """Report rendering from hand-made rows: CSV + markdown + PNGs, and `report` merging CSVs of
 two machines."""
+
 import pandas as pd
 import pytest
 
@@ -11,19 +12,60 @@ def serving_rows(device_name: str) -> tuple[list[dict], list[dict]]:
     rows, requests = [], []
     for backend, speed in (("reference", 100.0), ("sdpa", 150.0)):
         for repeat in range(2):
-            rows.append({"device_name": device_name, "backend": backend, "status": "ok", "reason": "",
-                         "scenario": "mixed", "scenario_hash": "ab" * 32, "scale": 0.1, "repeat": repeat,
-                         "num_requests": 4, "total_input_tokens": 40, "total_output_tokens": 20, "duration_s": 1.0,
-                         "request_throughput": 4.0, "output_throughput": speed + repeat,
-                         "total_token_throughput": 3 * speed, "mean_ttft_ms": 10, "p99_ttft_ms": 12,
-                         "mean_tpot_ms": 5, "p99_tpot_ms": 6, "mean_itl_ms": 5, "p99_itl_ms": 7, "mean_e2el_ms": 50,
-                         "preemptions": 0, "peak_kv_utilization": 0.5, "time_forward_s": 0.9,
-                         "time_backend_prepare_s": 0.05, "throughput_vs_best": speed / 150,
-                         "identical_token_share": 1.0})
-            requests += [{"device_name": device_name, "backend": backend, "scenario": "mixed", "repeat": repeat,
-                          "request": i, "ttft_ms": 10 + i, "tpot_ms": 5 + i, "e2el_ms": 50 + i} for i in range(4)]
-    rows.append({"device_name": device_name, "backend": "flash-attn", "status": "unavailable",
-                 "reason": "no CUDA device", "scenario": "mixed"})
+            rows.append(
+                {
+                    "device_name": device_name,
+                    "backend": backend,
+                    "status": "ok",
+                    "reason": "",
+                    "scenario": "mixed",
+                    "scenario_hash": "ab" * 32,
+                    "scale": 0.1,
+                    "repeat": repeat,
+                    "num_requests": 4,
+                    "total_input_tokens": 40,
+                    "total_output_tokens": 20,
+                    "duration_s": 1.0,
+                    "request_throughput": 4.0,
+                    "output_throughput": speed + repeat,
+                    "total_token_throughput": 3 * speed,
+                    "mean_ttft_ms": 10,
+                    "p99_ttft_ms": 12,
+                    "mean_tpot_ms": 5,
+                    "p99_tpot_ms": 6,
+                    "mean_itl_ms": 5,
+                    "p99_itl_ms": 7,
+                    "mean_e2el_ms": 50,
+                    "preemptions": 0,
+                    "peak_kv_utilization": 0.5,
+                    "time_forward_s": 0.9,
+                    "time_backend_prepare_s": 0.05,
+                    "throughput_vs_best": speed / 150,
+                    "identical_token_share": 1.0,
+                }
+            )
+            requests += [
+                {
+                    "device_name": device_name,
+                    "backend": backend,
+                    "scenario": "mixed",
+                    "repeat": repeat,
+                    "request": i,
+                    "ttft_ms": 10 + i,
+                    "tpot_ms": 5 + i,
+                    "e2el_ms": 50 + i,
+                }
+                for i in range(4)
+            ]
+    rows.append(
+        {
+            "device_name": device_name,
+            "backend": "flash-attn",
+            "status": "unavailable",
+            "reason": "no CUDA device",
+            "scenario": "mixed",
+        }
+    )
     return rows, requests
 
 
@@ -41,8 +83,13 @@ def test_tidy_has_exactly_the_schema():
 def test_write_reports_makes_csv_markdown_and_plots(tmp_path):
     paths = write_machine(tmp_path, "cpu")
     names = sorted(p.name for p in paths)
-    assert names == ["compare-mixed-latency-cdf.png", "compare-mixed-requests.csv", "compare-mixed-throughput.png",
-                     "compare-mixed.csv", "compare-mixed.md"]
+    assert names == [
+        "compare-mixed-latency-cdf.png",
+        "compare-mixed-requests.csv",
+        "compare-mixed-throughput.png",
+        "compare-mixed.csv",
+        "compare-mixed.md",
+    ]
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "compare-mixed.md").read_text()
     assert "| reference " in md and "no CUDA device" in md and "compare-mixed-throughput.png" in md
@@ -53,8 +100,20 @@ def test_report_merges_csvs_from_two_machines(tmp_path, capsys):
     write_machine(tmp_path / "a", "cpu")
     write_machine(tmp_path / "b", "NVIDIA H100 80GB HBM3")
     out = tmp_path / "merged"
-    assert main(["report", str(tmp_path / "a" / "compare-mixed.csv"), str(tmp_path / "b" / "compare-mixed.csv"),
-                 "--out", str(out), "--name", "both"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                str(tmp_path / "a" / "compare-mixed.csv"),
+                str(tmp_path / "b" / "compare-mixed.csv"),
+                "--out",
+                str(out),
+                "--name",
+                "both",
+            ]
+        )
+        == 0
+    )
     assert "both.md" in capsys.readouterr().out
     md = (out / "both.md").read_text()
     assert "NVIDIA H100 80GB HBM3" in md and "| cpu " in md

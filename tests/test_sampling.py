@@ -1,4 +1,5 @@
 """Sampler semantics, seeded reproducibility, and stopping rules."""
+
 import pytest
 import torch
 
@@ -43,11 +44,14 @@ def test_seeded_request_is_identical_alone_and_in_a_batch(tiny_models):
     prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (3, 20, 40)]
-    batch_params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
-                    SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                    SamplingParams(temperature=0.7, max_tokens=30, seed=7, ignore_eos=True)]
-    outs = llm.generate(others[:2] + [prompt] + others[2:], batch_params[:2] + [seeded] + batch_params[2:],
-                        use_tqdm=False)
+    batch_params = [
+        SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=30, seed=7, ignore_eos=True),
+    ]
+    outs = llm.generate(
+        others[:2] + [prompt] + others[2:], batch_params[:2] + [seeded] + batch_params[2:], use_tqdm=False
+    )
     assert outs[2].outputs[0].token_ids == alone
     different_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=16, seed=99, ignore_eos=True)
     assert llm.generate([prompt], different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
@@ -67,9 +71,12 @@ def test_stop_token_id(llama):
     expected = hf_greedy(hf, PROMPT, 10)
     stop_id = expected[4]
     first = expected.index(stop_id)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10,
-                       stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == expected[:first + 1]
+    out = llm.generate(
+        [{"prompt_token_ids": PROMPT}],
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == expected[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
 
 
@@ -78,13 +85,17 @@ def test_eos_stops_unless_ignored(llama):
     expected = hf_greedy(hf, PROMPT, 10)
     llm.engine.model_config.eos_token_ids = [expected[3]]
     try:
-        stop = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10),
-                            use_tqdm=False)[0].outputs[0]
-        ignore = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10,
-                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        stop = llm.generate(
+            [{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+        )[0].outputs[0]
+        ignore = llm.generate(
+            [{"prompt_token_ids": PROMPT}],
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )[0].outputs[0]
     finally:
         llm.engine.model_config.eos_token_ids = [2]
-    assert stop.token_ids == expected[:expected.index(expected[3]) + 1]
+    assert stop.token_ids == expected[: expected.index(expected[3]) + 1]
     assert (stop.finish_reason, stop.stop_reason) == ("stop", None)
     assert ignore.token_ids == expected and ignore.finish_reason == "length"
 
@@ -98,12 +109,13 @@ def test_stop_string_cuts_text(llama, tiny_models):
     expected = hf_greedy(hf, prompt, 12)
     full_text = tok.decode(expected, skip_special_tokens=True)
     # a stop string drawn from the middle of the greedy text, free of partial characters
-    stop = next(full_text[i:i + 2] for i in range(3, len(full_text) - 2) if "\ufffd" not in full_text[i:i + 2])
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.text == full_text[:full_text.index(stop)]
+    stop = next(full_text[i : i + 2] for i in range(3, len(full_text) - 2) if "\ufffd" not in full_text[i : i + 2])
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert out.text == full_text[: full_text.index(stop)]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
-    assert out.token_ids == expected[:len(out.token_ids)] and len(out.token_ids) < 12
+    assert out.token_ids == expected[: len(out.token_ids)] and len(out.token_ids) < 12
     assert stop in tok.decode(out.token_ids, skip_special_tokens=True)
 
 
@@ -114,7 +126,7 @@ def test_stop_string_kept_when_asked(llama, tiny_models):
     tok = AutoTokenizer.from_pretrained(tiny_models["llama"][0])
     prompt = tok.encode("the quick brown fox jumps")
     full_text = tok.decode(hf_greedy(hf, prompt, 12), skip_special_tokens=True)
-    stop = next(full_text[i:i + 2] for i in range(3, len(full_text) - 2) if "\ufffd" not in full_text[i:i + 2])
+    stop = next(full_text[i : i + 2] for i in range(3, len(full_text) - 2) if "\ufffd" not in full_text[i : i + 2])
     params = SamplingParams(temperature=0, max_tokens=12, stop=[stop], include_stop_str_in_output=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    assert out.text == full_text[:full_text.index(stop) + len(stop)] and out.text.endswith(stop)
+    assert out.text == full_text[: full_text.index(stop) + len(stop)] and out.text.endswith(stop)

@@ -1,5 +1,6 @@
 """Scenario files: parsing, one clear error per kind of bad field, scaling, and a request set
 that is the same in every process."""
+
 import hashlib
 import json
 import os
@@ -31,15 +32,21 @@ def test_builtin_scenarios_load_and_are_listed(capsys):
     for name in builtin_scenarios():
         assert f"| {name} " in out
     mixed = load_scenario("mixed")
-    assert (mixed.num_prompts, mixed.input_len, mixed.output_len, mixed.ignore_eos) == \
-        (256, LengthRange(100, 1024), LengthRange(100, 1024), True)
+    assert (mixed.num_prompts, mixed.input_len, mixed.output_len, mixed.ignore_eos) == (
+        256,
+        LengthRange(100, 1024),
+        LengthRange(100, 1024),
+        True,
+    )
     assert load_scenario("online").arrival == "poisson"
 
 
 def test_valid_file_parses_with_defaults(tmp_path):
     path = tmp_path / "mine.toml"
-    path.write_text('description = "a test workload"\nnum_prompts = 8\ninput_len = { min = 10, max = 20 }\n'
-                    'output_len = 5\nkv_tokens = 1000\nblock_size = 32\nrequest_rate = 2\narrival = "poisson"\n')
+    path.write_text(
+        'description = "a test workload"\nnum_prompts = 8\ninput_len = { min = 10, max = 20 }\n'
+        'output_len = 5\nkv_tokens = 1000\nblock_size = 32\nrequest_rate = 2\narrival = "poisson"\n'
+    )
     s = load_scenario(str(path))
     assert s.name == "mine" and s.input_len == LengthRange(10, 20) and s.output_len == LengthRange(5, 5)
     assert s.request_rate == 2.0 and isinstance(s.request_rate, float)
@@ -47,25 +54,28 @@ def test_valid_file_parses_with_defaults(tmp_path):
     assert s.temperature == 0.0 and s.num_blocks is None
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"num_promts": 3}, "num_promts is not a scenario field"),
-    ({"num_prompts": None}, "num_prompts is required"),
-    ({"num_prompts": "8"}, "num_prompts must be an int"),
-    ({"ignore_eos": 1}, "ignore_eos must be a bool"),
-    ({"num_prompts": True}, "num_prompts must be an int"),
-    ({"input_len": {"min": 10}}, "input_len must be an integer or {min = ..., max = ...}"),
-    ({"output_len": {"min": 9, "max": 3}}, "output_len needs 1 <= min <= max"),
-    ({"num_prompts": 0}, "num_prompts must be > 0"),
-    ({"shared_prefix_len": -1}, "shared_prefix_len must be >= 0"),
-    ({"arrival": "burst"}, "arrival must be one of batch, poisson"),
-    ({"arrival": "poisson"}, "request_rate is required with arrival = 'poisson'"),
-    ({"request_rate": 4.0}, "request_rate is required with arrival = 'poisson' and only then"),
-    ({"arrival": "poisson", "request_rate": 0}, "request_rate must be > 0"),
-    ({"num_blocks": 10}, "num_blocks or kv_tokens is required, and only one"),
-    ({"kv_tokens": None}, "num_blocks or kv_tokens is required"),
-    ({"temperature": -1}, "sampling temperature must be >= 0"),
-    ({"name": "x"}, "name is not a scenario field"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"num_promts": 3}, "num_promts is not a scenario field"),
+        ({"num_prompts": None}, "num_prompts is required"),
+        ({"num_prompts": "8"}, "num_prompts must be an int"),
+        ({"ignore_eos": 1}, "ignore_eos must be a bool"),
+        ({"num_prompts": True}, "num_prompts must be an int"),
+        ({"input_len": {"min": 10}}, "input_len must be an integer or {min = ..., max = ...}"),
+        ({"output_len": {"min": 9, "max": 3}}, "output_len needs 1 <= min <= max"),
+        ({"num_prompts": 0}, "num_prompts must be > 0"),
+        ({"shared_prefix_len": -1}, "shared_prefix_len must be >= 0"),
+        ({"arrival": "burst"}, "arrival must be one of batch, poisson"),
+        ({"arrival": "poisson"}, "request_rate is required with arrival = 'poisson'"),
+        ({"request_rate": 4.0}, "request_rate is required with arrival = 'poisson' and only then"),
+        ({"arrival": "poisson", "request_rate": 0}, "request_rate must be > 0"),
+        ({"num_blocks": 10}, "num_blocks or kv_tokens is required, and only one"),
+        ({"kv_tokens": None}, "num_blocks or kv_tokens is required"),
+        ({"temperature": -1}, "sampling temperature must be >= 0"),
+        ({"name": "x"}, "name is not a scenario field"),
+    ],
+)
 def test_invalid_field_is_a_one_line_error_naming_it(change, message):
     data = {k: v for k, v in {**VALID, **change}.items() if v is not None}
     with pytest.raises(ValueError) as err:
@@ -86,8 +96,12 @@ def test_bad_toml_and_missing_file(tmp_path):
 def test_scale_multiplies_counts_and_lengths_and_kv_by_its_square():
     s = load_scenario("mixed")
     small = s.scaled(0.1)
-    assert (small.num_prompts, small.input_len, small.output_len, small.max_num_seqs) == \
-        (26, LengthRange(10, 102), LengthRange(10, 102), 26)
+    assert (small.num_prompts, small.input_len, small.output_len, small.max_num_seqs) == (
+        26,
+        LengthRange(10, 102),
+        LengthRange(10, 102),
+        26,
+    )
     assert small.num_blocks == round(s.kv_blocks * 0.01) and small.kv_tokens is None
     tiny = s.scaled(0.001)  # the budget never drops below one longest request
     assert tiny.num_blocks * tiny.block_size >= tiny.longest_request
@@ -123,16 +137,25 @@ DIGEST = """
 import hashlib, json
 from pagedbench.scenario import build_requests, load_scenario
 reqs = build_requests(load_scenario("online").scaled(0.2), 32000)
-print(hashlib.sha256(json.dumps([(r.prompt_token_ids, r.params.max_tokens, r.arrival_time) for r in reqs]).encode()).hexdigest())
+rows = [(r.prompt_token_ids, r.params.max_tokens, r.arrival_time) for r in reqs]
+print(hashlib.sha256(json.dumps(rows).encode()).hexdigest())
 """
 
 
 def test_request_set_is_identical_across_processes():
-    procs = [subprocess.Popen([sys.executable, "-c", DIGEST], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "2")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DIGEST],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        for seed in ("1", "2")
+    ]
     digests = [p.communicate(timeout=120)[0].strip() for p in procs]
     requests = build_requests(load_scenario("online").scaled(0.2), 32000)
-    here = hashlib.sha256(json.dumps([(r.prompt_token_ids, r.params.max_tokens, r.arrival_time)
-                                      for r in requests]).encode()).hexdigest()
+    here = hashlib.sha256(
+        json.dumps([(r.prompt_token_ids, r.params.max_tokens, r.arrival_time) for r in requests]).encode()
+    ).hexdigest()
     assert digests == [here, here]
     assert len({len(r.prompt_token_ids) for r in requests}) > 1 and np.ptp([r.arrival_time for r in requests]) > 0

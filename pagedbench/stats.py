@@ -1,0 +1,24 @@
+"""Engine statistics: counters and the wall time of each named part of a step."""
+
+from dataclasses import dataclass, field
+
+# The parts of one engine step, in order; reports name their columns time_<part>_s.
+STEP_PARTS = ("schedule", "metadata", "backend_prepare", "forward", "sample")
+TIME_COLUMNS = [f"time_{part}_s" for part in STEP_PARTS]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters, and seconds per step part summed over steps."""
+
+    steps: int = 0
+    preemptions: int = 0
+    peak_blocks_used: int = 0
+    time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+
+    def reset(self) -> None:
+        self.steps = self.preemptions = self.peak_blocks_used = 0
+        self.time = dict.fromkeys(STEP_PARTS, 0.0)
+
+    def time_columns(self) -> dict[str, float]:
+        return {column: self.time[part] for column, part in zip(TIME_COLUMNS, STEP_PARTS)}
