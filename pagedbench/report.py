@@ -65,9 +65,12 @@ REQUEST_COLUMNS = [
     "kind",
     "command",
     "device_name",
+    "dtype",
+    "model",
     "backend",
     "scenario",
     "scenario_hash",
+    "scale",
     "repeat",
     "request",
     "input_len",
@@ -221,7 +224,7 @@ def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
 def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     """One row per device x scenario x backend that ran: medians over runs, display names."""
     ok = serving[serving["status"] == "ok"]
-    keys = ["device_name", "scenario", "scale", "backend"]
+    keys = ["device_name", "dtype", "model", "scenario", "scale", "backend"]
     numeric = ok.select_dtypes("number").columns.difference(keys)
     groups = ok.groupby(keys, sort=False, dropna=False)
     med = groups[list(numeric)].median().reset_index()
@@ -230,6 +233,8 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
         {
             "backend": med["backend"],
             "device": med["device_name"],
+            "dtype": med["dtype"],
+            "model": med["model"],
             "scenario": med["scenario"],
             "scale": med["scale"],
             "runs": med["runs"],
@@ -389,13 +394,26 @@ def _unavailable_lines(df: pd.DataFrame) -> list[str]:
 # ---- plots --------------------------------------------------------------------------------
 
 
+GROUP_KEYS = ["scenario", "scale", "model", "device_name", "dtype"]  # runs compared only within one of each
+
+
 def _labels(df: pd.DataFrame) -> pd.Series:
-    """backend, plus device and scenario when the rows span several."""
+    """backend, plus whichever of scenario, scale, model, device and dtype vary among the rows."""
     label = df["backend"].astype(str)
-    for col in ("device_name", "scenario"):
-        if col in df and df[col].nunique() > 1:
-            label = label + " · " + df[col].astype(str)
+    for col in GROUP_KEYS:
+        if col in df and df[col].nunique(dropna=False) > 1:
+            label = label + " · " + (f"{col} " if col == "scale" else "") + df[col].astype(str)
     return label
+
+
+def _title(what: str, df: pd.DataFrame) -> str:
+    """`what`, then the settings every row shares (scenario, scale, model, device, dtype)."""
+    shared = [
+        f"{'scale ' if col == 'scale' else ''}{df[col].iloc[0]}"
+        for col in GROUP_KEYS
+        if col in df and len(df) and df[col].nunique(dropna=False) == 1
+    ]
+    return what + (f"\n{', '.join(shared)}" if shared else "")
 
 
 def plot_throughput(serving: pd.DataFrame, path: Path) -> Path:
@@ -406,7 +424,7 @@ def plot_throughput(serving: pd.DataFrame, path: Path) -> Path:
     for y, value in enumerate(medians.values[::-1]):
         ax.text(value, y, f" {value:.0f}", va="center")
     ax.set_xlabel("output tokens/s (median over runs)")
-    ax.set_title("Throughput by backend")
+    ax.set_title(_title("Output throughput by backend", ok), fontsize="medium")
     return _save(fig, path)
 
 
@@ -421,7 +439,7 @@ def plot_latency_cdfs(requests: pd.DataFrame, path: Path) -> Path:
         ax.set_ylabel("share of requests")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
-    fig.suptitle("Latency CDFs")
+    fig.suptitle(_title("Latency CDFs per request", requests), fontsize="medium")
     return _save(fig, path)
 
 

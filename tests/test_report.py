@@ -131,3 +131,23 @@ def test_report_rejects_foreign_and_missing_csvs(tmp_path):
         load_csvs([str(foreign)])
     with pytest.raises(FileNotFoundError, match="no such CSV"):
         load_csvs([str(tmp_path / "missing.csv")])
+
+
+def test_runs_of_different_scales_and_models_are_never_pooled():
+    from pagedbench.report import _labels, _title, serving_summary
+
+    rows = []
+    for scale, model in ((0.1, "tiny-llama"), (0.5, "tiny-llama"), (0.1, "qwen3-0.6b")):
+        for row in serving_rows("cpu")[0]:
+            rows.append({**row, "scale": scale, "model": model, "dtype": "float32"})
+    serving = tidy(rows, "serving", "compare")
+    summary = serving_summary(serving)
+    assert len(summary) == 6 and set(zip(summary["scale"], summary["model"])) == {
+        (0.1, "tiny-llama"),
+        (0.5, "tiny-llama"),
+        (0.1, "qwen3-0.6b"),
+    }
+    labels = set(_labels(serving))
+    assert "sdpa · scale 0.5 · tiny-llama" in labels and "sdpa · scale 0.1 · qwen3-0.6b" in labels
+    one = serving[(serving["scale"] == 0.5)]
+    assert _title("Output throughput", one) == "Output throughput\nmixed, scale 0.5, tiny-llama, cpu, float32"
