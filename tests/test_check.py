@@ -140,6 +140,7 @@ def test_check_command_passes_and_writes_reports(monkeypatch, tmp_path, capsys):
     assert "Correctness check" in (tmp_path / "check.md").read_text()
 
 
+@pytest.mark.slow
 def test_engine_check_teacher_forces_the_model_through_each_backend(monkeypatch):
     """Whole-model logits, prompts in two chunks then forced decode steps, against reference's in the
     same dtype: sdpa and flex pass in fp32 and bf16; a backend reading a neighbour's page fails."""

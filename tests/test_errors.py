@@ -187,6 +187,7 @@ def run_cli(*args):
         (["run", "--dtype", "float8"], "unknown dtype"),
     ],
 )
+@pytest.mark.slow
 def test_cli_errors_are_one_line(args, message):
     proc = run_cli(*args)
     assert proc.returncode != 0
@@ -195,6 +196,7 @@ def test_cli_errors_are_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_broken_model_directories_are_one_line_errors(tiny_models, tmp_path):
     import json
 

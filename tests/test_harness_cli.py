@@ -278,6 +278,7 @@ def test_more_errors_in_process(args, message, capsys):
     assert err.startswith("pagedbench: error: ") and message in err and "\n" not in err
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line_without_traceback(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('description = "x"\nnum_prompts = 2\ninput_len = 4\noutput_len = 2\nkv_tokens = 64\nwarp = 9\n')

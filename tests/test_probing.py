@@ -45,6 +45,7 @@ def table_rows(out: str) -> dict[str, list[str]]:
     return {r[0]: r for r in rows}
 
 
+@pytest.mark.slow
 def test_commands_work_and_say_why(planted, tmp_path):
     script = textwrap.dedent(f"""
         from pagedbench.cli import main
@@ -81,6 +82,7 @@ def test_commands_work_and_say_why(planted, tmp_path):
     assert status == {"sdpa": "ok", "flash-attn": "unavailable", "broken": "unavailable"}
 
 
+@pytest.mark.slow
 def test_test_collection_survives(planted):
     result = run(
         planted,

@@ -142,6 +142,7 @@ print(hashlib.sha256(json.dumps(rows).encode()).hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_request_set_is_identical_across_processes():
     procs = [
         subprocess.Popen(
