@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from einops import rearrange
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata, to_device
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -427,15 +428,15 @@ class FlexBackend(AttentionBackend):
     def forward(self, q, k_cache, v_cache, state: FlexState) -> torch.Tensor:
         # [num_pages, bs, H_kv, D] -> [1, H_kv, num_pages * bs, D]: a view; flex takes any strides
         # with a unit last dim, and the CPU kernel reads this [B, L, H, D] layout natively.
-        k = k_cache.view(1, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v_cache.view(1, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = rearrange(k_cache, "n p h d -> 1 h (n p) d")
+        v = rearrange(v_cache, "n p h d -> 1 h (n p) d")
         out = None
         for call in state.calls:
             rows = q[: call.batch * call.q_len] if call.gather is None else q.index_select(0, call.gather)
-            x = rows.view(call.batch, call.q_len, self.num_heads, self.head_dim).transpose(1, 2)
+            x = rearrange(rows, "(b q) h d -> b h q d", b=call.batch)
             if call.kind == "decode" and self.static_decode_batch:
                 torch._dynamo.mark_static(x, 0)
-            y = self._attend(x, k, v, call, state).transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            y = rearrange(self._attend(x, k, v, call, state), "b h q d -> (b q) h d")
             if call.gather is None and len(state.calls) == 1:
                 state.shapes_seen = True
                 return y

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange, repeat
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata, gather_kv_slots
 
 
@@ -30,12 +31,12 @@ class ReferenceBackend(AttentionBackend):
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         for s in state:
-            qi = q[s.q_start : s.q_end].float().transpose(0, 1)  # [H, q, D]
-            k = k_flat[s.kv_slots].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-            v = v_flat[s.kv_slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            qi = rearrange(q[s.q_start : s.q_end].float(), "q h d -> h q d")
+            k = repeat(k_flat[s.kv_slots].float(), "s hkv d -> (hkv g) s d", g=group)  # each KV head serves g heads
+            v = repeat(v_flat[s.kv_slots].float(), "s hkv d -> (hkv g) s d", g=group)
             scores = (qi @ k.transpose(1, 2)) * self.scale  # [H, q, S]
             q_pos = s.context_len + torch.arange(qi.shape[1], device=q.device)
             kv_pos = torch.arange(k.shape[1], device=q.device)
             scores.masked_fill_(kv_pos[None, :] > q_pos[:, None], float("-inf"))
-            out[s.q_start : s.q_end] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+            out[s.q_start : s.q_end] = rearrange(scores.softmax(-1) @ v, "h q d -> q h d").to(q.dtype)
         return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata, gather_kv_slots
 
 
@@ -53,11 +54,11 @@ class SDPABackend(AttentionBackend):
         for g in state:
             q_pad = q.new_zeros(g.num_seqs * g.max_q, self.num_heads, self.head_dim)
             q_pad[g.q_dest] = q[g.token_start : g.token_end]
-            q_pad = q_pad.view(g.num_seqs, g.max_q, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k_flat[g.kv_slots].transpose(1, 2)  # [n, H_kv, max_kv, D]
-            v = v_flat[g.kv_slots].transpose(1, 2)
+            q_pad = rearrange(q_pad, "(n q) h d -> n h q d", n=g.num_seqs)
+            k = rearrange(k_flat[g.kv_slots], "n s h d -> n h s d")  # gathered slots [n, max_kv] -> padded K
+            v = rearrange(v_flat[g.kv_slots], "n s h d -> n h s d")
             o = F.scaled_dot_product_attention(
                 q_pad, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
             )
-            out[g.token_start : g.token_end] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[g.q_dest]
+            out[g.token_start : g.token_end] = rearrange(o, "n h q d -> (n q) h d")[g.q_dest]
         return out

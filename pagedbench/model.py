@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from pagedbench.backends.base import AttentionBackend, write_kv
@@ -94,17 +95,16 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = rearrange(self.q_proj(x), "t (h d) -> t h d", d=self.head_dim)
+        k = rearrange(self.k_proj(x), "t (h d) -> t h d", d=self.head_dim)
+        v = rearrange(self.v_proj(x), "t (h d) -> t h d", d=self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         out = ctx.backend.forward(q, k_cache, v_cache, ctx.state)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(rearrange(out, "t h d -> t (h d)"))
 
 
 class MLP(nn.Module):
