@@ -12,12 +12,14 @@ from pagedbench.device import resolve_device_dtype
 from pagedbench.environment import synchronize
 from pagedbench.loader import build_model, resolve_model_config
 from pagedbench.model_runner import ModelRunner, kv_bytes_per_block
-from pagedbench.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedbench.outputs import RequestOutput, request_output
+from pagedbench.requests import tokenize, validate_request
 from pagedbench.sampler import Sampler, SamplingBatch
 from pagedbench.sampling_params import SamplingParams
 from pagedbench.scheduler import Scheduler
 from pagedbench.sequence import Sequence
 from pagedbench.stats import STEP_PARTS, EngineStats
+from pagedbench.stopping import stop_check
 from pagedbench.tokenizer import detokenize_incrementally, load_tokenizer
 
 
@@ -92,32 +94,12 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"model {self.config.model!r} is a preset without a tokenizer; "
-                    "pass {'prompt_token_ids': [...]} prompts"
-                )
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
-            return prompt.get("prompt"), list(ids)
-        raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        return tokenize(prompt, self.tokenizer, self.config.model)
 
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        validate_request(
+            token_ids, params, self.max_model_len, self.model_config.vocab_size, self.tokenizer is not None
+        )
 
     def add_request(
         self,
@@ -194,32 +176,13 @@ class LLMEngine:
         seq.token_ids.append(token)
         seq.token_times.append(now)
         new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
-        p = seq.params
-        if not p.ignore_eos and token in self.model_config.eos_token_ids:
-            self.scheduler.finish(seq, "stop")
-        elif token in p.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif p.stop and new_text:
-            # Only the new text and the longest stop string's worth before it can complete a match.
-            start = max(0, len(seq.output_text) - len(new_text) - max(map(len, p.stop)) + 1)
-            hits = [(seq.output_text.find(s, start), s) for s in p.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                i, s = min(hits)
-                seq.output_text = seq.output_text[: i + len(s) if p.include_stop_str_in_output else i]
-                self.scheduler.finish(seq, "stop", s)
-        if not seq.finished and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            self.scheduler.finish(seq, "length")
-        if seq.finished and self.tokenizer is not None and not isinstance(seq.stop_reason, str):
-            detokenize_incrementally(self.tokenizer, seq, flush=True)  # text held back for a partial character
+        stop = stop_check(seq, token, new_text, self.model_config.eos_token_ids, self.max_model_len)
+        if stop is not None:
+            self.scheduler.finish(seq, *stop)
+            if self.tokenizer is not None and not isinstance(seq.stop_reason, str):
+                detokenize_incrementally(self.tokenizer, seq, flush=True)  # text held back for a partial character
 
     def _output(self, seq: Sequence) -> RequestOutput:
         if seq.finished:
             self._requests.pop(seq.request_id, None)
-        completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
-        metrics = None
-        if seq.finished:
-            metrics = RequestMetrics(
-                seq.arrival_time, seq.token_times[0], seq.token_times, seq.token_times[-1], seq.num_preemptions
-            )
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.finished, metrics)
+        return request_output(seq)

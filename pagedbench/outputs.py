@@ -1,4 +1,8 @@
+"""What the engine hands back per request, with vLLM's names."""
+
 from dataclasses import dataclass, field
+
+from pagedbench.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -29,3 +33,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+
+
+def request_output(seq: Sequence) -> RequestOutput:
+    """The request's output so far; metrics once it has finished."""
+    completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
+    metrics = None
+    if seq.finished:
+        metrics = RequestMetrics(
+            seq.arrival_time, seq.token_times[0], seq.token_times, seq.token_times[-1], seq.num_preemptions
+        )
+    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.finished, metrics)

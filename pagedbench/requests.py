@@ -1,0 +1,35 @@
+"""Turning a user's prompt into token ids, and refusing a request before anything is queued."""
+
+from pagedbench.sampling_params import SamplingParams
+
+
+def tokenize(prompt, tokenizer, model_name: str) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a str prompt or a {'prompt_token_ids': [...]} one."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(
+                f"model {model_name!r} is a preset without a tokenizer; pass {{'prompt_token_ids': [...]}} prompts"
+            )
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of ints")
+        return prompt.get("prompt"), list(ids)
+    raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+
+def validate_request(
+    token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int, has_tokenizer: bool
+) -> None:
+    """ValueError/TypeError naming what is wrong; nothing else happens."""
+    params.validate()
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    if len(token_ids) > max_model_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
