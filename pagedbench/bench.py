@@ -48,6 +48,7 @@ def engine_config(scenario: Scenario, backend: str, device: str | None, dtype: s
         block_size=scenario.block_size,
         num_blocks=scenario.kv_blocks,
         max_num_seqs=scenario.max_num_seqs,
+        enable_prefix_caching=scenario.enable_prefix_caching,
         max_num_batched_tokens=scenario.max_num_batched_tokens,
         max_model_len=scenario.max_model_len,
         seed=scenario.seed,
@@ -87,6 +88,8 @@ def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[f
 def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measurement:
     engine.stats.reset()
     compile_before = engine.backend.compile_seconds
+    bm = engine.block_manager
+    queries_before, hits_before = bm.prefix_queries, bm.prefix_hits
     duration, outputs = drive(engine, requests, desc)
     output_ids = [o.outputs[0].token_ids for o in outputs]
     st = engine.stats
@@ -99,6 +102,9 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
         **st.time_columns(),
         "time_backend_compile_s": engine.backend.compile_seconds - compile_before,  # 0 after a warmup run
+        "prefix_cache_queries": bm.prefix_queries - queries_before,  # prompt tokens looked up
+        "prefix_cache_hits": bm.prefix_hits - hits_before,  # of which cached
+        "peak_shared_blocks": st.peak_shared_blocks,
     }
     per_request = [
         {"request": i, "input_len": len(r.prompt_token_ids), "output_len": len(ids), **request_latencies(o.metrics)}
@@ -158,6 +164,7 @@ def compare(
         "scenario": scenario.name,
         "scenario_hash": scenario.content_hash(),
         "scale": scale,
+        "enable_prefix_caching": scenario.enable_prefix_caching,
         "seed": scenario.seed,
         "model": scenario.model,
         "block_size": scenario.block_size,

@@ -1,6 +1,18 @@
-from collections import deque
+"""Physical KV blocks: reference counts, each sequence's block table, and the prefix cache.
+
+Prefix caching (as vLLM v1): a full block is registered under a key chaining its parent's key
+with its own token ids, once its K/V are computed. A new request's prompt looks its full blocks
+up in order and takes the hits (reference counted: several sequences read one page), so their
+tokens are never recomputed. A freed block that is registered stays in an LRU pool of evictable
+blocks, revived by a later hit and evicted (unregistered) only when a fresh block is needed.
+The key holds the token ids themselves, so a hit is verified by content, not by a hash alone.
+"""
+
+from collections import OrderedDict, deque
 
 from pagedbench.sequence import Sequence
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, 0 for the first; this block's token ids)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -8,46 +20,131 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    """Owns the physical KV blocks: a free list, a reference count per block, and each
-    sequence's block table (`Sequence.block_table`, logical block i -> physical block)."""
+    """Owns the physical KV blocks: free blocks (never used or evicted), evictable cached blocks
+    (unreferenced, still registered; LRU), a reference count per block, and each sequence's block
+    table (`Sequence.block_table`, logical block i -> physical block)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
+        self._fresh: deque[int] = deque(range(num_blocks))  # free, holding nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently freed first
+        self._cached: dict[BlockKey, int] = {}  # key -> block holding that content
+        self._key_of: dict[int, BlockKey] = {}
+        self._num_shared = 0  # blocks with a reference count above 1
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of which found cached
+
+    @property
+    def free_blocks(self) -> list[int]:
+        return [*self._fresh, *self._evictable]
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self._fresh) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks read by more than one sequence right now."""
+        return self._num_shared
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still needs so that its first `num_tokens` tokens fit in the cache."""
         return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_tokens) <= len(self.free_blocks)
+        return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow `seq`'s block table to hold `num_tokens` tokens."""
+        """Grow `seq`'s block table to hold `num_tokens` tokens with fresh (or evicted) blocks."""
         n = self.num_new_blocks(seq, num_tokens)
-        if n > len(self.free_blocks):
-            raise RuntimeError(f"out of KV blocks: need {n}, have {len(self.free_blocks)}")
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
         for _ in range(n):
-            block = self.free_blocks.popleft()
+            block = self._fresh.popleft() if self._fresh else self._evict()
             assert self.ref_counts[block] == 0, f"block {block} on the free list is referenced"
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
+    def _evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._key_of.pop(block)]
+        return block
+
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s references; a block returns to the free list when none remain."""
+        """Drop `seq`'s references; an unreferenced block becomes free, evictable if cached."""
         for block in reversed(seq.block_table):
             assert self.ref_counts[block] > 0, f"double free of block {block}"
             self.ref_counts[block] -= 1
+            self._num_shared -= self.ref_counts[block] == 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    self._fresh.append(block)
         seq.block_table = []
+        seq.block_keys = []
+
+    # ---- prefix cache -----------------------------------------------------------------------
+
+    def _key(self, seq: Sequence, index: int) -> BlockKey:
+        parent = hash(seq.block_keys[index - 1]) if index else 0
+        bs = self.block_size
+        return parent, tuple(seq.token_ids[index * bs : (index + 1) * bs])
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks yet the cached blocks of its longest cached prefix (full
+        blocks, never its last token, which must run to produce logits); returns the tokens hit."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        lookup = (seq.num_tokens - 1) // self.block_size
+        for index in range(lookup):
+            key = self._key(seq, index)
+            block = self._cached.get(key)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]  # revived
+            self.ref_counts[block] += 1
+            self._num_shared += self.ref_counts[block] == 2
+            seq.block_table.append(block)
+            seq.block_keys.append(key)
+        hit = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = hit
+        return hit
+
+    def count_lookup(self, seq: Sequence, hit: int) -> None:
+        """Record one admitted request's prefix-cache lookup (its prompt tokens, and the hits)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += hit
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register `seq`'s blocks whose tokens are now all computed (content no other block holds)."""
+        if not self.enable_prefix_caching:
+            return
+        for index in range(len(seq.block_keys), seq.num_computed_tokens // self.block_size):
+            key = self._key(seq, index)
+            seq.block_keys.append(key)
+            block = seq.block_table[index]
+            if key not in self._cached and block not in self._key_of:
+                self._cached[key] = block
+                self._key_of[block] = key
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (evictable ones become fresh); blocks in use stay allocated."""
+        self._fresh.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._key_of.clear()

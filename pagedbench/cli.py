@@ -49,6 +49,12 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     overrides.add_argument("--model", default=None, help=f"HF model directory or preset ({', '.join(PRESETS)})")
     for flag in SCENARIO_OVERRIDES[1:]:
         overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
+    overrides.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share KV blocks of common prompt prefixes (default: on)",
+    )
 
 
 CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model says otherwise
@@ -57,6 +63,8 @@ CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model 
 def scenario_from_args(args) -> Scenario:
     scenario = load_scenario(args.scenario).scaled(args.scale)
     changes = {f: getattr(args, f) for f in SCENARIO_OVERRIDES if getattr(args, f) is not None}
+    if args.enable_prefix_caching is not None:
+        changes["enable_prefix_caching"] = args.enable_prefix_caching
     device, _ = resolve_device_dtype(args.device, args.dtype)
     if device.type == "cpu" and "model" not in changes and scenario.model != CPU_MODEL:
         print(

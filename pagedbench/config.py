@@ -120,6 +120,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes (vLLM v1's default)
     # Fraction of free CUDA memory the KV cache may take when num_blocks is None.
     gpu_memory_utilization: float = 0.9
     # KV cache budget on CPU when num_blocks is None.

@@ -66,7 +66,7 @@ class LLMEngine:
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, bs, self.device, self.dtype
         )
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, self.device, self.dtype)
-        self.block_manager = BlockManager(num_blocks, bs)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
@@ -130,6 +130,10 @@ class LLMEngine:
             return
         self.scheduler.finish(seq, "abort")
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their sequences)."""
+        self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -163,6 +167,8 @@ class LLMEngine:
         t5 = time.perf_counter()
         st.steps += 1
         st.peak_blocks_used = max(st.peak_blocks_used, self.block_manager.num_used_blocks)
+        if self.block_manager.enable_prefix_caching:
+            st.peak_shared_blocks = max(st.peak_shared_blocks, self.block_manager.num_shared_blocks)
         for part, start, end in zip(STEP_PARTS, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
             st.time[part] += end - start
         self.scheduler.computed(sched)

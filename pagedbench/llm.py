@@ -22,6 +22,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         seed: int = 0,
+        enable_prefix_caching: bool = True,
     ):
         self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
         self.engine = LLMEngine(
@@ -36,6 +37,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 seed=seed,
+                enable_prefix_caching=enable_prefix_caching,
             )
         )
 

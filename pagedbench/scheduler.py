@@ -62,9 +62,13 @@ class Scheduler:
         # step already had to preempt (admitting would only preempt again).
         while self.waiting and budget > 0 and not out.num_preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            hit = self.block_manager.match_prefix(seq)  # cached tokens count as computed
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                self.block_manager.free(seq)  # give the cached blocks back until it fits
+                seq.num_computed_tokens = 0
                 break
+            self.block_manager.count_lookup(seq, hit)
             self.waiting.popleft()
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
@@ -109,6 +113,7 @@ class Scheduler:
         """The scheduled tokens of `out` went through the model: their K/V are in the cache."""
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Stop `seq` for good (stop, length, abort), wherever it is queued, and free its blocks."""

@@ -22,6 +22,16 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -
         assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, bm.block_size)
     for s in sched.waiting:
         assert s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
+    # Prefix cache: a registered block holds exactly the tokens of its key, in every sequence reading it,
+    # and an unreferenced registered block is evictable (free, content kept).
+    for s in live:
+        for i, key in enumerate(s.block_keys):
+            assert key[1] == tuple(s.token_ids[i * bm.block_size : (i + 1) * bm.block_size])
+            block = s.block_table[i]
+            assert bm._key_of.get(block, key)[1] == key[1], "a shared block's content differs between readers"
+    for block, key in bm._key_of.items():
+        assert bm._cached[key] == block
+        assert (bm.ref_counts[block] == 0) == (block in bm._evictable)
 
 
 @st.composite
@@ -60,9 +70,9 @@ def test_scheduler_and_block_manager_invariants(workload):
         assert ones == sorted(ones, reverse=True), "decodes must come first"
         if sched.has_unfinished():
             assert not out.empty, "scheduler stalled with work left"
-        for s, n in zip(out.seqs, out.num_tokens):
-            assert 1 <= n <= s.num_uncomputed_tokens
-            s.num_computed_tokens += n
+        assert all(1 <= n <= s.num_uncomputed_tokens for s, n in zip(out.seqs, out.num_tokens))
+        sched.computed(out)  # registers newly full blocks in the prefix cache
+        for s in out.seqs:
             assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, block_size)
             if s.num_computed_tokens == s.num_tokens:  # the prompt is done: a token is sampled
                 s.token_ids.append(0)

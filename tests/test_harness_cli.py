@@ -71,6 +71,10 @@ SERVING_COLUMNS = {
     "time_forward_s",
     "time_sample_s",
     "time_backend_compile_s",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "peak_shared_blocks",
+    "enable_prefix_caching",
     "throughput_vs_best",
     "identical_token_share",
 }
