@@ -87,6 +87,7 @@ def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[f
 
 def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measurement:
     engine.stats.reset()
+    engine.reset_prefix_cache()  # every run starts cold, as the warmup did: repeats measure the same thing
     compile_before = engine.backend.compile_seconds
     bm = engine.block_manager
     queries_before, hits_before = bm.prefix_queries, bm.prefix_hits
