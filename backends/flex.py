@@ -21,8 +21,9 @@ power-of-two capacities (dynamic sizes in them break the CPU kernel's codegen), 
 compiled per (call kind, heads, head_dim, dtype, page size, capacity bucket); on CUDA the decode
 batch is a static power of two, as flex's decoding kernel needs. `compile_stats` counts graphs.
 `compile=False` or PAGEDBENCH_FLEX_COMPILE=0 runs flex eager (it materializes all scores).
-PAGEDBENCH_FLEX_KERNEL=flash picks FlexAttention's FA4-based kernels (CUDA, with flash-attn-4
-installed, a torch whose flex has BACKEND='FLASH') instead of its Triton ones.
+PAGEDBENCH_FLEX_KERNEL=flash runs the prefill call on FlexAttention's FA4-based kernels (CUDA,
+with flash-attn-4 installed, a torch whose flex has BACKEND='FLASH') instead of Triton; decodes
+stay on flex's Triton decoding kernel (FLASH wants K/V batch == query batch).
 """
 
 import logging
@@ -145,19 +146,25 @@ class FlexBackend(AttentionBackend):
         # Triton's minimum tile, so small pages share a KV block; the mask_mod maps each slot to its page.
         self.kv_block_size = max(block_size, MIN_KV_BLOCK)
         cuda = self.device.type == "cuda"
-        if cuda and _kernel_choice() == "flash":  # FlexAttention's FA4 (CuTe DSL) kernels
-            self.kernel_options = {"decode": {"BACKEND": "FLASH"}, "prefill": {"BACKEND": "FLASH"}}
-        else:  # Triton tiles must divide the mask's blocks
-            self.kernel_options = {
-                "decode": {"BLOCK_N": min(64, self.kv_block_size)} if cuda else None,
-                "prefill": {
-                    "BACKEND": "TRITON",
-                    "BLOCK_M": min(64, self.q_block_size),
-                    "BLOCK_N": min(64, self.kv_block_size),
-                }
-                if cuda
-                else None,
-            }
+        # Triton tiles must divide the mask's blocks. FlexAttention's FA4 kernels (BACKEND=FLASH) take
+        # only the prefill call: they need K/V batch == query batch, and the decode call broadcasts a
+        # batch-1 cache to B query rows.
+        triton_prefill = {
+            "BACKEND": "TRITON",
+            "BLOCK_M": min(64, self.q_block_size),
+            "BLOCK_N": min(64, self.kv_block_size),
+        }
+        self.kernel_options = {
+            "decode": {"BLOCK_N": min(64, self.kv_block_size)} if cuda else None,
+            "prefill": ({"BACKEND": "FLASH"} if _kernel_choice() == "flash" else triton_prefill) if cuda else None,
+        }
+        # The page size must be a compile-time constant in the mask_mod (a captured int would become a
+        # dynamic symbol): it is the static length of this marker tensor.
+        self._page = torch.empty(block_size, dtype=torch.int8, device=self.device)
+        torch._dynamo.mark_static(self._page)
+        # flex's decoding kernel splits a row's KV blocks across thread blocks only when the mask has no
+        # full blocks (with full blocks it splits the whole cache length), so on CUDA decodes are all masked.
+        self.decode_full_blocks = not cuda
         self.static_decode_batch = cuda  # flex's decoding kernel needs a static batch
         self._buffers: dict[str, torch.Tensor] = {}
         self._inv_written: tuple[torch.Tensor, ...] | None = None  # (inv, seq, page) entries of the last step
@@ -199,7 +206,7 @@ class FlexBackend(AttentionBackend):
             flash = _kernel_choice() == "flash" and (device is None or torch.device(device).type == "cuda")
         except ValueError:
             flash = False
-        return f"torch {torch.__version__} flex {mode}" + (", FA4 kernels (BACKEND=FLASH)" if flash else "")
+        return f"torch {torch.__version__} flex {mode}" + (", FA4 prefill kernels (BACKEND=FLASH)" if flash else "")
 
     # --- prepare: once per step ----------------------------------------------------------------
 
@@ -281,7 +288,13 @@ class FlexBackend(AttentionBackend):
         spare = q_lens == 0  # spare rows read no page
         first_pos = np.where(spare, -1, ctx[rows])
         last_pos = np.where(spare, -1, ctx[rows] + q_lens - 1)
-        entries = _Entries(rows, first_pos, last_pos, self.block_size, self.kv_block_size != self.block_size)
+        entries = _Entries(
+            rows,
+            first_pos,
+            last_pos,
+            self.block_size,
+            self.kv_block_size != self.block_size or not self.decode_full_blocks,
+        )
         identity = q_len == 1 and len(seqs) == batch and np.array_equal(seqs, np.arange(batch)) and qsl[batch] == batch
         real = (np.arange(q_len)[None, :] < q_lens[:, None]).reshape(-1)
         return {
@@ -371,6 +384,8 @@ class FlexBackend(AttentionBackend):
             full_idx = (
                 tables[1, :rows].view(rows, 1, 1, -1) if kind == "decode" else tables[1, :rows].view(1, 1, rows, -1)
             )
+            if kind == "decode" and not self.decode_full_blocks:
+                full_num = full_idx = None
         else:  # pages of one row may share a KV block: list each block once, without a device sync
             listed = torch.zeros(rows, tables.shape[-1], dtype=torch.bool, device=self.device)
             listed[e_row, pages.long() // (kv_block // bs)] = True
@@ -381,7 +396,7 @@ class FlexBackend(AttentionBackend):
             full_num = full_idx = None
         kv_num = counts[0, :rows].view(rows, 1, 1) if kind == "decode" else counts[0, :rows].view(1, 1, rows)
         kv_idx = tables[0, :rows].view(rows, 1, 1, -1) if kind == "decode" else tables[0, :rows].view(1, 1, rows, -1)
-        inv = self._buffers["inv"]
+        inv, page = self._buffers["inv"], self._page
         if kind == "decode":
             dec_seq = self._buffer("decode_seq", (cap_rows,))
             dec_seq[:rows].copy_(seq_of)
@@ -389,6 +404,7 @@ class FlexBackend(AttentionBackend):
             dec_pos[:rows, : plan["q_len"]].copy_(pos.view(rows, -1))
 
             def visible(b, h, q_idx, kv_idx):
+                bs = page.shape[0]  # static: a constant in the compiled kernel
                 logical = inv[dec_seq[b], kv_idx // bs]
                 return (logical >= 0) & (logical * bs + kv_idx % bs <= dec_pos[b, q_idx])
         else:
@@ -398,6 +414,7 @@ class FlexBackend(AttentionBackend):
             pre_pos[: len(pos)].copy_(pos)
 
             def visible(b, h, q_idx, kv_idx):
+                bs = page.shape[0]
                 logical = inv[pre_seq[q_idx], kv_idx // bs]
                 return (logical >= 0) & (logical * bs + kv_idx % bs <= pre_pos[q_idx])
 

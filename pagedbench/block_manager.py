@@ -5,14 +5,22 @@ with its own token ids, once its K/V are computed. A new request's prompt looks 
 up in order and takes the hits (reference counted: several sequences read one page), so their
 tokens are never recomputed. A freed block that is registered stays in an LRU pool of evictable
 blocks, revived by a later hit and evicted (unregistered) only when a fresh block is needed.
-The key holds the token ids themselves, so a hit is verified by content, not by a hash alone.
+The key holds the block's token ids and a SHA-256 digest of its parent's key, so a hit is
+verified by content and by a cryptographic chain, never by Python's hash() alone.
 """
 
+import hashlib
 from collections import OrderedDict, deque
 
 from pagedbench.sequence import Sequence
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, 0 for the first; this block's token ids)
+# (digest of the parent block's key, b"" for the first block; this block's token ids)
+BlockKey = tuple[bytes, tuple[int, ...]]
+
+
+def key_digest(key: BlockKey) -> bytes:
+    """SHA-256 of a block key: the parent link of the next block (never Python's hash())."""
+    return hashlib.sha256(key[0] + repr(key[1]).encode()).digest()
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -98,7 +106,7 @@ class BlockManager:
     # ---- prefix cache -----------------------------------------------------------------------
 
     def _key(self, seq: Sequence, index: int) -> BlockKey:
-        parent = hash(seq.block_keys[index - 1]) if index else 0
+        parent = key_digest(seq.block_keys[index - 1]) if index else b""
         bs = self.block_size
         return parent, tuple(seq.token_ids[index * bs : (index + 1) * bs])
 

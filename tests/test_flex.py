@@ -318,7 +318,7 @@ def test_flash_kernel_choice(monkeypatch):
     assert FlexBackend.unavailable_reason("cuda", torch.bfloat16, 128, 16) == (
         "PAGEDBENCH_FLEX_KERNEL=flash: flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')"
     )
-    assert FlexBackend.provider(device="cuda").endswith("flex compiled, FA4 kernels (BACKEND=FLASH)")
+    assert FlexBackend.provider(device="cuda").endswith("flex compiled, FA4 prefill kernels (BACKEND=FLASH)")
     assert FlexBackend.provider(device="cpu").endswith("flex compiled")
     monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "cutlass")
     assert FlexBackend.unavailable_reason("cpu", torch.float32, 64, 16) == (
@@ -354,3 +354,27 @@ def test_recompile_limit_raises_instead_of_falling_back(monkeypatch):
     before = flex.compile_stats["graphs"]
     check_flex([(5, 1), (0, 9)], heads=(3, 3), head_dim=16)
     assert flex.compile_stats["graphs"] - before == 2  # decode and prefill graphs after all: no eager path left behind
+
+
+@pytest.mark.parametrize("compile", MODES)
+def test_decode_without_full_blocks_as_on_cuda(compile):
+    """On CUDA decodes list every page as masked (flex's decoding kernel then splits each row's own
+    pages across thread blocks); the same mask, run here, still equals reference."""
+    spec = ragged_batch_spec("mixed", 16, random.Random(4))
+    batch = random_attention_batch(spec, 8, 2, 64, 16, seed=4)
+    backend = FlexBackend(8, 2, 64, 64**-0.5, 16, torch.device("cpu"), torch.float32, compile=compile)
+    backend.decode_full_blocks = False
+    state = backend.prepare(batch.metadata)
+    assert state.calls[0].kind == "decode" and state.calls[0].block_mask.full_kv_num_blocks is None
+    got = backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
+    expected = run_backend("reference", batch, 8, 2, 64, 16, torch.float32, "cpu")
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_page_size_is_a_compile_time_constant():
+    """The mask_mod reads the page size from a static shape, not a captured int (which dynamo would
+    make a dynamic symbol, and FLASH refuses): another page size compiles its own graph."""
+    check_flex([(20, 1), (0, 40)], block_size=16, heads=(2, 1), head_dim=32)
+    before = flex.compile_stats["graphs"]
+    check_flex([(20, 1), (0, 40)], block_size=64, heads=(2, 1), head_dim=32)
+    assert flex.compile_stats["graphs"] - before == 2  # decode and prefill graphs for pages of 64
