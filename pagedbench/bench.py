@@ -209,8 +209,9 @@ def compare(
 
 def _add_cross_backend_columns(rows: list[dict], measured: dict[str, list[Measurement]], greedy: bool) -> None:
     """Output throughput relative to the best backend (medians over runs) and, for greedy
-    scenarios, the share of tokens identical to the baseline (reference if run, else the first)."""
-    if not measured:
+    scenarios, the share of tokens identical to the baseline (reference if run, else the first).
+    With one backend there is nothing to compare: the columns stay empty."""
+    if len(measured) < 2:
         return
     medians = {name: statistics.median(m.row["output_throughput"] for m in runs) for name, runs in measured.items()}
     best = max(medians.values())

@@ -57,3 +57,27 @@ def test_cpu_runs_the_tiny_preset_unless_told(tmp_path, capsys):
     assert main(["run", *args]) == 0
     out = capsys.readouterr().out
     assert "note: on cpu, model tiny-llama instead of the scenario's qwen3-0.6b" in out and "model tiny-llama" in out
+
+
+def test_run_compares_nothing_with_itself(tmp_path):
+    import pandas as pd
+
+    assert (
+        main(
+            [
+                "run",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "8",
+                "--output-len",
+                "2",
+                "--no-warmup",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    rows = pd.read_csv(tmp_path / "run-synthetic.csv")
+    assert rows["identical_token_share"].isna().all() and rows["throughput_vs_best"].isna().all()
