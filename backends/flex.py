@@ -123,6 +123,43 @@ class _Entries:
         self.num_masked = pages - self.num_full
 
 
+class _Plan:
+    """One call's layout on the host: flex batch and query length, and the index arrays that go to
+    the device in the step's single copy (`host`, in the order `_build_call` unpacks them)."""
+
+    def __init__(
+        self,
+        kind: str,
+        batch: int,
+        q_len: int,
+        identity: bool,
+        rows: int,
+        real_rows: np.ndarray,
+        token: np.ndarray,
+        real: np.ndarray,
+        seq_of: np.ndarray,
+        pos: np.ndarray,
+        entries: _Entries,
+    ):
+        self.kind, self.batch, self.q_len, self.identity = kind, batch, q_len, identity
+        self.rows, self.real_rows = rows, real_rows  # BlockMask rows; real query rows in each
+        e = entries
+        self.host = [
+            token,
+            np.flatnonzero(real),
+            token[real],
+            seq_of,
+            pos,  # query rows
+            e.row,
+            e.seq,
+            e.logical,
+            e.full.astype(np.int64),
+            e.col,
+            e.num_full,
+            e.num_masked,
+        ]
+
+
 class FlexBackend(AttentionBackend):
     name = "flex"
 
@@ -247,12 +284,12 @@ class FlexBackend(AttentionBackend):
         inv_seq = np.repeat(np.arange(len(seq_lens)), seq_pages)
         arrays = [inv_seq, _index_in_group(seq_pages)]
         for plan in plans:
-            arrays += plan["host"]
+            arrays += plan.host
         dev = to_device(np.concatenate(arrays), self.device).split([len(a) for a in arrays])
         self._fill_inverse(meta, dev[0], dev[1], len(seq_lens), num_pages)
         calls, offset = [], 2
         for plan in plans:
-            count = len(plan["host"])
+            count = len(plan.host)
             calls.append(self._build_call(plan, dev[offset : offset + count], meta, num_pages))
             offset += count
         return FlexState(calls, meta.num_tokens)
@@ -271,7 +308,7 @@ class FlexBackend(AttentionBackend):
         inv[seq, pages] = logical.to(torch.int32)
         self._inv_written = (inv, seq, pages)
 
-    def _plan_decode(self, seqs: np.ndarray, qsl: np.ndarray, ctx: np.ndarray) -> dict | None:
+    def _plan_decode(self, seqs: np.ndarray, qsl: np.ndarray, ctx: np.ndarray) -> "_Plan | None":
         """Rows of the per-sequence decode call: host index arrays, before the device copy."""
         if not len(seqs):
             return None
@@ -297,31 +334,11 @@ class FlexBackend(AttentionBackend):
         )
         identity = q_len == 1 and len(seqs) == batch and np.array_equal(seqs, np.arange(batch)) and qsl[batch] == batch
         real = (np.arange(q_len)[None, :] < q_lens[:, None]).reshape(-1)
-        return {
-            "kind": "decode",
-            "batch": batch,
-            "q_len": q_len,
-            "identity": identity,
-            "rows": len(rows),
-            "real_rows": q_lens,
-            "entries": entries,
-            "host": [
-                token.reshape(-1),
-                np.flatnonzero(real),
-                token.reshape(-1)[real],
-                rows,
-                pos.reshape(-1),
-                entries.row,
-                entries.seq,
-                entries.logical,
-                entries.full.astype(np.int64),
-                entries.col,
-                entries.num_full,
-                entries.num_masked,
-            ],
-        }
+        return _Plan(
+            "decode", batch, q_len, identity, len(rows), q_lens, token.reshape(-1), real, rows, pos.reshape(-1), entries
+        )
 
-    def _plan_prefill(self, seqs: np.ndarray, qsl: np.ndarray, ctx: np.ndarray) -> dict | None:
+    def _plan_prefill(self, seqs: np.ndarray, qsl: np.ndarray, ctx: np.ndarray) -> "_Plan | None":
         """Query blocks of the flat prefill call, each within one sequence's chunk."""
         if not len(seqs):
             return None
@@ -343,33 +360,13 @@ class FlexBackend(AttentionBackend):
         token = (qsl[block_seq][:, None] + offset).reshape(-1)
         pos = (ctx[block_seq][:, None] + offset).reshape(-1)
         seq_of_row = np.repeat(block_seq, qb)
-        return {
-            "kind": "prefill",
-            "batch": 1,
-            "q_len": len(token),
-            "identity": False,
-            "rows": num_rows,
-            "real_rows": np.append(block_real, 0),
-            "entries": entries,
-            "host": [
-                token,
-                np.flatnonzero(real),
-                token[real],
-                seq_of_row,
-                pos,
-                entries.row,
-                entries.seq,
-                entries.logical,
-                entries.full.astype(np.int64),
-                entries.col,
-                entries.num_full,
-                entries.num_masked,
-            ],
-        }
+        return _Plan(
+            "prefill", 1, len(token), False, num_rows, np.append(block_real, 0), token, real, seq_of_row, pos, entries
+        )
 
-    def _build_call(self, plan: dict, dev: list[torch.Tensor], meta: AttentionMetadata, num_pages: int) -> FlexCall:
+    def _build_call(self, plan: "_Plan", dev: list[torch.Tensor], meta: AttentionMetadata, num_pages: int) -> FlexCall:
         token, real, dest, seq_of, pos, e_row, e_seq, e_logical, e_full, e_col, num_full, num_masked = dev
-        kind, bs, kv_block, rows = plan["kind"], self.block_size, self.kv_block_size, plan["rows"]
+        kind, bs, kv_block, rows = plan.kind, self.block_size, self.kv_block_size, plan.rows
         cap_rows = _capacity(rows, MIN_ROW_CAPACITY)
         # kv_indices as wide as the cache's KV-block count (flex takes the count from the last dim).
         width = _capacity(-(-num_pages * bs // kv_block) + 1, MIN_PAGE_CAPACITY)
@@ -401,7 +398,7 @@ class FlexBackend(AttentionBackend):
             dec_seq = self._buffer("decode_seq", (cap_rows,))
             dec_seq[:rows].copy_(seq_of)
             dec_pos = self._buffer("decode_pos", (cap_rows, MAX_DECODE_QUERY))
-            dec_pos[:rows, : plan["q_len"]].copy_(pos.view(rows, -1))
+            dec_pos[:rows, : plan.q_len].copy_(pos.view(rows, -1))
 
             def visible(b, h, q_idx, kv_idx):
                 bs = page.shape[0]  # static: a constant in the compiled kernel
@@ -418,15 +415,15 @@ class FlexBackend(AttentionBackend):
                 logical = inv[pre_seq[q_idx], kv_idx // bs]
                 return (logical >= 0) & (logical * bs + kv_idx % bs <= pre_pos[q_idx])
 
-        identity = plan["identity"]
+        identity = plan.identity
         call = FlexCall(
             kind,
-            plan["batch"],
-            plan["q_len"],
+            plan.batch,
+            plan.q_len,
             None if identity else token,
             None if identity else real,
             None if identity else dest,
-            plan["real_rows"],
+            plan.real_rows,
         )
         call.block_mask = BlockMask.from_kv_blocks(
             kv_num,
@@ -435,7 +432,7 @@ class FlexBackend(AttentionBackend):
             full_idx,
             BLOCK_SIZE=(self.q_block_size, kv_block),
             mask_mod=visible,
-            seq_lengths=(plan["q_len"], num_pages * bs),
+            seq_lengths=(plan.q_len, num_pages * bs),
             compute_q_blocks=False,
         )
         return call

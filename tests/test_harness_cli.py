@@ -13,7 +13,7 @@ from pagedbench.backends.sdpa import SDPABackend
 
 from pagedbench.cli import main
 
-SERVING_COLUMNS = {
+ENVIRONMENT_COLUMNS = {
     "kind",
     "command",
     "timestamp",
@@ -28,6 +28,8 @@ SERVING_COLUMNS = {
     "provider",
     "status",
     "reason",
+}
+SERVING_COLUMNS = ENVIRONMENT_COLUMNS | {
     "scenario",
     "scenario_hash",
     "scale",
@@ -78,21 +80,7 @@ SERVING_COLUMNS = {
     "throughput_vs_best",
     "identical_token_share",
 }
-KERNEL_COLUMNS = {
-    "kind",
-    "command",
-    "timestamp",
-    "git_sha",
-    "torch_version",
-    "device",
-    "device_name",
-    "cpu_threads",
-    "load_average",
-    "dtype",
-    "backend",
-    "provider",
-    "status",
-    "reason",
+KERNEL_COLUMNS = ENVIRONMENT_COLUMNS | {
     "phase",
     "batch_size",
     "context_len",
