@@ -7,6 +7,12 @@ tokens are never recomputed. A freed block that is registered stays in an LRU po
 blocks, revived by a later hit and evicted (unregistered) only when a fresh block is needed.
 The key holds the block's token ids and a SHA-256 digest of its parent's key, so a hit is
 verified by content and by a cryptographic chain, never by Python's hash() alone.
+
+Forks (parallel samples, beams) share every page of their parent. A page is written only where a
+sequence's next tokens go; when that page is shared, the writer first gets a private copy
+(copy-on-write): `allocate` swaps in a fresh block and queues (source, destination) for the
+engine, which copies the K/V before the step runs. Only a partial last page can be written while
+shared, so a fork costs at most one page copy per sequence.
 """
 
 import hashlib
@@ -44,6 +50,8 @@ class BlockManager:
         self._num_shared = 0  # blocks with a reference count above 1
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of which found cached
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks, for the engine
+        self.num_copies = 0  # copy-on-write page copies so far
 
     @property
     def free_blocks(self) -> list[int]:
@@ -66,23 +74,56 @@ class BlockManager:
         """Blocks read by more than one sequence right now."""
         return self._num_shared
 
+    def _shared_writes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Indices in `seq`'s block table of shared blocks that tokens up to `num_tokens` write into."""
+        first = seq.num_computed_tokens // self.block_size
+        last = min(len(seq.block_table), blocks_needed(num_tokens, self.block_size))
+        return [i for i in range(first, last) if self.ref_counts[seq.block_table[i]] > 1]
+
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks `seq` still needs so that its first `num_tokens` tokens fit in the cache."""
-        return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
+        """Blocks `seq` still needs so that its first `num_tokens` tokens fit in the cache
+        (new pages, plus private copies of shared pages it will write into)."""
+        grow = max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
+        return grow + len(self._shared_writes(seq, num_tokens))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
+    def _take(self) -> int:
+        block = self._fresh.popleft() if self._fresh else self._evict()
+        assert self.ref_counts[block] == 0, f"block {block} on the free list is referenced"
+        self.ref_counts[block] = 1
+        return block
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow `seq`'s block table to hold `num_tokens` tokens with fresh (or evicted) blocks."""
+        """Make `seq`'s first `num_tokens` tokens writable: grow its block table with fresh (or
+        evicted) blocks, and give it a private copy of any shared block it will write into."""
         n = self.num_new_blocks(seq, num_tokens)
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
-        for _ in range(n):
-            block = self._fresh.popleft() if self._fresh else self._evict()
-            assert self.ref_counts[block] == 0, f"block {block} on the free list is referenced"
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+        for index in self._shared_writes(seq, num_tokens):
+            shared = seq.block_table[index]
+            self._unref(shared)
+            seq.block_table[index] = self._take()
+            self.pending_copies.append((shared, seq.block_table[index]))
+            self.num_copies += 1
+        while len(seq.block_table) < blocks_needed(num_tokens, self.block_size):
+            seq.block_table.append(self._take())
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` reads all of `parent`'s pages (one more reference each; nothing is copied)."""
+        assert not child.block_table, "a fork starts with no blocks of its own"
+        for block in parent.block_table:
+            self.ref_counts[block] += 1
+            self._num_shared += self.ref_counts[block] == 2
+        child.block_table = list(parent.block_table)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) pairs queued since the last call; the engine copies
+        their K/V before the step that writes into dst."""
+        latest = {dst: src for src, dst in self.pending_copies}  # a block freed and retaken: its last copy
+        self.pending_copies = []
+        return [(src, dst) for dst, src in latest.items()]
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
@@ -92,16 +133,19 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; an unreferenced block becomes free, evictable if cached."""
         for block in reversed(seq.block_table):
-            assert self.ref_counts[block] > 0, f"double free of block {block}"
-            self.ref_counts[block] -= 1
-            self._num_shared -= self.ref_counts[block] == 1
-            if self.ref_counts[block] == 0:
-                if block in self._key_of:
-                    self._evictable[block] = None
-                else:
-                    self._fresh.append(block)
+            self._unref(block)
         seq.block_table = []
         seq.block_keys = []
+
+    def _unref(self, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"double free of block {block}"
+        self.ref_counts[block] -= 1
+        self._num_shared -= self.ref_counts[block] == 1
+        if self.ref_counts[block] == 0:
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._fresh.append(block)
 
     # ---- prefix cache -----------------------------------------------------------------------
 

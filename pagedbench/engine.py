@@ -6,6 +6,7 @@ import time
 import torch
 
 from pagedbench.backends.registry import get_backend, probe
+from pagedbench.beam_search import BeamSearch, BeamSearchParams
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
 from pagedbench.device import resolve_device_dtype
@@ -14,10 +15,10 @@ from pagedbench.loader import build_model, resolve_model_config
 from pagedbench.model_runner import ModelRunner, kv_bytes_per_block
 from pagedbench.outputs import RequestOutput, request_output
 from pagedbench.requests import tokenize, validate_request
-from pagedbench.sampler import Sampler, SamplingBatch
+from pagedbench.sampler import Sampler, SamplingBatch, token_logprobs
 from pagedbench.sampling_params import SamplingParams
 from pagedbench.scheduler import Scheduler
-from pagedbench.sequence import Sequence
+from pagedbench.sequence import Sequence, SequenceGroup
 from pagedbench.stats import STEP_PARTS, EngineStats
 from pagedbench.stopping import stop_check
 from pagedbench.tokenizer import detokenize_incrementally, load_tokenizer
@@ -71,7 +72,7 @@ class LLMEngine:
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
         self.sync_timing = False  # synchronize the device around timed parts (for breakdowns)
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, SequenceGroup] = {}
         self._ids = itertools.count()
 
     @property
@@ -96,19 +97,27 @@ class LLMEngine:
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         return tokenize(prompt, self.tokenizer, self.config.model)
 
-    def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(
-            token_ids, params, self.max_model_len, self.model_config.vocab_size, self.tokenizer is not None
-        )
+    def validate_request(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+        if isinstance(params, BeamSearchParams):
+            params.validate()
+            validate_request(token_ids, SamplingParams(), self.max_model_len, self.model_config.vocab_size, True)
+        else:
+            validate_request(
+                token_ids, params, self.max_model_len, self.model_config.vocab_size, self.tokenizer is not None
+            )
+        if params.width > self.config.max_num_seqs:
+            name = "beam_width" if isinstance(params, BeamSearchParams) else "best_of"
+            raise ValueError(f"{name}={params.width} is more than max_num_seqs={self.config.max_num_seqs}")
 
     def add_request(
         self,
         prompt,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (and changes nothing) when it is invalid."""
+        """Queue a request (sampling, or beam search with BeamSearchParams); raises ValueError
+        (and changes nothing) when it is invalid."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         self.validate_request(token_ids, params)
@@ -118,17 +127,27 @@ class LLMEngine:
         seq = Sequence(request_id, text, token_ids, params)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self._requests[request_id] = seq
+        seq.generator = self._generator(params, 0)
+        group = SequenceGroup(request_id, text, token_ids, params, [seq], seq.arrival_time)
+        if isinstance(params, BeamSearchParams):
+            group.beam = BeamSearch(params, self.model_config.eos_token_ids, self.max_model_len)
+        self._requests[request_id] = group
         self.scheduler.add(seq)
         return request_id
 
+    def _generator(self, params, index: int) -> torch.Generator | None:
+        """Sample `index` of a seeded request draws from seed + index (vLLM's per-sample seeds)."""
+        if getattr(params, "seed", None) is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(params.seed + index)
+
     def abort_request(self, request_id: str) -> None:
-        seq = self._requests.pop(request_id, None)
-        if seq is None:
+        group = self._requests.pop(request_id, None)
+        if group is None:
             return
-        self.scheduler.finish(seq, "abort")
+        for seq in group.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their sequences)."""
@@ -146,41 +165,108 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns outputs of the requests that progressed."""
-        st = self.stats
+        st, bm = self.stats, self.block_manager
         t0 = self._now()
         sched = self.scheduler.schedule()
         st.preemptions += sched.num_preempted
         if sched.empty:
             return []
         t1 = self._now()
+        copies = bm.take_copies()  # copy-on-write of shared pages this step writes into
+        if copies:
+            self.runner.copy_blocks(copies)
+            st.block_copies += len(copies)
         inputs = self.runner.prepare(sched)
         t2 = self._now()
         state = self.backend.prepare(inputs.metadata)
         t3 = self._now()
         logits = self.runner.run(inputs, state)
         t4 = self._now()
-        sampling_seqs = [sched.seqs[i] for i in inputs.sampling_rows]
-        tokens = []
-        if sampling_seqs:
-            batch = SamplingBatch.from_seqs(sampling_seqs, self.model_config.vocab_size, self.device)
-            tokens = self.sampler(logits, batch).tolist()
+        self.scheduler.computed(sched)
+        progressed = self._sample([sched.seqs[i] for i in inputs.sampling_rows], logits)
         t5 = time.perf_counter()
         st.steps += 1
-        st.peak_blocks_used = max(st.peak_blocks_used, self.block_manager.num_used_blocks)
-        if self.block_manager.enable_prefix_caching:
-            st.peak_shared_blocks = max(st.peak_shared_blocks, self.block_manager.num_shared_blocks)
+        st.peak_blocks_used = max(st.peak_blocks_used, bm.num_used_blocks)
+        st.peak_shared_blocks = max(st.peak_shared_blocks, bm.num_shared_blocks)
         for part, start, end in zip(STEP_PARTS, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
             st.time[part] += end - start
-        self.scheduler.computed(sched)
-        outputs = []
-        for seq, token in zip(sampling_seqs, tokens):
-            self._append_token(seq, token, t5)
-            outputs.append(self._output(seq))
-        return outputs
+        for group in progressed:
+            group.token_times.append(t5)
+        return [self._output(group) for group in progressed]
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
+        """Give `seqs` (logits row i for seqs[i]) their next tokens: a request's first token
+        forks it into its best_of samples (all reading the same row), samples draw from the
+        sampler, beams report to their search. Returns the requests that got tokens."""
+        rows = list(range(len(seqs)))
+        groups = [self._requests[s.request_id] for s in seqs]
+        for i, (seq, group) in enumerate(zip(list(seqs), list(groups))):
+            if group.beam is None and not seq.forked:
+                for index in range(1, group.params.best_of):
+                    child = self.scheduler.fork(seq, index)
+                    child.generator = self._generator(group.params, index)
+                    group.seqs.append(child)
+                    seqs.append(child), groups.append(group), rows.append(i)
+        progressed: dict[int, SequenceGroup] = {}
+        samples = [j for j, g in enumerate(groups) if g.beam is None]
+        if samples:
+            sampled = [seqs[j] for j in samples]
+            picked = [rows[j] for j in samples]
+            sub = logits if picked == list(range(len(logits))) else logits[picked]
+            tokens = self.sampler(sub, SamplingBatch.from_seqs(sampled, self.model_config.vocab_size, self.device))
+            ranked = [k for k, s in enumerate(sampled) if s.params.best_of > 1]  # need cumulative logprobs
+            logprobs = token_logprobs(sub[ranked], tokens[ranked]).tolist() if ranked else []
+            for k, logprob in zip(ranked, logprobs):
+                sampled[k].cumulative_logprob += logprob
+            for j, token in zip(samples, tokens.tolist()):
+                self._append_token(seqs[j], token)
+                progressed[id(groups[j])] = groups[j]
+        beams = [j for j, g in enumerate(groups) if g.beam is not None]
+        if beams:
+            for group in self._advance_beams([seqs[j] for j in beams], logits[[rows[j] for j in beams]]):
+                progressed[id(group)] = group
+        return list(progressed.values())
+
+    def _advance_beams(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
+        """Report each beam's best continuations; a request whose live beams have all reported
+        selects its next beams (fork, continue, free). Returns those requests."""
+        temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+        logprobs = torch.log_softmax(logits / temperature[:, None], dim=-1)
+        k = min(max(self._requests[s.request_id].beam.num_candidates for s in seqs), logprobs.shape[-1])
+        values, token_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+        reported: dict[int, SequenceGroup] = {}
+        for seq, lps, ids in zip(seqs, values, token_ids):
+            group = self._requests[seq.request_id]
+            group.beam.report(seq, lps, ids)
+            seq.paused = True  # until every live beam of its request has reported
+            reported[id(group)] = group
+        selected = [g for g in reported.values() if g.beam.ready(g.seqs)]
+        for group in selected:
+            self._select_beams(group)
+        return selected
+
+    def _select_beams(self, group: SequenceGroup) -> None:
+        chosen = group.beam.select()
+        kept: set[int] = set()
+        beams = []
+        for rank, c in enumerate(chosen):  # fork before any parent gets its new token
+            if id(c.parent) in kept:
+                beams.append(self.scheduler.fork(c.parent, rank))
+            else:
+                kept.add(id(c.parent))
+                beams.append(c.parent)
+        for seq in group.seqs:
+            if id(seq) not in kept:
+                self.scheduler.finish(seq, "pruned")
+        for rank, (seq, c) in enumerate(zip(beams, chosen)):
+            seq.token_ids.append(c.token)
+            seq.cumulative_logprob = c.cum_logprob
+            seq.index = rank
+            seq.paused = False
+        group.seqs = beams
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
-        seq.token_times.append(now)
         new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
         stop = stop_check(seq, token, new_text, self.model_config.eos_token_ids, self.max_model_len)
         if stop is not None:
@@ -188,7 +274,10 @@ class LLMEngine:
             if self.tokenizer is not None and not isinstance(seq.stop_reason, str):
                 detokenize_incrementally(self.tokenizer, seq, flush=True)  # text held back for a partial character
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        if seq.finished:
-            self._requests.pop(seq.request_id, None)
-        return request_output(seq)
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        if group.finished:
+            self._requests.pop(group.request_id, None)
+        return request_output(group, self._decode)

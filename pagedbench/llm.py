@@ -3,6 +3,7 @@
 import torch
 from tqdm.auto import tqdm
 
+from pagedbench.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedbench.config import EngineConfig
 from pagedbench.engine import LLMEngine
 from pagedbench.outputs import RequestOutput
@@ -55,15 +56,41 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        return self._run(prompts, sampling_params, "generate", use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt (vLLM's API; Hugging Face's num_beams algorithm, see
+        beam_search.py): each output holds beam_width sequences, best first, whose `tokens` are
+        prompt + output."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompts = list(prompts)
+        outputs = self._run(prompts, [params] * len(prompts), "beam search", use_tqdm)
+        decode = self.engine.tokenizer
+        results = []
+        for out in outputs:
+            sequences = []
+            for c in out.outputs:
+                tokens = out.prompt_token_ids + c.token_ids
+                text = decode.decode(tokens, skip_special_tokens=True) if decode is not None else None
+                score = c.cumulative_logprob / len(c.token_ids) ** params.length_penalty
+                sequences.append(BeamSearchSequence(tokens, c.cumulative_logprob, score, text, c.finish_reason))
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+    def _run(self, prompts: list, params: list, desc: str, use_tqdm: bool) -> list[RequestOutput]:
+        """Validate every prompt, queue them all, step until they finish; outputs in input order."""
         engine = self.engine
         tokenized = []
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, sp in zip(prompts, params):
             text, token_ids = engine.tokenize(prompt)
-            engine.validate_request(token_ids, params)
+            engine.validate_request(token_ids, sp)
             tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
-        ids = [engine.add_request(p, sp) for p, sp in zip(tokenized, sampling_params)]
+        ids = [engine.add_request(p, sp) for p, sp in zip(tokenized, params)]
         wanted, results = set(ids), {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc=desc, disable=not use_tqdm) as bar:
             while len(results) < len(ids) and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:

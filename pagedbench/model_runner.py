@@ -45,6 +45,11 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: K/V of block src -> block dst in every layer (reads happen before writes)."""
+        src, dst = (torch.tensor(c, device=self.device) for c in zip(*copies))
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         return prepare_step(sched.seqs, sched.num_tokens, self.block_size, self.kv_cache.shape[2], self.device)
 

@@ -1,8 +1,9 @@
 """What the engine hands back per request, with vLLM's names."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedbench.sequence import Sequence
+from pagedbench.sequence import SequenceGroup
 
 
 @dataclass(slots=True)
@@ -12,6 +13,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" or "length" once finished
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    cumulative_logprob: float | None = None  # sum of the model's logprobs of token_ids (n/best_of > 1, beams)
 
 
 @dataclass(slots=True)
@@ -35,12 +37,45 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
 
 
-def request_output(seq: Sequence) -> RequestOutput:
-    """The request's output so far; metrics once it has finished."""
-    completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
-    metrics = None
-    if seq.finished:
-        metrics = RequestMetrics(
-            seq.arrival_time, seq.token_times[0], seq.token_times, seq.token_times[-1], seq.num_preemptions
+def completions(group: SequenceGroup, decode: Callable[[list[int]], str] | None) -> list[CompletionOutput]:
+    """The request's returned samples: its n samples by index, or once finished with best_of > n
+    the n best by cumulative logprob; a beam search's finished beams, best first."""
+    if group.beam is not None:
+        return [
+            CompletionOutput(
+                i,
+                decode(h.output_token_ids) if decode else "",
+                h.output_token_ids,
+                h.finish_reason,
+                None,
+                h.cum_logprob,
+            )
+            for i, h in enumerate(group.beam.finished if group.finished else [])
+        ]
+    p = group.params
+    seqs = sorted(group.seqs, key=lambda s: s.index)
+    if group.finished and p.best_of > p.n:
+        seqs.sort(key=lambda s: -s.cumulative_logprob)
+    return [
+        CompletionOutput(
+            s.index,
+            s.output_text,
+            s.output_token_ids,
+            s.finish_reason,
+            s.stop_reason,
+            s.cumulative_logprob if p.best_of > 1 else None,
         )
-    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.finished, metrics)
+        for s in seqs[: p.n]
+    ]
+
+
+def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | None = None) -> RequestOutput:
+    """The request's output so far; metrics once it has finished."""
+    metrics = None
+    finished = group.finished
+    if finished:
+        times = group.token_times
+        metrics = RequestMetrics(group.arrival_time, times[0], times, times[-1], group.num_preemptions)
+    return RequestOutput(
+        group.request_id, group.prompt, group.prompt_token_ids, completions(group, decode), finished, metrics
+    )

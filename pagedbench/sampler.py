@@ -79,3 +79,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         remove |= mass_before >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) under the model's distribution (raw logits, before temperature and
+    top-k/top-p, as vLLM reports logprobs): logits [B, V], tokens [B] -> [B] fp32."""
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)

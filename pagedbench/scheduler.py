@@ -25,7 +25,9 @@ class SchedulerOutput:
 
 class Scheduler:
     """Continuous batching under one token budget per step, with chunked prefill and
-    preemption by recompute (newest first)."""
+    preemption by recompute (newest first). A paused sequence (a beam waiting for its siblings'
+    candidates) is not scheduled; it keeps its pages unless they are all that stops a waiting
+    sequence from running, and waits in the queue without being readmitted until it resumes."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
@@ -50,8 +52,8 @@ class Scheduler:
         for seq in candidates:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if seq.status is not SequenceStatus.RUNNING or seq.paused:
+                continue  # preempted earlier in this loop, or paused
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, seq.num_computed_tokens + n, scheduled, out):
                 continue  # seq itself was preempted
@@ -60,26 +62,41 @@ class Scheduler:
             budget -= n
         # Admit waiting requests while budget, blocks and max_num_seqs allow, unless this
         # step already had to preempt (admitting would only preempt again).
-        while self.waiting and budget > 0 and not out.num_preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            hit = self.block_manager.match_prefix(seq)  # cached tokens count as computed
+        # A request that will fork (n/best_of samples, beams) reserves room for all its sequences.
+        reserved = sum(map(self._width, self.running))
+        while budget > 0 and not out.num_preempted:
+            seq = next((s for s in self.waiting if not s.paused), None)
+            if seq is None:
+                break
+            fits = reserved + self._width(seq) <= self.max_num_seqs
+            hit = self.block_manager.match_prefix(seq) if fits else 0  # cached tokens count as computed
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            if not fits or not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self.block_manager.free(seq)  # give the cached blocks back until it fits
                 seq.num_computed_tokens = 0
+                paused = [s for s in self.running if s.paused]
+                if out.empty and paused:  # only paused beams hold the room: free one
+                    self.preempt(max(paused, key=lambda s: s.arrival_time))
+                    out.num_preempted += 1
                 break
             self.block_manager.count_lookup(seq, hit)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add(out, seq, n, scheduled)
             budget -= n
+            reserved += self._width(seq)
         # Decodes first in the batch (a one-token prefill chunk is a decode to attention).
         order = sorted(range(len(out.seqs)), key=lambda i: out.num_tokens[i] != 1)
         out.seqs = [out.seqs[i] for i in order]
         out.num_tokens = [out.num_tokens[i] for i in order]
         return out
+
+    @staticmethod
+    def _width(seq: Sequence) -> int:
+        """Sequences `seq` will be once its request forks (its samples or beams), 1 once forked."""
+        return 1 if seq.forked else seq.params.width
 
     @staticmethod
     def _add(out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[int]) -> None:
@@ -108,6 +125,16 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        """A new sequence sharing `parent`'s tokens and pages, queued beside it."""
+        child = parent.fork(index)
+        self.block_manager.fork(parent, child)
+        if parent.status is SequenceStatus.RUNNING:
+            self.running.append(child)
+        elif parent.status is SequenceStatus.WAITING:
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+        return child
 
     def computed(self, out: SchedulerOutput) -> None:
         """The scheduled tokens of `out` went through the model: their K/V are in the cache."""

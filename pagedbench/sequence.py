@@ -1,10 +1,14 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedbench.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedbench.beam_search import BeamSearch, BeamSearchParams
 
 
 class SequenceStatus(enum.Enum):
@@ -24,7 +28,7 @@ class Sequence:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: "SamplingParams | BeamSearchParams"
     arrival_time: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -39,10 +43,35 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_preemptions: int = 0
-    token_times: list[float] = field(default_factory=list)
+    index: int = 0  # which of its request's samples or beams this is
+    cumulative_logprob: float = 0.0  # sum of the model's log-probabilities of its output tokens
+    paused: bool = False  # nothing to run until its request advances (a beam that reported its candidates)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+
+    def fork(self, index: int) -> "Sequence":
+        """A copy sharing this sequence's progress (tokens, computed count, text); its block
+        table is filled by BlockManager.fork, which shares the pages."""
+        child = Sequence(self.request_id, self.prompt, self.prompt_token_ids, self.params, self.arrival_time)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_keys = list(self.block_keys)
+        child.status = self.status
+        child.output_text, child.prefix_offset, child.read_offset = (
+            self.output_text,
+            self.prefix_offset,
+            self.read_offset,
+        )
+        child.index = index
+        child.cumulative_logprob = self.cumulative_logprob
+        child.paused = self.paused
+        return child
+
+    @property
+    def forked(self) -> bool:
+        """Whether its request's samples or beams exist yet (they appear with the first token)."""
+        return self.index > 0 or self.num_output_tokens > 0
 
     @property
     def num_tokens(self) -> int:
@@ -67,3 +96,28 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """One request: its single sequence, its n/best_of samples (live and finished), or its live
+    beams (`beam` holds the search and the finished hypotheses)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: "SamplingParams | BeamSearchParams"
+    seqs: list[Sequence]
+    arrival_time: float
+    beam: "BeamSearch | None" = None
+    token_times: list[float] = field(default_factory=list)  # when a step gave it new tokens
+
+    @property
+    def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return len(self.seqs) == self.params.width and all(s.finished for s in self.seqs)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.seqs)

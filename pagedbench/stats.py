@@ -14,11 +14,12 @@ class EngineStats:
     steps: int = 0
     preemptions: int = 0
     peak_blocks_used: int = 0
-    peak_shared_blocks: int = 0  # blocks read by several sequences at once (prefix caching)
+    peak_shared_blocks: int = 0  # blocks read by several sequences at once (prefix caching, forks)
+    block_copies: int = 0  # copy-on-write page copies (a fork writing into a shared page)
     time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
 
     def reset(self) -> None:
-        self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = 0
+        self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
         self.time = dict.fromkeys(STEP_PARTS, 0.0)
 
     def time_columns(self) -> dict[str, float]:

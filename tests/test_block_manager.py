@@ -1,4 +1,7 @@
-"""Block manager and scheduler invariants under random workloads (hypothesis)."""
+"""Block manager and scheduler invariants under random workloads (hypothesis): allocation,
+chunked prefill, preemption, prefix-cache hits and eviction, forks with copy-on-write. A model of
+the KV cache (which token each physical slot holds) checks that every sequence reads back its own
+tokens from its pages, whatever is shared or copied."""
 
 from collections import Counter
 
@@ -39,10 +42,39 @@ def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     max_len = draw(st.integers(1, 64))
     num_blocks = blocks_needed(max_len, block_size) + draw(st.integers(0, 12))
+    # (prompt length, max_tokens, arrival step, samples forked after the prompt, shared-prefix family)
     requests = draw(
-        st.lists(st.tuples(st.integers(1, max_len), st.integers(1, 20), st.integers(0, 6)), min_size=1, max_size=12)
+        st.lists(
+            st.tuples(
+                st.integers(1, max_len), st.integers(1, 20), st.integers(0, 6), st.integers(1, 3), st.integers(0, 2)
+            ),
+            min_size=1,
+            max_size=12,
+        )
     )
-    return block_size, max_len, num_blocks, draw(st.integers(1, 40)), draw(st.integers(1, 6)), requests
+    return block_size, max_len, num_blocks, draw(st.integers(1, 40)), draw(st.integers(3, 8)), requests
+
+
+class KVModel:
+    """Which token each (block, slot) holds: written as the scheduler's steps compute tokens,
+    copied block to block as the block manager's copy-on-write pairs say (before the step)."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.slots = block_size, {}
+
+    def run_step(self, bm: BlockManager, out) -> None:
+        copied = {dst: {i: self.slots.get((src, i)) for i in range(self.block_size)} for src, dst in bm.take_copies()}
+        for dst, content in copied.items():
+            self.slots.update({(dst, i): t for i, t in content.items()})
+        for seq, n in zip(out.seqs, out.num_tokens):
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                block = seq.block_table[pos // self.block_size]
+                self.slots[block, pos % self.block_size] = seq.token_ids[pos]
+
+    def check(self, seq: Sequence) -> None:
+        bs = self.block_size
+        read = [self.slots.get((seq.block_table[p // bs], p % bs)) for p in range(seq.num_computed_tokens)]
+        assert read == seq.token_ids[: seq.num_computed_tokens], f"sequence {seq.request_id} reads wrong K/V"
 
 
 @settings(max_examples=150, deadline=None)
@@ -51,18 +83,23 @@ def test_scheduler_and_block_manager_invariants(workload):
     block_size, max_len, num_blocks, budget, max_seqs, requests = workload
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(bm, max_seqs, budget)
+    kv = KVModel(block_size)
     live: list[Sequence] = []
     pending = list(enumerate(requests))
+    operations = 0
     for step in range(10_000):
-        while pending and pending[0][1][2] <= step:  # (prompt_len, max_tokens, arrival step)
-            i, (prompt_len, max_tokens, _) = pending.pop(0)
-            seq = Sequence(str(i), None, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+        while pending and pending[0][1][2] <= step:
+            i, (prompt_len, max_tokens, _, width, family) = pending.pop(0)
+            prompt = [family * 100 + t for t in range(prompt_len)]  # requests of one family share prefixes
+            params = SamplingParams(max_tokens=max_tokens, n=width)
+            seq = Sequence(str(i), None, prompt, params)
             seq.arrival_time = float(i)
             sched.add(seq)
             live.append(seq)
         if not sched.has_unfinished() and not pending:
             break
         out = sched.schedule()
+        operations += len(out.seqs) + out.num_preempted
         assert out.total_tokens <= budget and len(sched.running) <= max_seqs
         assert len({id(s) for s in out.seqs}) == len(out.seqs), "a sequence scheduled twice"
         assert all(s.status is SequenceStatus.RUNNING for s in out.seqs)
@@ -71,18 +108,39 @@ def test_scheduler_and_block_manager_invariants(workload):
         if sched.has_unfinished():
             assert not out.empty, "scheduler stalled with work left"
         assert all(1 <= n <= s.num_uncomputed_tokens for s, n in zip(out.seqs, out.num_tokens))
+        kv.run_step(bm, out)
         sched.computed(out)  # registers newly full blocks in the prefix cache
-        for s in out.seqs:
+        for s in list(out.seqs):
             assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, block_size)
             if s.num_computed_tokens == s.num_tokens:  # the prompt is done: a token is sampled
-                s.token_ids.append(0)
-                if s.num_output_tokens >= s.params.max_tokens or s.num_tokens >= max_len:
-                    sched.finish(s, "length")
-                    live.remove(s)
+                samples = [s]
+                if not s.forked:  # the first token: fork into the request's samples (shared pages)
+                    samples += [sched.fork(s, index) for index in range(1, s.params.width)]
+                    live += samples[1:]
+                    operations += len(samples) - 1
+                for sample in samples:
+                    sample.token_ids.append(7 * sample.index + len(sample.token_ids))  # each its own tokens
+                    if sample.num_output_tokens >= sample.params.max_tokens or sample.num_tokens >= max_len:
+                        sched.finish(sample, "length")
+                        live.remove(sample)
+                        operations += 1
         check_invariants(bm, sched, live)
+        for s in sched.running:
+            kv.check(s)
     else:
         raise AssertionError("workload did not finish")
     assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts), "blocks leaked"
+    test_scheduler_and_block_manager_invariants.operations += operations
+
+
+test_scheduler_and_block_manager_invariants.operations = 0
+
+
+def test_the_invariant_workloads_add_up_to_10k_operations():
+    """The property test above ran (in this process) over more than 10k scheduler and block operations."""
+    if test_scheduler_and_block_manager_invariants.operations == 0:
+        test_scheduler_and_block_manager_invariants()
+    assert test_scheduler_and_block_manager_invariants.operations > 10_000
 
 
 def test_preemption_frees_newest_first_and_recomputes():
