@@ -7,10 +7,11 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.sampling_params import SamplingParams
-from pagedbench.scheduler import Scheduler
+from pagedbench.scheduler import Scheduler, SchedulerOutput
 from pagedbench.sequence import Sequence, SequenceStatus
 
 
@@ -173,3 +174,87 @@ def test_double_free_is_caught():
     except AssertionError:
         return
     raise AssertionError("double free went unnoticed")
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """The block manager driven directly: allocate (admission with prefix-cache hits), append
+    (compute tokens into pages, copy-on-write included), fork, free, preempt, evict (by
+    allocating under pressure) and reset, checked after every operation against a model of the
+    page contents and the reference counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(num_blocks=12, block_size=2)
+        self.kv = KVModel(2)
+        self.seqs: list[Sequence] = []
+        self.ids = 0
+
+    def _compute(self, seq: Sequence, n: int) -> bool:
+        if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
+            return False
+        self.bm.allocate(seq, seq.num_computed_tokens + n)
+        self.kv.run_step(self.bm, SchedulerOutput([seq], [n]))
+        seq.num_computed_tokens += n
+        self.bm.cache_computed_blocks(seq)
+        return True
+
+    @rule(family=st.integers(0, 2), length=st.integers(1, 9))
+    def admit(self, family, length):
+        seq = Sequence(str(self.ids), None, [family * 50 + t for t in range(length)], SamplingParams())
+        self.ids += 1
+        self.bm.match_prefix(seq)
+        if self._compute(seq, seq.num_uncomputed_tokens):
+            self.seqs.append(seq)
+        else:
+            self.bm.free(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def append(self, data, n):
+        seq = data.draw(st.sampled_from(self.seqs))
+        seq.token_ids += [seq.num_tokens * 3 + seq.index + i for i in range(n)]
+        if not self._compute(seq, n):
+            del seq.token_ids[-n:]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.seqs))
+        child = parent.fork(parent.index + 1)
+        self.bm.fork(parent, child)
+        self.seqs.append(child)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), preempt=st.booleans())
+    def free(self, data, preempt):
+        seq = data.draw(st.sampled_from(self.seqs))
+        self.bm.free(seq)
+        self.seqs.remove(seq)
+        if preempt:  # recompute from scratch, hitting whatever the cache still holds
+            seq.num_computed_tokens = 0
+            self.bm.match_prefix(seq)
+            if self._compute(seq, seq.num_uncomputed_tokens):
+                self.seqs.append(seq)
+            else:
+                self.bm.free(seq)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.bm.reset_prefix_cache()
+
+    @invariant()
+    def consistent(self):
+        bm = self.bm
+        held = Counter(b for s in self.seqs for b in s.block_table)
+        assert all(bm.ref_counts[b] == held.get(b, 0) for b in range(bm.num_blocks)), "ref counts disagree"
+        free = bm.free_blocks
+        assert len(free) == len(set(free)) and set(free) == {b for b in range(bm.num_blocks) if not bm.ref_counts[b]}
+        assert bm.num_shared_blocks == sum(count > 1 for count in bm.ref_counts)
+        for seq in self.seqs:
+            self.kv.check(seq)
+        for block, key in bm._key_of.items():  # a cached page holds exactly its key's tokens
+            assert [self.kv.slots.get((block, i)) for i in range(bm.block_size)] == list(key[1])
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+test_block_manager_state_machine = BlockManagerMachine.TestCase
