@@ -28,7 +28,7 @@ class Measurement:
     """One measured run of one backend."""
 
     row: dict  # a CSV row: environment, engine config, metrics, engine internals
-    outputs: list[list[int]]  # output token ids of each request, in request order
+    outputs: list[list[int]]  # output token ids of each request's samples, in request order
     requests: list[dict]  # per request: lengths and latencies (for latency CDFs)
 
 
@@ -92,10 +92,11 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
     bm = engine.block_manager
     queries_before, hits_before = bm.prefix_queries, bm.prefix_hits
     duration, outputs = drive(engine, requests, desc)
-    output_ids = [o.outputs[0].token_ids for o in outputs]
+    output_ids = [[c.token_ids for c in o.outputs] for o in outputs]  # each request's samples
+    output_lens = [sum(map(len, samples)) for samples in output_ids]
     st = engine.stats
     row = {
-        **throughput_summary([len(r.prompt_token_ids) for r in requests], list(map(len, output_ids)), duration),
+        **throughput_summary([len(r.prompt_token_ids) for r in requests], output_lens, duration),
         **latency_summary([o.metrics for o in outputs]),
         "steps": st.steps,
         "preemptions": st.preemptions,
@@ -106,12 +107,13 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "prefix_cache_queries": bm.prefix_queries - queries_before,  # prompt tokens looked up
         "prefix_cache_hits": bm.prefix_hits - hits_before,  # of which cached
         "peak_shared_blocks": st.peak_shared_blocks,
+        "block_copies": st.block_copies,  # copy-on-write page copies (forked samples)
     }
     per_request = [
-        {"request": i, "input_len": len(r.prompt_token_ids), "output_len": len(ids), **request_latencies(o.metrics)}
-        for i, (r, o, ids) in enumerate(zip(requests, outputs, output_ids))
+        {"request": i, "input_len": len(r.prompt_token_ids), "output_len": n, **request_latencies(o.metrics)}
+        for i, (r, o, n) in enumerate(zip(requests, outputs, output_lens))
     ]
-    return Measurement(row, output_ids, per_request)
+    return Measurement(row, [ids for samples in output_ids for ids in samples], per_request)
 
 
 def warmup_requests(requests: list[Request], max_tokens: int = 16) -> list[Request]:
@@ -175,6 +177,7 @@ def compare(
         "arrival": scenario.arrival,
         "request_rate": scenario.request_rate,
         "temperature": scenario.temperature,
+        "n": scenario.n,
     }
     rows = [] if rows is None else rows
     request_rows, unavailable, measured = [], {}, {}

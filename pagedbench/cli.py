@@ -29,6 +29,7 @@ SCENARIO_OVERRIDES = (
     "num_prompts",
     "input_len",
     "output_len",
+    "n",
 )
 
 

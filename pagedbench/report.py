@@ -44,6 +44,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "arrival",
     "request_rate",
     "temperature",
+    "n",
     "repeat",
     "num_requests",
     "total_input_tokens",
@@ -60,6 +61,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "prefix_cache_queries",
     "prefix_cache_hits",
     "peak_shared_blocks",
+    "block_copies",
     *TIME_COLUMNS,
     "time_backend_compile_s",
     "throughput_vs_best",
@@ -229,6 +231,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     """One row per device x scenario x backend that ran: medians over runs, display names."""
     ok = serving[serving["status"] == "ok"]
     keys = ["device_name", "dtype", "model", "scenario", "scale", "backend"]
+    keys += [col for col in ("n", "enable_prefix_caching") if col in ok]  # older CSVs lack them
     numeric = ok.select_dtypes("number").columns.difference(keys)
     groups = ok.groupby(keys, sort=False, dropna=False)
     med = groups[list(numeric)].median().reset_index()
@@ -252,6 +255,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "E2EL mean ms": med["mean_e2el_ms"].round(1),
             "preemptions": med["preemptions"].astype(int),
             "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
+            **_sharing(med),
             "prepare %": _prepare_pct(med),
             "identical tokens": med["identical_token_share"].round(4),
         }
@@ -275,6 +279,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "mean TPOT ms": ok["mean_tpot_ms"].round(2),
             "steps": ok["steps"].astype(int),
             "preemptions": ok["preemptions"].astype(int),
+            **_sharing(ok),
             "prepare %": _prepare_pct(ok),
         }
     )
@@ -292,6 +297,21 @@ def markdown(df: pd.DataFrame) -> str:
 def not_run_lines(df: pd.DataFrame) -> list[str]:
     bad = df.loc[df["status"] != "ok", ["backend", "status", "reason"]].drop_duplicates()
     return [f"{backend}: {status}: {reason}" for backend, status, reason in bad.values]
+
+
+def _sharing(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Shared KV pages: prefix caching on/off, its hit rate (% of prompt tokens found cached),
+    peak KV blocks in use and peak blocks read by several sequences (cached prefixes, forks)."""
+    if "prefix_cache_queries" not in df:  # an older CSV
+        return {}
+    caching = df["enable_prefix_caching"].map({True: "on", False: "off"}) if "enable_prefix_caching" in df else None
+    hit_pct = 100 * df["prefix_cache_hits"] / df["prefix_cache_queries"].where(df["prefix_cache_queries"] > 0)
+    columns = {"prefix caching": caching, "cache hit %": hit_pct.round(1)}
+    columns |= {
+        "peak KV blocks": df["peak_kv_blocks"].round().astype("Int64"),
+        "shared blocks": df["peak_shared_blocks"].round().astype("Int64"),
+    }
+    return {name: col for name, col in columns.items() if col is not None}
 
 
 def _prepare_pct(df: pd.DataFrame) -> pd.Series:
@@ -407,6 +427,8 @@ def _labels(df: pd.DataFrame) -> pd.Series:
     for col in GROUP_KEYS:
         if col in df and df[col].nunique(dropna=False) > 1:
             label = label + " · " + (f"{col} " if col == "scale" else "") + df[col].astype(str)
+    if "enable_prefix_caching" in df and df["enable_prefix_caching"].nunique() > 1:
+        label = label + df["enable_prefix_caching"].map({True: "", False: " · no prefix caching"})
     return label
 
 

@@ -45,6 +45,7 @@ class Scenario:
     shared_prefix_len: int = 0  # tokens every prompt starts with
     arrival: str = "batch"  # "batch": all at t=0; "poisson": exponential gaps at request_rate
     request_rate: float | None = None  # requests per second, for poisson arrivals
+    n: int = 1  # samples per prompt, forked from one prefill (parallel sampling)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
@@ -79,6 +80,8 @@ class Scenario:
             self._fail("request_rate", "is required with arrival = 'poisson' and only then")
         if (self.num_blocks is None) == (self.kv_tokens is None):
             self._fail("num_blocks or kv_tokens", "is required, and only one of them (the KV budget)")
+        if _is_int(self.n) and self.n > self.max_num_seqs:
+            self._fail("n", f"must be <= max_num_seqs ({self.max_num_seqs}), got {self.n}")
         try:
             self.sampling_params(1)
         except ValueError as e:
@@ -95,8 +98,14 @@ class Scenario:
     def longest_request(self) -> int:
         return self.shared_prefix_len + self.input_len.max + self.output_len.max
 
+    @property
+    def largest_request_tokens(self) -> int:
+        """KV tokens of the largest request at full length: its prompt once, each sample's output."""
+        return self.shared_prefix_len + self.input_len.max + self.n * self.output_len.max
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
+            n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -119,13 +128,13 @@ class Scenario:
         out = dataclasses.replace(
             self,
             num_prompts=times(self.num_prompts),
-            max_num_seqs=times(self.max_num_seqs),
+            max_num_seqs=max(self.n, times(self.max_num_seqs)),
             input_len=LengthRange(times(self.input_len.min), times(self.input_len.max)),
             output_len=LengthRange(times(self.output_len.min), times(self.output_len.max)),
             shared_prefix_len=round(self.shared_prefix_len * factor),
             max_model_len=self.max_model_len and times(self.max_model_len),
         )
-        floor = blocks_needed(out.longest_request, self.block_size)
+        floor = blocks_needed(out.largest_request_tokens, self.block_size) + self.n  # + a private last page each
         out.num_blocks, out.kv_tokens = max(floor, times(self.kv_blocks, factor**2)), None
         return out
 

@@ -13,7 +13,15 @@ import pytest
 from pagedbench.cli import main
 from pagedbench.scenario import LengthRange, build_requests, builtin_scenarios, load_scenario, parse_scenario
 
-REQUIRED_BUILTINS = {"decode-heavy", "prefill-heavy", "mixed", "long-context", "shared-prefix", "online"}
+REQUIRED_BUILTINS = {
+    "decode-heavy",
+    "prefill-heavy",
+    "mixed",
+    "long-context",
+    "shared-prefix",
+    "online",
+    "parallel-sampling",
+}
 VALID = {
     "description": "a test workload",
     "num_prompts": 8,
@@ -73,6 +81,9 @@ def test_valid_file_parses_with_defaults(tmp_path):
         ({"num_blocks": 10}, "num_blocks or kv_tokens is required, and only one"),
         ({"kv_tokens": None}, "num_blocks or kv_tokens is required"),
         ({"temperature": -1}, "sampling temperature must be >= 0"),
+        ({"n": 0}, "sampling n must be >= 1"),
+        ({"n": 2}, "n/best_of > 1 needs temperature > 0"),
+        ({"n": 300, "temperature": 1.0}, "n must be <= max_num_seqs (256), got 300"),
         ({"name": "x"}, "name is not a scenario field"),
     ],
 )
@@ -160,3 +171,18 @@ def test_request_set_is_identical_across_processes():
     ).hexdigest()
     assert digests == [here, here]
     assert len({len(r.prompt_token_ids) for r in requests}) > 1 and np.ptp([r.arrival_time for r in requests]) > 0
+
+
+def test_parallel_sampling_counts_every_sample(tmp_path):
+    """n samples per prompt: every sample's tokens count as output, pages are shared and copied on write."""
+    args = ["run", "--scenario", "parallel-sampling", "--scale", "0.05", "--model", "tiny-llama", "--no-warmup"]
+    assert main([*args, "--device", "cpu", "--out", str(tmp_path)]) == 0
+    import pandas as pd
+
+    row = pd.read_csv(tmp_path / "run-parallel-sampling.csv").iloc[0]
+    scenario = load_scenario("parallel-sampling").scaled(0.05)
+    requests = build_requests(scenario, 32000)
+    assert row["n"] == scenario.n == 4 and row["num_requests"] == len(requests)
+    assert row["total_output_tokens"] == 4 * sum(r.params.max_tokens for r in requests)  # ignore_eos
+    assert row["peak_shared_blocks"] > 0 and row["block_copies"] > 0
+    assert row["max_num_seqs"] >= 4
