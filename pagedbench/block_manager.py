@@ -158,8 +158,8 @@ class BlockManager:
         """Give a sequence with no blocks yet the cached blocks of its longest cached prefix (full
         blocks, never its last token, which must run to produce logits); returns the tokens hit."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or getattr(seq.params, "prompt_logprobs", None) is not None:
+            return 0  # (prompt logprobs need every prompt token's logits: nothing is skipped)
         lookup = (seq.num_tokens - 1) // self.block_size
         for index in range(lookup):
             key = self._key(seq, index)

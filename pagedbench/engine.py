@@ -13,15 +13,15 @@ from pagedbench.device import resolve_device_dtype
 from pagedbench.environment import synchronize
 from pagedbench.loader import build_model, resolve_model_config
 from pagedbench.model_runner import ModelRunner, kv_bytes_per_block
-from pagedbench.outputs import RequestOutput, request_output
+from pagedbench.outputs import Logprob, RequestOutput, request_output
 from pagedbench.requests import tokenize, validate_request
-from pagedbench.sampler import Sampler, SamplingBatch, token_logprobs
+from pagedbench.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedbench.sampling_params import SamplingParams
 from pagedbench.scheduler import Scheduler
 from pagedbench.sequence import Sequence, SequenceGroup
 from pagedbench.stats import STEP_PARTS, EngineStats
 from pagedbench.stopping import stop_check
-from pagedbench.tokenizer import detokenize_incrementally, load_tokenizer
+from pagedbench.tokenizer import bad_words_token_ids, detokenize_incrementally, load_tokenizer
 
 
 class LLMEngine:
@@ -124,6 +124,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, SamplingParams) and params.bad_words:
+            params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         seq = Sequence(request_id, text, token_ids, params)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
@@ -183,7 +185,10 @@ class LLMEngine:
         logits = self.runner.run(inputs, state)
         t4 = self._now()
         self.scheduler.computed(sched)
-        progressed = self._sample([sched.seqs[i] for i in inputs.sampling_rows], logits)
+        num_sampling = len(inputs.sampling_rows)
+        if inputs.prompt_logprob_rows:
+            self._record_prompt_logprobs(sched.seqs, inputs.prompt_logprob_rows, logits[num_sampling:])
+        progressed = self._sample([sched.seqs[i] for i in inputs.sampling_rows], logits[:num_sampling])
         t5 = time.perf_counter()
         st.steps += 1
         st.peak_blocks_used = max(st.peak_blocks_used, bm.num_used_blocks)
@@ -213,12 +218,12 @@ class LLMEngine:
             sampled = [seqs[j] for j in samples]
             picked = [rows[j] for j in samples]
             sub = logits if picked == list(range(len(logits))) else logits[picked]
-            tokens = self.sampler(sub, SamplingBatch.from_seqs(sampled, self.model_config.vocab_size, self.device))
-            ranked = [k for k, s in enumerate(sampled) if s.params.best_of > 1]  # need cumulative logprobs
-            logprobs = token_logprobs(sub[ranked], tokens[ranked]).tolist() if ranked else []
-            for k, logprob in zip(ranked, logprobs):
-                sampled[k].cumulative_logprob += logprob
-            for j, token in zip(samples, tokens.tolist()):
+            cfg = self.model_config
+            batch = SamplingBatch.from_seqs(sampled, cfg.vocab_size, self.device, cfg.eos_token_ids)
+            out = self.sampler(sub, batch)
+            if batch.logprob_rows is not None:
+                self._record_logprobs(sampled, batch.logprob_rows, out)
+            for j, token in zip(samples, out.tokens.tolist()):
                 self._append_token(seqs[j], token)
                 progressed[id(groups[j])] = groups[j]
         beams = [j for j, g in enumerate(groups) if g.beam is not None]
@@ -226,6 +231,53 @@ class LLMEngine:
             for group in self._advance_beams([seqs[j] for j in beams], logits[[rows[j] for j in beams]]):
                 progressed[id(group)] = group
         return list(progressed.values())
+
+    def _record_logprobs(self, seqs: list[Sequence], rows: list[int], out: SamplerOutput) -> None:
+        """For the batch rows `rows` (of `seqs`): cumulative logprobs, and where the request asks
+        for logprobs, the sampled token's and the top ones (vLLM's layout: token id -> Logprob)."""
+        tokens = out.tokens.tolist()
+        picked, ranks = out.token_logprobs.tolist(), out.token_ranks.tolist()
+        top = (out.top_token_ids.tolist(), out.top_logprobs.tolist()) if out.top_token_ids is not None else None
+        for k, row in enumerate(rows):
+            seq = seqs[row]
+            seq.cumulative_logprob += picked[k]
+            if seq.params.logprobs is None:
+                continue
+            entry = {}
+            if top is not None:
+                for rank, (tid, lp) in enumerate(zip(top[0][k][: seq.params.logprobs], top[1][k]), 1):
+                    entry[tid] = Logprob(lp, rank, self._token_text(tid))
+            entry[tokens[row]] = Logprob(picked[k], ranks[k], self._token_text(tokens[row]))
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(entry)
+
+    def _record_prompt_logprobs(self, seqs: list[Sequence], rows: list[tuple[int, int, int]], logits) -> None:
+        """Prompt logprobs of this step's prompt chunks: logits row j of (seq, first, count)
+        predicts prompt token first + j + 1."""
+        offset = 0
+        for i, first, count in rows:
+            seq = seqs[i]
+            chunk = logits[offset : offset + count].log_softmax(dim=-1)
+            offset += count
+            targets = torch.tensor(seq.prompt_token_ids[first + 1 : first + 1 + count], device=chunk.device)
+            picked = chunk.gather(-1, targets[:, None])
+            ranks = ((chunk > picked).sum(dim=-1) + 1).tolist()
+            top_lps, top_ids = (
+                chunk.topk(seq.params.prompt_logprobs, dim=-1) if seq.params.prompt_logprobs else (None, None)
+            )
+            picked = picked.squeeze(-1).tolist()
+            seq.prompt_logprobs = seq.prompt_logprobs or []
+            for j, token in enumerate(targets.tolist()):
+                entry = {}
+                if top_ids is not None:
+                    for rank, (tid, lp) in enumerate(zip(top_ids[j].tolist(), top_lps[j].tolist()), 1):
+                        entry[tid] = Logprob(lp, rank, self._token_text(tid))
+                entry[token] = Logprob(picked[j], ranks[j], self._token_text(token))
+                seq.prompt_logprobs.append(entry)
+
+    def _token_text(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def _advance_beams(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
         """Report each beam's best continuations; a request whose live beams have all reported

@@ -17,8 +17,10 @@ from pagedbench.sequence import Sequence
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T]
-    logits_indices: torch.Tensor  # [S] last scheduled token of each sequence that samples
+    logits_indices: torch.Tensor  # [S + P] last scheduled token of each sequence that samples, then prompt rows
     sampling_rows: list[int]  # which scheduled sequences sample this step (their prefill is complete)
+    # (scheduled sequence, first position, count): logits rows S.. that give prompt_logprobs
+    prompt_logprob_rows: list[tuple[int, int, int]]
     metadata: AttentionMetadata
 
 
@@ -84,6 +86,15 @@ def prepare_step(
         block_table[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )
     sampling_rows = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
+    logits_indices = [qsl[1:][sampling_rows] - 1]
+    prompt_logprob_rows = []
+    for i, s in enumerate(seqs):  # positions p < P - 1 predict prompt token p + 1
+        if getattr(s.params, "prompt_logprobs", None) is not None:
+            first = max(int(context[i]), len(s.prompt_logprobs or ()))  # not again after a preemption
+            last = min(int(seq_lens[i]), s.num_prompt_tokens - 1)
+            if last > first:
+                prompt_logprob_rows.append((i, first, last - first))
+                logits_indices.append(qsl[i] + np.arange(first, last) - context[i])
     num_decodes = int((q_lens == 1).sum())
     meta = AttentionMetadata(
         query_start_loc=_to(qsl.astype(np.int32)),
@@ -107,7 +118,8 @@ def prepare_step(
     )
     return StepInputs(
         input_ids=_to(input_ids),
-        logits_indices=_to(qsl[1:][sampling_rows] - 1),
+        logits_indices=_to(np.concatenate(logits_indices)),
         sampling_rows=sampling_rows,
+        prompt_logprob_rows=prompt_logprob_rows,
         metadata=meta,
     )

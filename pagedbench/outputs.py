@@ -7,13 +7,28 @@ from pagedbench.sequence import SequenceGroup
 
 
 @dataclass(slots=True)
+class Logprob:
+    """vLLM's Logprob: a token's log-probability, its rank in the vocabulary (1 = most likely)
+    and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob (the sampled or prompt token, and the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" or "length" once finished
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    cumulative_logprob: float | None = None  # sum of the model's logprobs of token_ids (n/best_of > 1, beams)
+    cumulative_logprob: float | None = None  # sum of the model's logprobs of token_ids (logprobs, best_of, beams)
+    logprobs: list[PositionLogprobs] | None = None  # one per token when SamplingParams.logprobs is set
 
 
 @dataclass(slots=True)
@@ -35,6 +50,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None first: nothing predicts it
 
 
 def completions(group: SequenceGroup, decode: Callable[[list[int]], str] | None) -> list[CompletionOutput]:
@@ -63,7 +79,8 @@ def completions(group: SequenceGroup, decode: Callable[[list[int]], str] | None)
             s.output_token_ids,
             s.finish_reason,
             s.stop_reason,
-            s.cumulative_logprob if p.best_of > 1 else None,
+            s.cumulative_logprob if p.best_of > 1 or p.logprobs is not None else None,
+            None if s.logprobs is None else list(s.logprobs),
         )
         for s in seqs[: p.n]
     ]
@@ -76,6 +93,13 @@ def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | No
     if finished:
         times = group.token_times
         metrics = RequestMetrics(group.arrival_time, times[0], times, times[-1], group.num_preemptions)
+    prompt_logprobs = group.seqs[0].prompt_logprobs if group.seqs and group.beam is None else None
     return RequestOutput(
-        group.request_id, group.prompt, group.prompt_token_ids, completions(group, decode), finished, metrics
+        group.request_id,
+        group.prompt,
+        group.prompt_token_ids,
+        completions(group, decode),
+        finished,
+        metrics,
+        None if prompt_logprobs is None else [None, *prompt_logprobs],
     )

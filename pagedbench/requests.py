@@ -2,6 +2,8 @@
 
 from pagedbench.sampling_params import SamplingParams
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
 
 def tokenize(prompt, tokenizer, model_name: str) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a str prompt or a {'prompt_token_ids': [...]} one."""
@@ -33,3 +35,16 @@ def validate_request(
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+    if params.bad_words and not has_tokenizer:
+        raise ValueError(
+            "bad_words need a tokenizer; this model has none (use allowed_token_ids or a logits processor)"
+        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > MAX_LOGPROBS:
+            raise ValueError(f"{name}={value} is more than the {MAX_LOGPROBS} logprobs a request may ask for")
+    outside = [t for t in (params.allowed_token_ids or []) + params.stop_token_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise ValueError(
+            f"allowed_token_ids/stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+        )

@@ -1,8 +1,12 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p.
+"""Batched sampling on the device, in vLLM v1's order: raw logprobs; allowed tokens, bad words,
+min_tokens and logits processors; repetition/frequency/presence penalties; greedy argmax or
+temperature, top-k, top-p, min-p and a draw.
 
 Random rows draw exponential noise and take argmax(probs / noise) (equivalent to sampling
 from probs); a request with a seed draws its noise from its own generator, so its tokens do
-not depend on what else is in the batch.
+not depend on what else is in the batch. Each feature costs nothing unless a row uses it, and
+only the rows that use it are touched; the host builds small index tensors per step and never
+waits for the device before the tokens are read.
 """
 
 from dataclasses import dataclass
@@ -10,6 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from pagedbench.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Penalties:
+    rows: torch.Tensor  # [P] rows of the batch with a penalty
+    presence: torch.Tensor  # [P, 1]
+    frequency: torch.Tensor  # [P, 1]
+    repetition: torch.Tensor  # [P, 1]
+    output_counts: torch.Tensor  # [P, V] how often each token is in the row's output
+    seen: torch.Tensor  # [P, V] bool: in the prompt or the output (repetition penalty)
 
 
 @dataclass(slots=True)
@@ -21,15 +35,23 @@ class SamplingBatch:
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     generators: list[torch.Generator | None]
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) set to -inf: min_tokens, bad words
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [A], mask [A, V]) allowed_token_ids
+    processors: list[tuple] | None = None  # (processor, row indices, their output token ids)
+    penalties: Penalties | None = None
+    logprob_rows: list[int] | None = None  # rows whose sampled token's logprob is needed
+    num_logprobs: int = 0  # top logprobs returned per row in logprob_rows (the widest request's)
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def from_seqs(
+        cls, seqs: list[Sequence], vocab_size: int, device: torch.device, eos_token_ids: list[int] = ()
+    ) -> "SamplingBatch":
         ps = [s.params for s in seqs]
 
         def col(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(
+        batch = cls(
             temperature=col([p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32),
             top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in ps], torch.int64)
             if any(p.top_k > 0 for p in ps)
@@ -40,14 +62,103 @@ class SamplingBatch:
             all_greedy=all(p.temperature == 0 for p in ps),
             generators=[s.generator for s in seqs],
         )
+        banned = [(i, t) for i, s in enumerate(seqs) for t in _banned_tokens(s, eos_token_ids)]
+        if banned:
+            batch.banned = (col([i for i, _ in banned], torch.int64), col([t for _, t in banned], torch.int64))
+        allowed = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]
+        if allowed:
+            mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool)
+            for j, i in enumerate(allowed):
+                mask[j, ps[i].allowed_token_ids] = True
+            batch.allowed = (col(allowed, torch.int64), mask.to(device))
+        by_processor: dict[int, tuple] = {}
+        for i, s in enumerate(seqs):
+            for fn in s.params.logits_processors or ():
+                by_processor.setdefault(id(fn), (fn, [], []))
+                by_processor[id(fn)][1].append(i)
+                by_processor[id(fn)][2].append(s.output_token_ids)
+        batch.processors = list(by_processor.values()) or None
+        penalized = [i for i, p in enumerate(ps) if p.penalized]
+        if penalized:
+            batch.penalties = _penalties([seqs[i] for i in penalized], penalized, vocab_size, device)
+        wanted = [i for i, p in enumerate(ps) if p.logprobs is not None or p.best_of > 1]
+        if wanted:
+            batch.logprob_rows = wanted
+            batch.num_logprobs = max(ps[i].logprobs or 0 for i in wanted)
+        return batch
+
+
+def _banned_tokens(seq: Sequence, eos_token_ids) -> list[int]:
+    """Tokens `seq` may not produce next: EOS and stop ids before min_tokens, and the last token
+    of each bad word whose other tokens end the output."""
+    p = seq.params
+    banned = []
+    if seq.num_output_tokens < p.min_tokens:
+        banned += [*([] if p.ignore_eos else eos_token_ids), *p.stop_token_ids]
+    for word in p._bad_words_token_ids or ():
+        prefix = word[:-1]
+        if not prefix or seq.output_token_ids[-len(prefix) :] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
+def _penalties(seqs: list[Sequence], rows: list[int], vocab_size: int, device: torch.device) -> Penalties:
+    def padded(lists):  # ragged token lists -> [P, L] with a spill column V for padding
+        width = max(map(len, lists), default=0)
+        out = torch.full((len(lists), max(width, 1)), vocab_size, dtype=torch.int64)
+        for j, ids in enumerate(lists):
+            out[j, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        return out.to(device)
+
+    def counts(tokens):
+        c = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.int32, device=device)
+        return c.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.int32))[:, :vocab_size]
+
+    def col(name):
+        return torch.tensor([[getattr(s.params, name)] for s in seqs], dtype=torch.float32, device=device)
+
+    output_counts = counts(padded([s.output_token_ids for s in seqs]))
+    prompt_counts = counts(padded([s.prompt_token_ids for s in seqs]))
+    return Penalties(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        presence=col("presence_penalty"),
+        frequency=col("frequency_penalty"),
+        repetition=col("repetition_penalty"),
+        output_counts=output_counts,
+        seen=(output_counts > 0) | (prompt_counts > 0),
+    )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    tokens: torch.Tensor  # [B] int64
+    token_logprobs: torch.Tensor | None = None  # [L] raw logprob of the sampled token, rows logprob_rows
+    token_ranks: torch.Tensor | None = None  # [L] its rank in the vocabulary (1 = most likely)
+    top_logprobs: torch.Tensor | None = None  # [L, k]
+    top_token_ids: torch.Tensor | None = None  # [L, k]
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits [B, V] fp32 -> token ids [B] int64 (on the device)."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [B, V] fp32 -> the sampled tokens and the logprobs asked for (on the device)."""
+        raw = logits
+        logits = process_logits(logits, batch)
+        tokens = self.sample(logits, batch)
+        out = SamplerOutput(tokens)
+        if batch.logprob_rows is not None:
+            rows = torch.tensor(batch.logprob_rows, device=logits.device)
+            logprobs = raw[rows].log_softmax(dim=-1)
+            picked = logprobs.gather(-1, tokens[rows, None])
+            out.token_logprobs = picked.squeeze(-1)
+            out.token_ranks = (logprobs > picked).sum(dim=-1) + 1
+            if batch.num_logprobs:
+                out.top_logprobs, out.top_token_ids = logprobs.topk(batch.num_logprobs, dim=-1)
+        return out
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy_tokens
@@ -66,6 +177,32 @@ class Sampler:
         return torch.where(batch.greedy, greedy_tokens, sampled)
 
 
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Allowed tokens, bans, logits processors and penalties (a new tensor only where a row uses one)."""
+    if batch.allowed is None and batch.banned is None and batch.processors is None and batch.penalties is None:
+        return logits
+    logits = logits.clone()
+    if batch.allowed is not None:
+        rows, mask = batch.allowed
+        logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
+    if batch.banned is not None:
+        logits[batch.banned] = float("-inf")
+    for fn, rows, output_token_ids in batch.processors or ():
+        logits[rows] = fn(output_token_ids, logits[rows])
+    if batch.penalties is not None:
+        logits[batch.penalties.rows] = apply_penalties(logits[batch.penalties.rows], batch.penalties)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's penalties on logits [P, V]: repetition (prompt and output tokens: positive logits
+    divided by it, negative ones multiplied), then frequency (times the output count) and presence
+    (once per token in the output) subtracted."""
+    repeated = torch.where(logits > 0, logits / p.repetition, logits * p.repetition)
+    logits = torch.where(p.seen, repeated, logits)
+    return logits - p.frequency * p.output_counts - p.presence * (p.output_counts > 0)
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Set to -inf every logit outside each row's top-k and top-p (nucleus) set."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -79,9 +216,3 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         remove |= mass_before >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(token) under the model's distribution (raw logits, before temperature and
-    top-k/top-p, as vLLM reports logprobs): logits [B, V], tokens [B] -> [B] fp32."""
-    return logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)

@@ -1,4 +1,5 @@
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
@@ -11,7 +12,16 @@ class SamplingParams:
 
     n samples are returned per prompt; best_of (default n) are generated, all forked from one
     prefill and sharing its pages, and the n with the highest cumulative logprob returned.
-    Sample i draws from seed + i when a seed is given, so sample 0 is the n=1 request's."""
+    Sample i draws from seed + i when a seed is given, so sample 0 is the n=1 request's.
+
+    Logits go through, in vLLM v1's order: allowed_token_ids, bad_words, min_tokens (EOS and
+    stop ids banned until then), logits_processors, then the repetition, frequency and presence
+    penalties, then temperature, top-k, top-p, min-p and sampling (greedy takes the argmax of the
+    processed logits). logprobs and prompt_logprobs are the model's raw log-probabilities, taken
+    before all of that (vLLM v1's default "raw_logprobs").
+
+    A logits processor is a callable (output_token_ids: list[list[int]], logits: Tensor[b, V])
+    -> Tensor[b, V], called once per step with every row of the batch that carries it."""
 
     n: int = 1
     best_of: int | None = None
@@ -25,6 +35,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # top logprobs per output token (the sampled one always included)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (None for the first)
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # logits of prompt and output tokens: / if > 0, * if < 0
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Callable] | None = None
+    skip_special_tokens: bool = True
+    _bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized by the engine
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -35,18 +56,24 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"stop_token_ids must be a list of int, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("allowed_token_ids", "bad_words", "logits_processors"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise TypeError(f"{name} must be a list, got {type(value).__name__}")
+            if value is not None:
+                setattr(self, name, list(value))
         if self.best_of is None and _is_int(self.n):
             self.best_of = self.n
         self.validate()
 
     def validate(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if not _is_number(value):
                 raise TypeError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
-        for name in ("n", "best_of", "top_k", "max_tokens"):
+        for name in ("n", "best_of", "top_k", "max_tokens", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         if self.n < 1:
@@ -73,7 +100,29 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise TypeError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise TypeError(f"{name} must be an int or None, got {value!r}")
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.allowed_token_ids is not None:
+            if not all(_is_int(t) for t in self.allowed_token_ids):
+                raise TypeError(f"allowed_token_ids must be ints, got {self.allowed_token_ids!r}")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
+            raise TypeError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        if self.logits_processors is not None and not all(callable(f) for f in self.logits_processors):
+            raise TypeError("logits_processors must be callables (output_token_ids, logits) -> logits")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
@@ -85,6 +134,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def width(self) -> int:

@@ -45,6 +45,8 @@ class Sequence:
     num_preemptions: int = 0
     index: int = 0  # which of its request's samples or beams this is
     cumulative_logprob: float = 0.0  # sum of the model's log-probabilities of its output tokens
+    logprobs: list | None = None  # per output token: {token id: Logprob} (SamplingParams.logprobs)
+    prompt_logprobs: list | None = None  # per prompt token after the first (SamplingParams.prompt_logprobs)
     paused: bool = False  # nothing to run until its request advances (a beam that reported its candidates)
 
     def __post_init__(self):
@@ -66,6 +68,7 @@ class Sequence:
         child.index = index
         child.cumulative_logprob = self.cumulative_logprob
         child.paused = self.paused
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
         return child
 
     @property

@@ -9,6 +9,8 @@ def stop_check(
     """(finish_reason, stop_reason) if `seq` stops now, else None. A stop string found in the new
     text cuts `seq.output_text` before it (after it with include_stop_str_in_output)."""
     p = seq.params
+    if seq.num_output_tokens < p.min_tokens:  # nothing but the length stops it before min_tokens
+        return ("length", None) if seq.num_tokens >= max_model_len else None
     if not p.ignore_eos and token in eos_token_ids:
         return "stop", None
     if token in p.stop_token_ids:

@@ -13,7 +13,7 @@ from tests.conftest import hf_greedy
 def sample_many(logits_row, params, n=400):
     seqs = [Sequence(str(i), None, [1], params) for i in range(n)]
     batch = SamplingBatch.from_seqs(seqs, logits_row.numel(), torch.device("cpu"))
-    return Sampler(torch.device("cpu"), seed=0)(logits_row.expand(n, -1).clone(), batch)
+    return Sampler(torch.device("cpu"), seed=0)(logits_row.expand(n, -1).clone(), batch).tokens
 
 
 LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])
