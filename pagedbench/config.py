@@ -121,12 +121,15 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes (vLLM v1's default)
+    scheduling_policy: str = "fcfs"  # or "priority": lowest priority value first, highest preempted first
     # Fraction of free CUDA memory the KV cache may take when num_blocks is None.
     gpu_memory_utilization: float = 0.9
     # KV cache budget on CPU when num_blocks is None.
     cpu_kv_cache_bytes: int = 1 << 30
 
     def validate(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -68,7 +68,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, self.device, self.dtype)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+        )
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
         self.sync_timing = False  # synchronize the device around timed parts (for breakdowns)
@@ -115,18 +117,21 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request (sampling, or beam search with BeamSearchParams); raises ValueError
-        (and changes nothing) when it is invalid."""
+        (and changes nothing) when it is invalid. `priority` needs scheduling_policy="priority"."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         self.validate_request(token_ids, params)
+        self.validate_priority(priority)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, SamplingParams) and params.bad_words:
             params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         seq = Sequence(request_id, text, token_ids, params)
+        seq.priority = priority
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.generator = self._generator(params, 0)
@@ -136,6 +141,12 @@ class LLMEngine:
         self._requests[request_id] = group
         self.scheduler.add(seq)
         return request_id
+
+    def validate_priority(self, priority) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} given, but scheduling_policy is {self.config.scheduling_policy!r}")
 
     def _generator(self, params, index: int) -> torch.Generator | None:
         """Sample `index` of a seeded request draws from seed + index (vLLM's per-sample seeds)."""

@@ -24,6 +24,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
     ):
         self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
         self.engine = LLMEngine(
@@ -39,11 +40,16 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
+                scheduling_policy=scheduling_policy,
             )
         )
 
     def generate(
-        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in input order. Every prompt is validated before
         any is queued, so a bad one raises ValueError without starting the others."""
@@ -56,7 +62,9 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        return self._run(prompts, sampling_params, "generate", use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, sampling_params, "generate", use_tqdm, priority)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search per prompt (vLLM's API; Hugging Face's num_beams algorithm, see
@@ -80,15 +88,17 @@ class LLM:
             results.append(BeamSearchOutput(sequences))
         return results
 
-    def _run(self, prompts: list, params: list, desc: str, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params: list, desc: str, use_tqdm: bool, priority=None) -> list[RequestOutput]:
         """Validate every prompt, queue them all, step until they finish; outputs in input order."""
         engine = self.engine
+        priority = list(priority) if priority is not None else [0] * len(prompts)
         tokenized = []
-        for prompt, sp in zip(prompts, params):
+        for prompt, sp, prio in zip(prompts, params, priority):
             text, token_ids = engine.tokenize(prompt)
             engine.validate_request(token_ids, sp)
+            engine.validate_priority(prio)
             tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
-        ids = [engine.add_request(p, sp) for p, sp in zip(tokenized, params)]
+        ids = [engine.add_request(p, sp, priority=prio) for p, sp, prio in zip(tokenized, params, priority)]
         wanted, results = set(ids), {}
         with tqdm(total=len(ids), desc=desc, disable=not use_tqdm) as bar:
             while len(results) < len(ids) and engine.has_unfinished_requests():

@@ -23,13 +23,24 @@ class SchedulerOutput:
         return not self.seqs
 
 
+POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     """Continuous batching under one token budget per step, with chunked prefill and
-    preemption by recompute (newest first). A paused sequence (a beam waiting for its siblings'
+    preemption by recompute. policy "fcfs": first come, first served; the newest is preempted
+    first. policy "priority" (vLLM's): the lowest `priority` value runs first (ties by arrival),
+    the highest is preempted first, and a waiting request that outranks a running one and cannot
+    be admitted preempts it. A paused sequence (a beam waiting for its siblings'
     candidates) is not scheduled; it keeps its pages unless they are all that stops a waiting
     sequence from running, and waits in the queue without being readmitted until it resumes."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs"
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -43,12 +54,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _rank(self, seq: Sequence) -> tuple:
+        """Who goes first (smallest) and who is preempted first (largest)."""
+        return (seq.priority, seq.arrival_time) if self.policy == "priority" else (seq.arrival_time,)
+
+    def _next_waiting(self) -> Sequence | None:
+        ready = (s for s in self.waiting if not s.paused)
+        if self.policy == "priority":
+            return min(ready, key=self._rank, default=None)
+        return next(ready, None)  # queue order: preempted sequences went back to the front
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
-        # Running decodes first, then running prefill chunks, each oldest first.
-        candidates = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens != 1, s.arrival_time))
+        if self.policy == "priority":
+            self._preempt_for_priority(out)
+        made_room = out.num_preempted  # for higher-priority waiting requests, which may now be admitted
+        # Running decodes first, then running prefill chunks, each in rank order.
+        candidates = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens != 1, *self._rank(s)))
         for seq in candidates:
             if budget == 0:
                 break
@@ -64,8 +88,8 @@ class Scheduler:
         # step already had to preempt (admitting would only preempt again).
         # A request that will fork (n/best_of samples, beams) reserves room for all its sequences.
         reserved = sum(map(self._width, self.running))
-        while budget > 0 and not out.num_preempted:
-            seq = next((s for s in self.waiting if not s.paused), None)
+        while budget > 0 and out.num_preempted == made_room:
+            seq = self._next_waiting()
             if seq is None:
                 break
             fits = reserved + self._width(seq) <= self.max_num_seqs
@@ -76,7 +100,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 paused = [s for s in self.running if s.paused]
                 if out.empty and paused:  # only paused beams hold the room: free one
-                    self.preempt(max(paused, key=lambda s: s.arrival_time))
+                    self.preempt(max(paused, key=self._rank))
                     out.num_preempted += 1
                 break
             self.block_manager.count_lookup(seq, hit)
@@ -109,12 +133,26 @@ class Scheduler:
         `num_tokens`; False when `seq` itself had to go."""
         while not self.block_manager.can_allocate(seq, num_tokens):
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
-            victim = max(victims, key=lambda s: s.arrival_time) if victims else seq
+            victim = max(victims, key=self._rank) if victims else seq
             self.preempt(victim)
             out.num_preempted += 1
             if victim is seq:
                 return False
         return True
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """While the best waiting request outranks the worst running one and cannot be admitted
+        (no room in blocks or in max_num_seqs), preempt the worst running one."""
+        while (seq := self._next_waiting()) is not None and self.running:
+            worst = max(self.running, key=self._rank)
+            if self._rank(worst) <= self._rank(seq):
+                return
+            first_chunk = seq.num_computed_tokens + min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
+            room = sum(map(self._width, self.running)) + self._width(seq) <= self.max_num_seqs
+            if room and self.block_manager.can_allocate(seq, first_chunk):
+                return
+            self.preempt(worst)
+            out.num_preempted += 1
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks; it goes back to the front of the queue and recomputes."""

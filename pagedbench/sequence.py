@@ -43,6 +43,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_preemptions: int = 0
+    priority: int = 0  # lower runs first under the "priority" scheduling policy
     index: int = 0  # which of its request's samples or beams this is
     cumulative_logprob: float = 0.0  # sum of the model's log-probabilities of its output tokens
     logprobs: list | None = None  # per output token: {token id: Logprob} (SamplingParams.logprobs)
@@ -66,6 +67,7 @@ class Sequence:
             self.read_offset,
         )
         child.index = index
+        child.priority = self.priority
         child.cumulative_logprob = self.cumulative_logprob
         child.paused = self.paused
         child.logprobs = None if self.logprobs is None else list(self.logprobs)

@@ -53,7 +53,8 @@ def workloads(draw):
             max_size=12,
         )
     )
-    return block_size, max_len, num_blocks, draw(st.integers(1, 40)), draw(st.integers(3, 8)), requests
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
+    return block_size, max_len, num_blocks, draw(st.integers(1, 40)), draw(st.integers(3, 8)), requests, policy
 
 
 class KVModel:
@@ -81,9 +82,9 @@ class KVModel:
 @settings(max_examples=150, deadline=None)
 @given(workloads())
 def test_scheduler_and_block_manager_invariants(workload):
-    block_size, max_len, num_blocks, budget, max_seqs, requests = workload
+    block_size, max_len, num_blocks, budget, max_seqs, requests, policy = workload
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_seqs, budget)
+    sched = Scheduler(bm, max_seqs, budget, policy)
     kv = KVModel(block_size)
     live: list[Sequence] = []
     pending = list(enumerate(requests))
@@ -95,6 +96,7 @@ def test_scheduler_and_block_manager_invariants(workload):
             params = SamplingParams(max_tokens=max_tokens, n=width)
             seq = Sequence(str(i), None, prompt, params)
             seq.arrival_time = float(i)
+            seq.priority = (prompt_len * 7 + i) % 3  # arbitrary, ties included
             sched.add(seq)
             live.append(seq)
         if not sched.has_unfinished() and not pending:
