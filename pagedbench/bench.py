@@ -108,6 +108,9 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "prefix_cache_hits": bm.prefix_hits - hits_before,  # of which cached
         "peak_shared_blocks": st.peak_shared_blocks,
         "block_copies": st.block_copies,  # copy-on-write page copies (forked samples)
+        "mean_kv_utilization": st.used_block_steps / max(st.steps, 1) / engine.num_blocks,
+        "mean_wasted_slots": st.wasted_slot_steps / max(st.steps, 1),  # internal fragmentation
+        "peak_wasted_slots": st.peak_wasted_slots,
     }
     per_request = [
         {"request": i, "input_len": len(r.prompt_token_ids), "output_len": n, **request_latencies(o.metrics)}

@@ -268,6 +268,39 @@ def cmd_scenarios(args) -> None:
     print(pd.DataFrame(rows).to_markdown(index=False))
 
 
+def cmd_kv_calc(args) -> None:
+    from pagedbench.device import DTYPES
+    from pagedbench.kv_calc import GIB, kv_bytes_per_token, kv_table
+    from pagedbench.loader import resolve_model_config
+    from pagedbench.report import markdown
+
+    if args.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if not args.memory > 0:
+        raise ValueError(f"--memory must be > 0 GiB, got {args.memory}")
+    cfg, _ = resolve_model_config(args.model)
+    block_sizes = _positive_ints(args.block_size, "--block-size")
+    seq_lens = _positive_ints(args.seq_len, "--seq-len") if args.seq_len else [cfg.max_position_embeddings]
+    dtype = DTYPES[args.dtype]
+    per_token = kv_bytes_per_token(cfg, dtype)
+    print(
+        f"{args.model}: {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim} x 2 (K, V) "
+        f"x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B ({per_token / 1024:g} KiB) per token; "
+        f"{args.memory:g} GiB of KV cache"
+    )
+    print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens)))
+
+
+def _positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
 def cmd_backends(args) -> None:
     from pagedbench.backends.registry import get_backend, list_backends, probe
 
@@ -357,6 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     scen = sub.add_parser("scenarios", help="list the built-in scenarios")
     scen.set_defaults(func=cmd_scenarios)
+
+    kv = sub.add_parser("kv-calc", help="KV-cache memory: bytes per token and block, blocks, concurrent sequences")
+    kv.add_argument("model", help=f"HF model directory or preset ({', '.join(PRESETS)})")
+    kv.add_argument("--block-size", default="16", help="one or more, comma-separated (a sweep)")
+    kv.add_argument("--memory", type=float, default=40.0, help="GiB given to the KV cache")
+    kv.add_argument("--dtype", default="bf16", help="cache dtype")
+    kv.add_argument("--seq-len", default=None, help="sequence lengths, comma-separated (default: the model's max)")
+    kv.set_defaults(func=cmd_kv_calc)
 
     backends = sub.add_parser("backends", help="list registered backends and whether they run here")
     backends.add_argument("--device", default=None)

@@ -204,11 +204,27 @@ class LLMEngine:
         st.steps += 1
         st.peak_blocks_used = max(st.peak_blocks_used, bm.num_used_blocks)
         st.peak_shared_blocks = max(st.peak_shared_blocks, bm.num_shared_blocks)
+        wasted = self._wasted_slots()
+        st.used_block_steps += bm.num_used_blocks
+        st.wasted_slot_steps += wasted
+        st.peak_wasted_slots = max(st.peak_wasted_slots, wasted)
         for part, start, end in zip(STEP_PARTS, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
             st.time[part] += end - start
         for group in progressed:
             group.token_times.append(t5)
         return [self._output(group) for group in progressed]
+
+    def _wasted_slots(self) -> int:
+        """Internal fragmentation: slots of running sequences' last pages that hold no token yet
+        (a page shared by forks counted once, as full as its fullest reader)."""
+        bs, filled = self.config.block_size, {}
+        for seq in self.scheduler.running:
+            if seq.block_table and seq.num_computed_tokens % bs:
+                last = seq.block_table[(seq.num_computed_tokens - 1) // bs]
+                filled[last] = max(filled.get(last, 0), seq.num_computed_tokens % bs)
+            if len(seq.block_table) * bs >= seq.num_computed_tokens + bs:  # a page allocated ahead, empty
+                filled.setdefault(seq.block_table[-1], 0)
+        return sum(bs - n for n in filled.values())
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
         """Give `seqs` (logits row i for seqs[i]) their next tokens: a request's first token
