@@ -13,6 +13,10 @@ sequence's next tokens go; when that page is shared, the writer first gets a pri
 (copy-on-write): `allocate` swaps in a fresh block and queues (source, destination) for the
 engine, which copies the K/V before the step runs. Only a partial last page can be written while
 shared, so a fork costs at most one page copy per sequence.
+
+Swap space (preemption by swap): a pool of CPU blocks. `swap_out` moves a sequence's pages there
+(queued (device block, CPU block) copies, the device blocks freed), `swap_in` back into fresh
+device blocks; the engine runs the copies before the step, swap-outs first.
 """
 
 import hashlib
@@ -38,8 +42,13 @@ class BlockManager:
     (unreferenced, still registered; LRU), a reference count per block, and each sequence's block
     table (`Sequence.block_table`, logical block i -> physical block)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0):
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, CPU block)
+        self.pending_swap_in: list[tuple[int, int]] = []  # (CPU block, device block)
+        self._cpu_releasing: list[int] = []  # read by a pending swap-in: free once the copies are taken
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -134,8 +143,46 @@ class BlockManager:
         """Drop `seq`'s references; an unreferenced block becomes free, evictable if cached."""
         for block in reversed(seq.block_table):
             self._unref(block)
-        seq.block_table = []
+        self._cpu_free.extend(seq.cpu_block_table)
+        seq.block_table, seq.cpu_block_table = [], []
         seq.block_keys = []
+
+    # ---- swap space ---------------------------------------------------------------------------
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= len(self._cpu_free)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Move `seq`'s pages to swap space (shared pages are copied; its references dropped)."""
+        for block in seq.block_table:
+            cpu = self._cpu_free.popleft()
+            self.pending_swap_out.append((block, cpu))
+            seq.cpu_block_table.append(cpu)
+        for block in reversed(seq.block_table):
+            self._unref(block)
+        seq.block_table = []
+        seq.block_keys = []  # its pages come back as fresh blocks, registered again once cached
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Bring a swapped-out sequence's pages back into fresh device blocks (check can_allocate first)."""
+        for cpu in seq.cpu_block_table:
+            block = self._take()
+            self.pending_swap_in.append((cpu, block))
+            seq.block_table.append(block)
+        self._cpu_releasing += seq.cpu_block_table
+        seq.cpu_block_table = []
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap-outs, swap-ins) queued since the last call."""
+        swaps = self.pending_swap_out, self.pending_swap_in
+        self.pending_swap_out, self.pending_swap_in = [], []
+        self._cpu_free.extend(self._cpu_releasing)
+        self._cpu_releasing = []
+        return swaps
 
     def _unref(self, block: int) -> None:
         assert self.ref_counts[block] > 0, f"double free of block {block}"

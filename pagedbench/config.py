@@ -122,12 +122,18 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes (vLLM v1's default)
     scheduling_policy: str = "fcfs"  # or "priority": lowest priority value first, highest preempted first
+    preemption_mode: str = "recompute"  # or "swap": preempted K/V go to CPU swap space and come back
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks (vLLM's default), with "swap"
     # Fraction of free CUDA memory the KV cache may take when num_blocks is None.
     gpu_memory_utilization: float = 0.9
     # KV cache budget on CPU when num_blocks is None.
     cpu_kv_cache_bytes: int = 1 << 30
 
     def validate(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

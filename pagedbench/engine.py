@@ -66,10 +66,17 @@ class LLMEngine:
         backend = backend_cls(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, bs, self.device, self.dtype
         )
-        self.runner = ModelRunner(self.model, backend, num_blocks, bs, self.device, self.dtype)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            num_cpu_blocks = int(config.swap_space * 2**30) // kv_bytes_per_block(cfg, bs, self.dtype)
+        self.runner = ModelRunner(self.model, backend, num_blocks, bs, self.device, self.dtype, num_cpu_blocks)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
+            config.preemption_mode,
         )
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
@@ -185,10 +192,19 @@ class LLMEngine:
         if sched.empty:
             return []
         t1 = self._now()
-        copies = bm.take_copies()  # copy-on-write of shared pages this step writes into
+        # Before the step writes anything: pages leaving for swap space, copy-on-write of shared
+        # pages it writes into, pages coming back from swap space (that order: each may reuse
+        # a block the one before read).
+        swap_out, swap_in = bm.take_swaps()
+        copies = bm.take_copies()
+        if swap_out:
+            self.runner.swap_out(swap_out)
+            st.swap_outs += 1
         if copies:
             self.runner.copy_blocks(copies)
             st.block_copies += len(copies)
+        if swap_in:
+            self.runner.swap_in(swap_in)
         inputs = self.runner.prepare(sched)
         t2 = self._now()
         state = self.backend.prepare(inputs.metadata)

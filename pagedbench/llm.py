@@ -25,6 +25,8 @@ class LLM:
         seed: int = 0,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
+        preemption_mode: str = "recompute",
+        swap_space: float = 4.0,
     ):
         self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
         self.engine = LLMEngine(
@@ -41,6 +43,8 @@ class LLM:
                 seed=seed,
                 enable_prefix_caching=enable_prefix_caching,
                 scheduling_policy=scheduling_policy,
+                preemption_mode=preemption_mode,
+                swap_space=swap_space,
             )
         )
 

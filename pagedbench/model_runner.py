@@ -37,6 +37,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        num_cpu_blocks: int = 0,
     ):
         cfg = model.config
         self.model, self.backend = model, backend
@@ -46,11 +47,27 @@ class ModelRunner:
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        # Swap space: the same layout in (pinned, on CUDA) CPU memory.
+        self.cpu_kv_cache = torch.zeros(
+            (*self.kv_cache.shape[:2], num_cpu_blocks, *self.kv_cache.shape[3:]),
+            dtype=dtype,
+            pin_memory=device.type == "cuda" and num_cpu_blocks > 0,
+        )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: K/V of block src -> block dst in every layer (reads happen before writes)."""
         src, dst = (torch.tensor(c, device=self.device) for c in zip(*copies))
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """K/V of device block -> CPU block, every layer."""
+        device_blocks, cpu_blocks = (torch.tensor(c) for c in zip(*pairs))
+        self.cpu_kv_cache[:, :, cpu_blocks] = self.kv_cache[:, :, device_blocks.to(self.device)].cpu()
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """K/V of CPU block -> device block, every layer."""
+        cpu_blocks, device_blocks = (torch.tensor(c) for c in zip(*pairs))
+        self.kv_cache[:, :, device_blocks.to(self.device)] = self.cpu_kv_cache[:, :, cpu_blocks].to(self.device)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         return prepare_step(sched.seqs, sched.num_tokens, self.block_size, self.kv_cache.shape[2], self.device)

@@ -24,6 +24,7 @@ class SchedulerOutput:
 
 
 POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 class Scheduler:
@@ -31,16 +32,27 @@ class Scheduler:
     preemption by recompute. policy "fcfs": first come, first served; the newest is preempted
     first. policy "priority" (vLLM's): the lowest `priority` value runs first (ties by arrival),
     the highest is preempted first, and a waiting request that outranks a running one and cannot
-    be admitted preempts it. A paused sequence (a beam waiting for its siblings'
+    be admitted preempts it. preemption_mode "swap" (vLLM v0's) moves a preempted sequence's
+    pages to CPU swap space and back before any new request is admitted; it recomputes when the
+    swap space is full. A paused sequence (a beam waiting for its siblings'
     candidates) is not scheduled; it keeps its pages unless they are all that stops a waiting
     sequence from running, and waits in the queue without being readmitted until it resumes."""
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs"
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+        preemption_mode: str = "recompute",
     ):
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.policy = policy
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {preemption_mode!r}")
+        self.policy, self.preemption_mode = policy, preemption_mode
+        self.swapped: deque[Sequence] = deque()
+        self.num_swap_outs = 0
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -52,7 +64,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def _rank(self, seq: Sequence) -> tuple:
         """Who goes first (smallest) and who is preempted first (largest)."""
@@ -84,11 +96,30 @@ class Scheduler:
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             self._add(out, seq, n, scheduled)
             budget -= n
-        # Admit waiting requests while budget, blocks and max_num_seqs allow, unless this
-        # step already had to preempt (admitting would only preempt again).
-        # A request that will fork (n/best_of samples, beams) reserves room for all its sequences.
         reserved = sum(map(self._width, self.running))
+        # Swapped-out sequences come back (best first) before anything new is admitted.
         while budget > 0 and out.num_preempted == made_room:
+            seq = min((s for s in self.swapped if not s.paused), key=self._rank, default=None)
+            if seq is None:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            if reserved + 1 > self.max_num_seqs or not self.block_manager.can_allocate(
+                seq, seq.num_computed_tokens + n
+            ):
+                self._free_a_paused(out)
+                break
+            self.swapped.remove(seq)
+            self.block_manager.swap_in(seq)
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add(out, seq, n, scheduled)
+            budget -= n
+            reserved += 1
+        # Admit waiting requests while budget, blocks and max_num_seqs allow, unless this
+        # step already had to preempt (admitting would only preempt again) or a sequence is still
+        # swapped out. A request that will fork (n/best_of samples, beams) reserves room for all.
+        while budget > 0 and out.num_preempted == made_room and not any(not s.paused for s in self.swapped):
             seq = self._next_waiting()
             if seq is None:
                 break
@@ -98,10 +129,7 @@ class Scheduler:
             if not fits or not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self.block_manager.free(seq)  # give the cached blocks back until it fits
                 seq.num_computed_tokens = 0
-                paused = [s for s in self.running if s.paused]
-                if out.empty and paused:  # only paused beams hold the room: free one
-                    self.preempt(max(paused, key=self._rank))
-                    out.num_preempted += 1
+                self._free_a_paused(out)
                 break
             self.block_manager.count_lookup(seq, hit)
             self.waiting.remove(seq)
@@ -116,6 +144,13 @@ class Scheduler:
         out.seqs = [out.seqs[i] for i in order]
         out.num_tokens = [out.num_tokens[i] for i in order]
         return out
+
+    def _free_a_paused(self, out: SchedulerOutput) -> None:
+        """When only paused beams hold the room (nothing ran this step), preempt one."""
+        paused = [s for s in self.running if s.paused]
+        if out.empty and paused:
+            self.preempt(max(paused, key=self._rank))
+            out.num_preempted += 1
 
     @staticmethod
     def _width(seq: Sequence) -> int:
@@ -155,8 +190,17 @@ class Scheduler:
             out.num_preempted += 1
 
     def preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks; it goes back to the front of the queue and recomputes."""
+        """Swap `seq` out (swap mode, while swap space lasts), or free its blocks: it goes back
+        to the front of the queue and recomputes."""
         self.running.remove(seq)
+        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
+            self.block_manager.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            self.num_swap_outs += 1
+            self.swapped.append(seq)
+            return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -167,6 +211,10 @@ class Scheduler:
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """A new sequence sharing `parent`'s tokens and pages, queued beside it."""
         child = parent.fork(index)
+        if parent.status is SequenceStatus.SWAPPED:  # its pages are in swap space: the child recomputes
+            child.status, child.num_computed_tokens, child.block_keys = SequenceStatus.WAITING, 0, []
+            self.waiting.appendleft(child)
+            return child
         self.block_manager.fork(parent, child)
         if parent.status is SequenceStatus.RUNNING:
             self.running.append(child)
@@ -185,8 +233,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.block_manager.free(seq)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its K/V copied to CPU swap space
     FINISHED = "finished"
 
 
@@ -33,6 +34,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    cpu_block_table: list[int] = field(default_factory=list)  # its swap-space blocks while SWAPPED
     block_keys: list = field(default_factory=list)  # prefix-cache keys of its full computed blocks (block_manager)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

@@ -26,6 +26,9 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -
         assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, bm.block_size)
     for s in sched.waiting:
         assert s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
+    for s in sched.swapped:
+        assert s.status is SequenceStatus.SWAPPED and not s.block_table
+        assert len(s.cpu_block_table) == blocks_needed(s.num_computed_tokens, bm.block_size)
     # Prefix cache: a registered block holds exactly the tokens of its key, in every sequence reading it,
     # and an unreferenced registered block is evictable (free, content kept).
     for s in live:
@@ -54,7 +57,9 @@ def workloads(draw):
         )
     )
     policy = draw(st.sampled_from(["fcfs", "priority"]))
-    return block_size, max_len, num_blocks, draw(st.integers(1, 40)), draw(st.integers(3, 8)), requests, policy
+    swap_blocks = draw(st.sampled_from([None, 0, 3, 40]))  # None: recompute; else swap with that many CPU blocks
+    limits = draw(st.integers(1, 40)), draw(st.integers(3, 8))
+    return block_size, max_len, num_blocks, *limits, requests, policy, swap_blocks
 
 
 class KVModel:
@@ -65,30 +70,45 @@ class KVModel:
         self.block_size, self.slots = block_size, {}
 
     def run_step(self, bm: BlockManager, out) -> None:
-        copied = {dst: {i: self.slots.get((src, i)) for i in range(self.block_size)} for src, dst in bm.take_copies()}
-        for dst, content in copied.items():
-            self.slots.update({(dst, i): t for i, t in content.items()})
+        """The engine's order: swap-outs, copy-on-write copies, swap-ins, then the step's writes."""
+        swap_out, swap_in = bm.take_swaps()
+        self._copy(swap_out, "cpu", src_device=True)
+        self._copy(bm.take_copies(), None)
+        self._copy(swap_in, None, src_device=False)
         for seq, n in zip(out.seqs, out.num_tokens):
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 block = seq.block_table[pos // self.block_size]
                 self.slots[block, pos % self.block_size] = seq.token_ids[pos]
 
+    def _copy(self, pairs, dst_space, src_device=True) -> None:
+        """Copy whole blocks; swap space is keyed ("cpu", block), device blocks by their number."""
+        src_key = (lambda b: b) if src_device else (lambda b: ("cpu", b))
+        dst_key = (lambda b: ("cpu", b)) if dst_space == "cpu" else (lambda b: b)
+        content = {dst: [self.slots.get((src_key(src), i)) for i in range(self.block_size)] for src, dst in pairs}
+        for dst, values in content.items():
+            self.slots.update({(dst_key(dst), i): t for i, t in enumerate(values)})
+
     def check(self, seq: Sequence) -> None:
         bs = self.block_size
-        read = [self.slots.get((seq.block_table[p // bs], p % bs)) for p in range(seq.num_computed_tokens)]
+        if seq.status is SequenceStatus.SWAPPED:
+            read = [
+                self.slots.get((("cpu", seq.cpu_block_table[p // bs]), p % bs)) for p in range(seq.num_computed_tokens)
+            ]
+        else:
+            read = [self.slots.get((seq.block_table[p // bs], p % bs)) for p in range(seq.num_computed_tokens)]
         assert read == seq.token_ids[: seq.num_computed_tokens], f"sequence {seq.request_id} reads wrong K/V"
 
 
 @settings(max_examples=150, deadline=None)
 @given(workloads())
 def test_scheduler_and_block_manager_invariants(workload):
-    block_size, max_len, num_blocks, budget, max_seqs, requests, policy = workload
-    bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_seqs, budget, policy)
+    block_size, max_len, num_blocks, budget, max_seqs, requests, policy, swap_blocks = workload
+    bm = BlockManager(num_blocks, block_size, num_cpu_blocks=swap_blocks or 0)
+    sched = Scheduler(bm, max_seqs, budget, policy, "recompute" if swap_blocks is None else "swap")
     kv = KVModel(block_size)
     live: list[Sequence] = []
     pending = list(enumerate(requests))
-    operations = 0
+    operations = swaps = 0
     for step in range(10_000):
         while pending and pending[0][1][2] <= step:
             i, (prompt_len, max_tokens, _, width, family) = pending.pop(0)
@@ -128,22 +148,30 @@ def test_scheduler_and_block_manager_invariants(workload):
                         live.remove(sample)
                         operations += 1
         check_invariants(bm, sched, live)
-        for s in sched.running:
+        for s in [*sched.running, *sched.swapped]:
             kv.check(s)
+        swapped_cpu = [b for s in sched.swapped for b in s.cpu_block_table]
+        cpu_pool = swapped_cpu + list(bm._cpu_free) + bm._cpu_releasing
+        assert sorted(cpu_pool) == list(range(bm.num_cpu_blocks)), "swap space leaked or double-used"
+        swaps += sched.num_swap_outs - swaps
     else:
         raise AssertionError("workload did not finish")
     assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts), "blocks leaked"
     test_scheduler_and_block_manager_invariants.operations += operations
+    test_scheduler_and_block_manager_invariants.swaps += swaps
 
 
 test_scheduler_and_block_manager_invariants.operations = 0
+test_scheduler_and_block_manager_invariants.swaps = 0
 
 
 def test_the_invariant_workloads_add_up_to_10k_operations():
-    """The property test above ran (in this process) over more than 10k scheduler and block operations."""
+    """The property test above ran (in this process) over more than 10k scheduler and block
+    operations, swaps to CPU among them."""
     if test_scheduler_and_block_manager_invariants.operations == 0:
         test_scheduler_and_block_manager_invariants()
     assert test_scheduler_and_block_manager_invariants.operations > 10_000
+    assert test_scheduler_and_block_manager_invariants.swaps > 0, "no workload swapped"
 
 
 def test_preemption_frees_newest_first_and_recomputes():
