@@ -26,3 +26,11 @@ def backend_params(dtype=torch.float32, head_dim=16, block_size=16):
             marks = [pytest.mark.skip(reason=f"{name} on {device}: {reason}")] if reason else []
             params.append(pytest.param(name, device, id=f"{backend_id(name)}-{device}", marks=marks))
     return params
+
+
+# The engine's CPU backends for engine-level tests: sdpa in the fast tier, the others in the slow one.
+ENGINE_BACKENDS = [
+    "sdpa",
+    pytest.param("reference", marks=pytest.mark.slow),
+    pytest.param("flex", marks=pytest.mark.slow),
+]

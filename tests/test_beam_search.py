@@ -10,6 +10,7 @@ import torch
 
 from pagedbench import LLM, BeamSearchParams
 from tests.conftest import VOCAB
+from tests.helpers import ENGINE_BACKENDS
 
 MAX_NEW = 8
 SETUPS = {
@@ -46,7 +47,7 @@ def hf_beams(hf, prompt, k, length_penalty, eos):
 
 
 @pytest.mark.parametrize("setup", SETUPS)
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
+@pytest.mark.parametrize("backend", ENGINE_BACKENDS)
 def test_beam_search_matches_hf(tiny_models, prompts, backend, setup):
     path, hf = tiny_models["llama"]
     llm = LLM(path, backend=backend, dtype="float32", device="cpu", **SETUPS[setup])

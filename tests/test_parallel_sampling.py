@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedbench import LLM, BeamSearchParams, SamplingParams
+from tests.helpers import ENGINE_BACKENDS
 
 PROMPTS = [list(range(3, 8)), list(range(40, 56)), list(range(100, 137))]  # partial page, exactly one, 2+ pages
 SETUPS = {
@@ -26,7 +27,7 @@ def tokens(outputs):
 
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
+@pytest.mark.parametrize("backend", ENGINE_BACKENDS)
 def test_forked_samples_equal_separate_seeded_requests(tiny_models, backend, caching, setup):
     llm = LLM(
         tiny_models["llama"][0],

@@ -6,6 +6,7 @@ import pytest
 
 from pagedbench import LLM, SamplingParams
 from tests.conftest import hf_greedy
+from tests.helpers import ENGINE_BACKENDS
 
 PROMPTS = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 17, 30, 9, 26, 40])]
 PRESSURE = dict(block_size=4, num_blocks=14, max_model_len=52, max_num_batched_tokens=12)
@@ -28,7 +29,7 @@ def run(path, backend, mode, swap_space=4.0, caching=True):
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
+@pytest.mark.parametrize("backend", ENGINE_BACKENDS)
 def test_swap_and_recompute_give_identical_outputs(tiny_models, backend, caching):
     path, hf = tiny_models["llama"]
     swapped, engine = run(path, backend, "swap", caching=caching)
