@@ -69,7 +69,9 @@ class SamplingBatch:
         if allowed:
             mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool)
             for j, i in enumerate(allowed):
-                mask[j, ps[i].allowed_token_ids] = True
+                if ps[i]._allowed_ids is None:  # once per request, not per step
+                    ps[i]._allowed_ids = torch.tensor(ps[i].allowed_token_ids, dtype=torch.int64)
+                mask[j, ps[i]._allowed_ids] = True
             batch.allowed = (col(allowed, torch.int64), mask.to(device))
         by_processor: dict[int, tuple] = {}
         for i, s in enumerate(seqs):
