@@ -301,6 +301,36 @@ def _positive_ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def cmd_serve(args) -> None:
+    try:
+        import uvicorn
+
+        from pagedbench.server import ServerLimits, build_app
+    except ImportError as e:
+        raise ValueError(f"serving needs the server extra (pip install 'pagedbench[server]'): {e}") from None
+    from pagedbench.async_engine import AsyncLLM
+    from pagedbench.config import EngineConfig
+    from pagedbench.engine import LLMEngine
+
+    config = EngineConfig(
+        model=args.model,
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    llm = AsyncLLM(LLMEngine(config), max_pending=args.max_pending)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit, max_n=args.max_n)
+    app = build_app(llm, args.served_model_name or args.model, args.api_key, limits)
+    print(f"pagedbench: serving {args.model} ({args.backend}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
 def cmd_backends(args) -> None:
     from pagedbench.backends.registry import get_backend, list_backends, probe
 
@@ -398,6 +428,28 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--dtype", default="bf16", help="cache dtype")
     kv.add_argument("--seq-len", default=None, help="sequence lengths, comma-separated (default: the model's max)")
     kv.set_defaults(func=cmd_kv_calc)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("model", help=f"HF model directory or preset ({', '.join(PRESETS)})")
+    serve.add_argument("--backend", default="sdpa")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you say otherwise)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--dtype", default=None)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--num-blocks", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--max-pending", type=int, default=None, help="requests in flight before 429 (4 x max-num-seqs)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (max-model-len)")
+    serve.add_argument("--max-n", type=int, default=16)
+    serve.add_argument("--log-level", default="warning")
+    serve.set_defaults(func=cmd_serve)
 
     backends = sub.add_parser("backends", help="list registered backends and whether they run here")
     backends.add_argument("--device", default=None)

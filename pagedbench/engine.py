@@ -211,6 +211,8 @@ class LLMEngine:
         t3 = self._now()
         logits = self.runner.run(inputs, state)
         t4 = self._now()
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            st.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
         self.scheduler.computed(sched)
         num_sampling = len(inputs.sampling_rows)
         if inputs.prompt_logprob_rows:
@@ -266,6 +268,7 @@ class LLMEngine:
             out = self.sampler(sub, batch)
             if batch.logprob_rows is not None:
                 self._record_logprobs(sampled, batch.logprob_rows, out)
+            self.stats.generation_tokens += len(samples)
             for j, token in zip(samples, out.tokens.tolist()):
                 self._append_token(seqs[j], token)
                 progressed[id(groups[j])] = groups[j]
@@ -342,6 +345,7 @@ class LLMEngine:
 
     def _select_beams(self, group: SequenceGroup) -> None:
         chosen = group.beam.select()
+        self.stats.generation_tokens += len(chosen)
         kept: set[int] = set()
         beams = []
         for rank, c in enumerate(chosen):  # fork before any parent gets its new token

@@ -16,6 +16,8 @@ class EngineStats:
     peak_blocks_used: int = 0
     peak_shared_blocks: int = 0  # blocks read by several sequences at once (prefix caching, forks)
     block_copies: int = 0  # copy-on-write page copies (a fork writing into a shared page)
+    prompt_tokens: int = 0  # prompt tokens run through the model (cached and recomputed ones not counted)
+    generation_tokens: int = 0  # tokens sampled (every sample and beam)
     swap_outs: int = 0  # steps that moved preempted pages to CPU swap space
     used_block_steps: int = 0  # blocks in use, summed over steps (mean utilization = / steps / num_blocks)
     wasted_slot_steps: int = 0  # allocated slots holding no token (last pages), summed over steps
@@ -25,6 +27,7 @@ class EngineStats:
     def reset(self) -> None:
         self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
         self.used_block_steps = self.wasted_slot_steps = self.peak_wasted_slots = self.swap_outs = 0
+        self.prompt_tokens = self.generation_tokens = 0
         self.time = dict.fromkeys(STEP_PARTS, 0.0)
 
     def time_columns(self) -> dict[str, float]:

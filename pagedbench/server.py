@@ -1,0 +1,388 @@
+"""An OpenAI-compatible HTTP server over AsyncLLM (FastAPI; the `server` extra):
+/v1/completions and /v1/chat/completions (SSE streaming in OpenAI's chunk format), /v1/models,
+/health and Prometheus /metrics with vLLM's metric names. Bad input gets an OpenAI-style JSON
+error (400/401/413/429/503) and never touches other requests; a client that disconnects
+mid-stream has its request aborted and its blocks freed before the next step."""
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, fields
+
+from pagedbench.async_engine import AsyncLLM, EngineFull
+from pagedbench.outputs import RequestOutput
+from pagedbench.sampling_params import SamplingParams
+
+# Request fields passed to SamplingParams as they are (OpenAI's and vLLM's extensions).
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if not f.name.startswith("_")} - {"logprobs"}
+UNSUPPORTED = {"suffix": None, "echo": False, "logit_bias": None, "tools": None, "functions": None}
+
+
+@dataclass(slots=True)
+class ServerLimits:
+    max_body_bytes: int = 1 << 20
+    max_tokens: int | None = None  # default: the engine's max_model_len
+    max_n: int = 16
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    limits = limits or ServerLimits()
+    engine = llm.engine
+    metrics = ServerMetrics(llm)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        llm.start()
+        yield
+        await llm.stop()
+
+    app = FastAPI(title="pagedbench", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return JSONResponse(error_body(e.status, str(e), e.kind, e.param), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e):
+        return JSONResponse(error_body(400, str(e), "invalid_request_error"), status_code=400)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and api_key is not None:
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return JSONResponse(error_body(401, "invalid or missing API key", "authentication_error"), 401)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
+            message = f"request body of {size} bytes is over the limit of {limits.max_body_bytes}"
+            return JSONResponse(error_body(413, message, "invalid_request_error"), 413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if llm.error is not None:
+            return JSONResponse(error_body(503, f"engine stopped: {llm.error}", "service_unavailable"), 503)
+        return PlainTextResponse("ok")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedbench"}
+        return {"object": "list", "data": [card | {"max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > limits.max_body_bytes:
+            raise APIError(413, f"request body of {len(raw)} bytes is over the limit of {limits.max_body_bytes}")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        if body.get("model") not in (None, model_name):
+            raise APIError(
+                404,
+                f"model {body['model']!r} does not exist; this server has {model_name!r}",
+                "not_found_error",
+                "model",
+            )
+        for name, default in UNSUPPORTED.items():
+            if body.get(name, default) != default:
+                raise APIError(400, f"{name} is not supported", param=name)
+        return body
+
+    def sampling_params(body: dict, logprobs: int | None) -> SamplingParams:
+        kwargs = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
+        kwargs.setdefault("max_tokens", 16)
+        if kwargs["max_tokens"] is None:
+            kwargs["max_tokens"] = engine.max_model_len
+        limit = limits.max_tokens or engine.max_model_len
+        if isinstance(kwargs["max_tokens"], int) and kwargs["max_tokens"] > limit:
+            raise APIError(400, f"max_tokens={kwargs['max_tokens']} is over the limit of {limit}", param="max_tokens")
+        if isinstance(kwargs.get("n"), int) and kwargs["n"] > limits.max_n:
+            raise APIError(400, f"n={kwargs['n']} is over the limit of {limits.max_n}", param="n")
+        try:
+            return SamplingParams(**kwargs, logprobs=logprobs)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+
+    async def run(prompts: list, params: SamplingParams):
+        """One engine request per prompt, all validated before any is queued; yields
+        (prompt index, RequestOutput) as they progress."""
+        try:
+            for prompt in prompts:
+                engine.validate_request(engine.tokenize(prompt)[1], params)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        if llm.error is not None:
+            raise APIError(503, f"the engine stopped: {llm.error}", "service_unavailable")
+        if llm.num_requests + len(prompts) > llm.max_pending:
+            raise APIError(
+                429, f"{llm.num_requests} requests in flight, the limit is {llm.max_pending}", "rate_limit_exceeded"
+            )
+        queue: asyncio.Queue = asyncio.Queue()
+        base = f"cmpl-{uuid.uuid4().hex}"
+
+        async def pump(i, prompt):
+            try:
+                async for out in llm.generate(prompt, params, f"{base}-{i}"):
+                    queue.put_nowait((i, out))
+            except Exception as e:  # noqa: BLE001 (handed to the consumer)
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, prompt)) for i, prompt in enumerate(prompts)]
+        live = len(tasks)
+        try:
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, EngineFull):
+                    raise APIError(429, str(item), "rate_limit_exceeded")
+                elif isinstance(item, (ValueError, TypeError)):
+                    raise APIError(400, str(item))
+                elif isinstance(item, Exception):
+                    raise APIError(503, str(item), "service_unavailable")
+                else:
+                    if item.finished:
+                        metrics.finished(item)
+                    yield i, item
+        finally:  # a client gone, or done: cancelling a pump closes its generator, which aborts the request
+            for task in tasks:
+                task.cancel()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        prompts = completion_prompts(body.get("prompt"))
+        params = sampling_params(body, _int_or_none(body.get("logprobs"), "logprobs"))
+        return await respond(request, body, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await body_of(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        tokenizer = engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 (a malformed message list)
+            raise APIError(400, f"messages could not be formatted: {e}", param="messages") from None
+        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        if "max_completion_tokens" in body:
+            body["max_tokens"] = body["max_completion_tokens"]
+        top = _int_or_none(body.get("top_logprobs"), "top_logprobs")
+        params = sampling_params(body, (top or 0) if body.get("logprobs") else None)
+        return await respond(request, body, [prompt], params, chat=True)
+
+    async def respond(request, body, prompts, params, chat: bool):
+        kind = "chat.completion" if chat else "text_completion"
+        created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = run(prompts, params)
+        first = await anext(stream)  # errors before the first output are plain JSON errors
+        if not body.get("stream"):
+            finals = {}
+            async for i, out in _achain(first, stream):
+                if out.finished:
+                    finals[i] = out
+            choices, usage = [], _usage(finals.values())
+            for i in sorted(finals):
+                for c in finals[i].outputs:
+                    choices.append(_choice(len(choices), c, chat, engine))
+            return {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": model_name,
+                "choices": choices,
+                "usage": usage,
+            }
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events():
+            sent: dict[tuple[int, int], int] = {}
+            finals = {}
+            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+            try:
+                async for i, out in _achain(first, stream):
+                    if await request.is_disconnected():
+                        return  # closing `stream` aborts the requests
+                    choices = []
+                    for c in out.outputs:
+                        key = (i, c.index)
+                        index = i * params.n + c.index
+                        delta = c.text[sent.get(key, 0) :]
+                        if chat and key not in sent:
+                            choices.append(
+                                {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                            )
+                        sent[key] = len(c.text)
+                        reason = c.finish_reason if out.finished else None
+                        if delta or reason:
+                            piece = {"content": delta} if chat else {"text": delta}
+                            choice = {"index": index, "delta": piece} if chat else {"index": index, **piece}
+                            choices.append(choice | {"logprobs": None, "finish_reason": reason})
+                    if out.finished:
+                        finals[i] = out
+                    if choices:
+                        chunk = {
+                            "id": rid,
+                            "object": chunk_kind,
+                            "created": created,
+                            "model": model_name,
+                            "choices": choices,
+                        }
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                if include_usage:
+                    chunk = {"id": rid, "object": chunk_kind, "created": created, "model": model_name, "choices": []}
+                    yield f"data: {json.dumps(chunk | {'usage': _usage(finals.values())})}\n\n"
+                yield "data: [DONE]\n\n"
+            except APIError as e:
+                yield f"data: {json.dumps(error_body(e.status, str(e), e.kind))}\n\n"
+            finally:
+                await stream.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def completion_prompts(prompt) -> list:
+    """OpenAI's prompt forms: a string, a list of token ids, or a list of either (a batch)."""
+
+    def one(p):
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return {"prompt_token_ids": p}
+        raise APIError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [one(p) for p in prompt]
+    return [one(prompt)]
+
+
+def _int_or_none(value, name: str) -> int | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(400, f"{name} must be an integer", param=name)
+    return value
+
+
+async def _achain(first, stream):
+    yield first
+    async for item in stream:
+        yield item
+
+
+def _usage(outputs) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _choice(index: int, c, chat: bool, engine) -> dict:
+    common = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if chat:
+        return common | {"message": {"role": "assistant", "content": c.text}, "logprobs": _chat_logprobs(c)}
+    return common | {"text": c.text, "logprobs": _completion_logprobs(c)}
+
+
+def _completion_logprobs(c) -> dict | None:
+    if c.logprobs is None:
+        return None
+    tokens = [entry[t].decoded_token for entry, t in zip(c.logprobs, c.token_ids)]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)],
+        "top_logprobs": [{lp.decoded_token: lp.logprob for lp in entry.values()} for entry in c.logprobs],
+        "text_offset": [sum(len(x or "") for x in tokens[:k]) for k in range(len(tokens))],
+    }
+
+
+def _chat_logprobs(c) -> dict | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for entry, t in zip(c.logprobs, c.token_ids):
+        top = [
+            {"token": lp.decoded_token, "logprob": lp.logprob} for tid, lp in entry.items() if tid != t or lp.rank == 1
+        ]
+        content.append({"token": entry[t].decoded_token, "logprob": entry[t].logprob, "top_logprobs": top})
+    return {"content": content}
+
+
+class EngineCounters:
+    """Token counters read from the engine when scraped (they count what the engine ran, aborted
+    requests included)."""
+
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        st = self.llm.engine.stats
+        yield CounterMetricFamily("vllm:prompt_tokens", "Prefill tokens processed", value=st.prompt_tokens)
+        yield CounterMetricFamily("vllm:generation_tokens", "Generation tokens produced", value=st.generation_tokens)
+        yield CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions", value=st.preemptions)
+
+
+class ServerMetrics:
+    """Prometheus metrics with vLLM's names where the meaning matches."""
+
+    def __init__(self, llm: AsyncLLM):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        sched, bm = llm.engine.scheduler, llm.engine.block_manager
+        running = Gauge("vllm:num_requests_running", "Sequences running on the engine", registry=self.registry)
+        running.set_function(lambda: len(sched.running))
+        waiting = Gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled", registry=self.registry)
+        waiting.set_function(lambda: len(sched.waiting))
+        swapped = Gauge("vllm:num_requests_swapped", "Sequences swapped out to CPU", registry=self.registry)
+        swapped.set_function(lambda: len(sched.swapped))
+        usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent", registry=self.registry)
+        usage.set_function(lambda: bm.num_used_blocks / bm.num_blocks)
+        self.registry.register(EngineCounters(llm))
+        self.success = Counter("vllm:request_success", "Finished requests", ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", registry=self.registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", registry=self.registry)
+
+    def finished(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            self.success.labels(finished_reason=c.finish_reason or "unknown").inc()
+        if out.metrics is not None:
+            self.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
+            self.e2e.observe(out.metrics.finished_time - out.metrics.arrival_time)
+
+    def render(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()

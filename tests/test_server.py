@@ -1,0 +1,268 @@
+"""The OpenAI-compatible server, as a real process on loopback: the official openai client
+completes, streams and chats; greedy text equals offline LLM.generate; bad requests get the
+right status and an OpenAI-style JSON error; a client that disconnects mid-stream has its
+request aborted and its blocks freed; 200 concurrent streams with random disconnects leave the
+server up, every completed stream well-formed and no block held."""
+
+import asyncio
+import json
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from pagedbench import LLM, SamplingParams
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+aiohttp = pytest.importorskip("aiohttp")
+
+KEY = "test-key"
+CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir, *extra):
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedbench", "serve", str(model_dir), "--port", str(port), "--device", "cpu"]
+    proc = subprocess.Popen([*cmd, "--dtype", "fp32", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stdout.read().decode()) from None
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_models, tmp_path_factory):
+    """The tiny llama with a chat template in its tokenizer config."""
+    path = tmp_path_factory.mktemp("chat") / "llama"
+    shutil.copytree(tiny_models["llama"][0], path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    proc, url = start_server(
+        chat_model, "--api-key", KEY, "--num-blocks", "600", "--max-num-seqs", "64", "--max-n", "4"
+    )
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+
+
+def metrics(url) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("vllm:")}
+
+
+def wait_idle(url, timeout=30.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(url)
+        idle = m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == m["vllm:kv_cache_usage_perc"] == 0
+        if idle or time.time() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_openai_client_completes_streams_and_chats(client, chat_model, server):
+    offline = LLM(str(chat_model), device="cpu", dtype="float32")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = "the quick brown fox"
+    expected = offline.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+
+    done = client.completions.create(
+        model=str(chat_model), prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert done.choices[0].text == expected.text and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens == len(
+        offline.engine.tokenizer.encode(prompt)
+    )
+
+    chunks = list(
+        client.completions.create(
+            model=str(chat_model),
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    by_ids = client.completions.create(model=str(chat_model), prompt=[5, 6, 7], max_tokens=4, temperature=0, n=1)
+    assert by_ids.usage.prompt_tokens == 3
+
+    messages = [{"role": "user", "content": "hello world"}]
+    chat = client.chat.completions.create(
+        model=str(chat_model), messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    tok = offline.engine.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    expected_chat = offline.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected_chat[0].outputs[0].text
+    streamed = list(client.chat.completions.create(model=str(chat_model), messages=messages, max_tokens=8, stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant" and streamed[-1].choices[0].finish_reason is not None
+
+    samples = client.completions.create(
+        model=str(chat_model), prompt=prompt, max_tokens=6, n=3, seed=1, temperature=1.0
+    )
+    assert sorted(c.index for c in samples.choices) == [0, 1, 2]
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [str(chat_model)]
+
+
+@pytest.mark.parametrize(
+    "body,status,message",
+    [
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature must be >= 0"),
+        ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens=100000 is over the limit"),
+        ({"prompt": "hi", "n": 8}, 400, "n=8 is over the limit of 4"),
+        ({"prompt": [1, "x"]}, 400, "prompt must be"),
+        ({"prompt": [999999]}, 400, "outside the vocabulary"),
+        ({"prompt": "hi", "model": "other"}, 404, "does not exist"),
+        ({"prompt": "hi", "echo": True}, 400, "echo is not supported"),
+        ({"prompt": "hi", "logprobs": "many"}, 400, "logprobs must be an integer"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, message):
+    err = post(server, "/v1/completions", json.dumps(body).encode())
+    assert err[0] == status and message in err[1]["error"]["message"] and err[1]["error"]["code"] == status
+
+
+def post(url, path, data: bytes, key=KEY):
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_auth_size_and_json_errors(server):
+    assert post(server, "/v1/completions", b'{"prompt": "hi"}', key=None)[0] == 401
+    assert post(server, "/v1/completions", b'{"prompt": "hi"}', key="wrong")[0] == 401
+    assert post(server, "/v1/completions", b"{not json")[0] == 400
+    assert post(server, "/v1/completions", b'{"prompt": "' + b"a" * (2 << 20) + b'"}')[0] == 413
+    assert post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')[0] == 200  # still serving
+
+
+def test_back_pressure_is_429(chat_model):
+    proc, url = start_server(chat_model, "--max-pending", "1")
+    try:
+
+        async def go():
+            async with aiohttp.ClientSession() as session:
+                body = {"prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True}
+                results = await asyncio.gather(
+                    *(session.post(url + "/v1/completions", json=body) for _ in range(6)), return_exceptions=False
+                )
+                return [r.status for r in results], [await r.json() for r in results]
+
+        statuses, bodies = asyncio.run(go())
+        assert 200 in statuses and 429 in statuses
+        assert all(b["error"]["type"] == "rate_limit_exceeded" for s, b in zip(statuses, bodies) if s == 429)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+async def stream_once(session, url, rng, disconnect: bool) -> str:
+    body = {
+        "prompt": [rng.randrange(3, 300) for _ in range(rng.randrange(1, 40))],
+        "max_tokens": rng.randrange(2, 24),
+        "temperature": 1.0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    cut = rng.randrange(1, 6) if disconnect else None
+    async with session.post(url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}) as r:
+        assert r.status == 200
+        events = 0
+        async for line in r.content:
+            line = line.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            payload = line[len("data: ") :]
+            if payload == "[DONE]":
+                return "done"
+            chunk = json.loads(payload)
+            assert chunk["object"] == "text_completion" and len(chunk["choices"]) == 1
+            events += 1
+            if cut is not None and events >= cut:
+                return "cut"  # leaving the block closes the connection mid-stream
+    raise AssertionError("a stream ended without [DONE]")
+
+
+def test_disconnects_free_blocks_and_200_concurrent_streams(server):
+    rng = random.Random(0)
+
+    async def go():
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            return await asyncio.gather(*(stream_once(session, server, rng, rng.random() < 0.35) for _ in range(200)))
+
+    outcomes = asyncio.run(go())
+    assert outcomes.count("done") >= 100 and outcomes.count("cut") >= 40
+    m = wait_idle(server)
+    assert m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0, "a disconnected request kept its blocks"
+    assert urllib.request.urlopen(server + "/health").status == 200
+
+
+def test_a_disconnect_aborts_the_request_at_once(server):
+    """A stream cut after two chunks of a 400-token request: the request never finishes (it was
+    aborted, not run to the end) and its blocks are free."""
+    before = metrics(server)
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+            async with session.post(
+                server + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
+            ) as r:
+                seen = 0
+                async for line in r.content:
+                    seen += line.startswith(b"data: ")
+                    if seen == 2:
+                        return
+
+    asyncio.run(go())
+    m = wait_idle(server)
+    assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
+    finished = 'vllm:request_success_total{finished_reason="length"}'
+    assert m.get(finished, 0) == before.get(finished, 0), "the cut request ran to its end"
+    generated = m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 2 <= generated < 100, f"{generated} tokens generated for a request cut after two chunks"
