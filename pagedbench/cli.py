@@ -2,6 +2,7 @@
 re-render reports, list scenarios and backends."""
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -9,13 +10,14 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pandas as pd
 import torch
 
 from pagedbench.device import dtype_name, resolve_device_dtype
 from pagedbench.presets import PRESETS
-from pagedbench.scenario import LengthRange, Scenario, builtin_scenarios, load_scenario
+from pagedbench.scenario import LengthRange, Scenario, build_requests, builtin_scenarios, load_scenario
 
 # Flags that override the scenario's field of the same name (after --scale), equally for every backend.
 SCENARIO_OVERRIDES = (
@@ -331,6 +333,73 @@ def cmd_serve(args) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
+def cmd_bench_serve(args) -> None:
+    import json as _json
+    import math
+    import urllib.request
+
+    import pandas as pd
+
+    from pagedbench.bench_serve import parse_rates, parse_slos, replay, summarize
+    from pagedbench.loader import resolve_model_config
+    from pagedbench.report import markdown, plot_rate_sweep
+
+    rates, slos = parse_rates(args.request_rate), parse_slos(args.goodput)
+    scenario = load_scenario(args.scenario).scaled(args.scale)
+    if args.num_prompts is not None:
+        scenario = dataclasses.replace(scenario, num_prompts=args.num_prompts)
+    url = args.base_url.rstrip("/")
+    model = args.model
+    if model is None:
+        try:
+            headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=headers), timeout=10) as r:
+                model = _json.loads(r.read())["data"][0]["id"]
+        except OSError as e:
+            raise ValueError(f"cannot reach {url}/v1/models: {e}") from None
+    try:
+        vocab = resolve_model_config(model)[0].vocab_size
+    except (ValueError, FileNotFoundError, OSError):
+        vocab = 1000  # token ids every real vocabulary has
+    prepare_out_dir(args.out)
+    requests = build_requests(scenario, vocab)
+    rows = []
+    for rate in rates:
+        results, duration = asyncio.run(
+            replay(url, model, requests, rate, args.max_concurrency, args.api_key, scenario.seed)
+        )
+        failures = [r.error for r in results if not r.ok]
+        if failures:
+            print(f"pagedbench: {len(failures)} of {len(results)} requests failed, e.g. {failures[0]}", file=sys.stderr)
+        rows.append(
+            {
+                "base_url": url,
+                "model": model,
+                "scenario": scenario.name,
+                "scale": args.scale,
+                "num_prompts": len(requests),
+                "request_rate": rate if math.isfinite(rate) else "inf",
+                "max_concurrency": args.max_concurrency,
+                "slos_ms": args.goodput or "",
+                **summarize(results, duration, slos),
+            }
+        )
+        row = rows[-1]
+        print(
+            f"rate {rate:g}/s: {row['output_throughput']:.1f} output tok/s, median TTFT {row['median_ttft_ms']:.1f} ms"
+        )
+    df = pd.DataFrame(rows)
+    stem = Path(args.out) / f"bench-serve-{scenario.name}"
+    df.to_csv(stem.with_suffix(".csv"), index=False)
+    columns = ["request_rate", "completed", "failed", "request_throughput", "output_throughput", "goodput"]
+    columns += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")]
+    table = markdown(df[columns].round(2))
+    stem.with_suffix(".md").write_text(f"# bench-serve: {scenario.name} against {url} ({model})\n\n{table}\n")
+    plot_rate_sweep(df, Path(f"{stem}-latency-vs-throughput.png"))
+    print(table)
+    print(f"reports: {stem}.csv, {stem}.md, {stem}-latency-vs-throughput.png")
+
+
 def cmd_backends(args) -> None:
     from pagedbench.backends.registry import get_backend, list_backends, probe
 
@@ -450,6 +519,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-n", type=int, default=16)
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(func=cmd_serve)
+
+    bs = sub.add_parser(
+        "bench-serve", help="load an OpenAI-compatible server with a scenario: TTFT, TPOT, ITL, goodput"
+    )
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bs.add_argument("--scenario", default="online", help="built-in name or TOML file (its requests and lengths)")
+    bs.add_argument("--scale", type=float, default=1.0)
+    bs.add_argument("--num-prompts", type=int, default=None)
+    bs.add_argument("--request-rate", default="inf", help="requests/s, Poisson arrivals; comma-separated for a sweep")
+    bs.add_argument("--max-concurrency", type=int, default=None)
+    bs.add_argument("--model", default=None, help="the model name the server knows (default: its first)")
+    bs.add_argument("--api-key", default=None)
+    bs.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:500,tpot:50")
+    bs.add_argument("--out", default="reports")
+    bs.set_defaults(func=cmd_bench_serve)
 
     backends = sub.add_parser("backends", help="list registered backends and whether they run here")
     backends.add_argument("--device", default=None)

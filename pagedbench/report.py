@@ -472,6 +472,24 @@ def plot_latency_cdfs(requests: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_rate_sweep(df: pd.DataFrame, path: Path) -> Path:
+    """bench-serve: median and p99 TTFT and TPOT against output throughput, one point per
+    request rate, one line per server (base URL and model)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for (_url, model), group in df.groupby(["base_url", "model"], sort=False):
+        for ax, metric in zip(axes, ("ttft", "tpot")):
+            for stat, style in (("median", "-o"), ("p99", "--x")):
+                ax.plot(group["output_throughput"], group[f"{stat}_{metric}_ms"], style, label=f"{model} {stat}")
+    for ax, name in zip(axes, ("TTFT", "TPOT")):
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    rates = ", ".join(str(r) for r in df["request_rate"])
+    fig.suptitle(f"Latency against throughput, request rates {rates}/s ({df['scenario'].iloc[0]})", fontsize="medium")
+    return _save(fig, path)
+
+
 def plot_kernel_bandwidth(kernels: pd.DataFrame, path: Path) -> Path:
     """Achieved KV bandwidth vs context length per phase, at each phase's largest batch."""
     ok = kernels[kernels["status"] == "ok"]

@@ -225,7 +225,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events():
-            sent: dict[tuple[int, int], int] = {}
+            sent: dict[tuple[int, int], int] = {}  # text characters streamed per choice
+            tokens_sent: dict[tuple[int, int], int] = {}
             finals = {}
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
             try:
@@ -243,7 +244,9 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
                             )
                         sent[key] = len(c.text)
                         reason = c.finish_reason if out.finished else None
-                        if delta or reason:
+                        new_tokens = len(c.token_ids) > tokens_sent.get(key, 0)
+                        tokens_sent[key] = len(c.token_ids)
+                        if new_tokens or reason:  # a chunk per token, as vLLM (text may lag a partial character)
                             piece = {"content": delta} if chat else {"text": delta}
                             choice = {"index": index, "delta": piece} if chat else {"index": index, **piece}
                             choices.append(choice | {"logprobs": None, "finish_reason": reason})

@@ -266,3 +266,19 @@ def test_a_disconnect_aborts_the_request_at_once(server):
     assert m.get(finished, 0) == before.get(finished, 0), "the cut request ran to its end"
     generated = m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert 2 <= generated < 100, f"{generated} tokens generated for a request cut after two chunks"
+
+
+def test_bench_serve_against_our_server(server, tmp_path, capsys):
+    from pagedbench.cli import main
+
+    args = ["bench-serve", "--base-url", server, "--api-key", KEY, "--scenario", "online", "--num-prompts", "12"]
+    assert main([*args, "--request-rate", "20,inf", "--goodput", "ttft:60000", "--out", str(tmp_path)]) == 0
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "bench-serve-online.csv")
+    assert list(df["request_rate"].astype(str)) == ["20.0", "inf"] and (df["completed"] == 12).all()
+    assert (df["failed"] == 0).all() and (df["median_ttft_ms"] > 0).all() and (df["p90_itl_ms"] > 0).all()
+    assert (df["goodput"] == df["request_throughput"]).all()  # a 60 s TTFT SLO: every request meets it
+    assert (tmp_path / "bench-serve-online-latency-vs-throughput.png").stat().st_size > 0
+    assert main([*args, "--request-rate", "0", "--out", str(tmp_path)]) == 2
+    assert "--request-rate must be > 0" in capsys.readouterr().err
