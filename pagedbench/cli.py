@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from pagedbench.config import EngineConfig
 from pagedbench.device import dtype_name, resolve_device_dtype
 from pagedbench.presets import PRESETS
 from pagedbench.scenario import LengthRange, Scenario, build_requests, builtin_scenarios, load_scenario
@@ -311,21 +312,9 @@ def cmd_serve(args) -> None:
     except ImportError as e:
         raise ValueError(f"serving needs the server extra (pip install 'pagedbench[server]'): {e}") from None
     from pagedbench.async_engine import AsyncLLM
-    from pagedbench.config import EngineConfig
     from pagedbench.engine import LLMEngine
 
-    config = EngineConfig(
-        model=args.model,
-        backend=args.backend,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
+    config = EngineConfig.from_cli_args(args)
     llm = AsyncLLM(LLMEngine(config), max_pending=args.max_pending)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit, max_n=args.max_n)
     app = build_app(llm, args.served_model_name or args.model, args.api_key, limits)
@@ -505,14 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
-    serve.add_argument("--device", default=None)
-    serve.add_argument("--dtype", default=None)
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--num-blocks", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=256)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--seed", type=int, default=0)
+    EngineConfig.add_cli_args(serve.add_argument_group("engine"), skip=("model", "backend"))
     serve.add_argument("--max-pending", type=int, default=None, help="requests in flight before 429 (4 x max-num-seqs)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (max-model-len)")

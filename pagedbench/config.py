@@ -1,7 +1,7 @@
 """Model config (read from a Hugging Face config.json in either of its two forms) and engine config."""
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 # architecture name in config.json -> (q/k/v bias, per-head q/k RMSNorm)
@@ -108,38 +108,81 @@ class ModelConfig:
         return cfg
 
 
+def setting(default, help: str, choices: tuple = (), minimum: float | None = None):
+    """An EngineConfig field with what the CLI and validation need to know about it."""
+    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
-    backend: str = "sdpa"
-    device: str | None = None
-    dtype: str | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    seed: int = 0
-    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes (vLLM v1's default)
-    scheduling_policy: str = "fcfs"  # or "priority": lowest priority value first, highest preempted first
-    preemption_mode: str = "recompute"  # or "swap": preempted K/V go to CPU swap space and come back
-    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks (vLLM's default), with "swap"
-    # Fraction of free CUDA memory the KV cache may take when num_blocks is None.
-    gpu_memory_utilization: float = 0.9
-    # KV cache budget on CPU when num_blocks is None.
-    cpu_kv_cache_bytes: int = 1 << 30
+    """Every engine setting, once: its type, default, help, allowed values and minimum drive
+    LLM(**kwargs), the CLI flags (`add_cli_args`) and `validate()`."""
+
+    model: str = setting(None, "HF model directory or preset")
+    backend: str = setting("sdpa", "attention backend (see `pagedbench backends`)")
+    device: str | None = setting(None, "cuda if available, else cpu")
+    dtype: str | None = setting(None, "bf16 on cuda, fp32 on cpu")
+    block_size: int = setting(16, "tokens per KV page", minimum=1)
+    num_blocks: int | None = setting(None, "KV pages (default: from free memory)", minimum=1)
+    max_num_seqs: int = setting(256, "sequences running at once", minimum=1)
+    max_num_batched_tokens: int = setting(2048, "tokens per engine step", minimum=1)
+    max_model_len: int | None = setting(None, "longest sequence (default: the model's, capped by the cache)", minimum=1)
+    seed: int = setting(0, "seed of the sampler and of preset weights", minimum=0)
+    enable_prefix_caching: bool = setting(True, "share the KV pages of common prompt prefixes (vLLM v1's default)")
+    scheduling_policy: str = setting("fcfs", "fcfs, or priority: lowest value first", ("fcfs", "priority"))
+    preemption_mode: str = setting("recompute", "what preemption does with K/V", ("recompute", "swap"))
+    swap_space: float = setting(4.0, "GiB of CPU memory for swapped-out pages", minimum=0)
+    gpu_memory_utilization: float = setting(0.9, "share of free CUDA memory for the KV cache", minimum=0)
+    cpu_kv_cache_bytes: int = setting(1 << 30, "KV cache bytes on CPU when num_blocks is None", minimum=1)
 
     def validate(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if not self.swap_space >= 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        """TypeError or ValueError naming the field."""
+        for f in fields(self):
+            value, kinds = getattr(self, f.name), _kinds(f.type)
+            if value is None and type(None) in kinds:
+                continue
+            if f.name in ("device", "dtype") and type(value).__name__ == f.name:
+                continue  # a torch.device / torch.dtype is fine too
+            ok = any(isinstance(value, k) and not (k is int and isinstance(value, bool)) for k in kinds)
+            ok = ok or (float in kinds and isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                raise TypeError(f"{f.name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+            choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} must be {' or '.join(map(repr, choices))}, got {value!r}")
+            if minimum is not None and not value >= minimum:
+                raise ValueError(f"{f.name} must be >= {minimum}, got {value}")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def add_cli_args(cls, parser, skip: tuple[str, ...] = ("model",)) -> None:
+        """One --flag per field (booleans as --x/--no-x), typed, with its help and choices."""
+        import argparse
+
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            flag, kind = "--" + f.name.replace("_", "-"), next(k for k in _kinds(f.type) if k is not type(None))
+            extra = {"choices": f.metadata["choices"]} if f.metadata.get("choices") else {}
+            if kind is bool:
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
+                )
+            else:
+                parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"], **extra)
+
+    @classmethod
+    def from_cli_args(cls, args, **overrides) -> "EngineConfig":
+        return cls(**{name: getattr(args, name) for name in cls.names() if hasattr(args, name)} | overrides)
+
+
+def _kinds(annotation) -> tuple:
+    """`int | None` -> (int, NoneType); `str` -> (str,). Annotations are strings here at times."""
+    if isinstance(annotation, str):
+        names = [a.strip() for a in annotation.split("|")]
+        table = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
+        return tuple(table[n] for n in names)
+    return tuple(getattr(annotation, "__args__", (annotation,)))

@@ -1,6 +1,5 @@
 """The offline entry point, with vLLM's names: LLM(model).generate(prompts, params)."""
 
-import torch
 from tqdm.auto import tqdm
 
 from pagedbench.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -11,42 +10,18 @@ from pagedbench.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        backend: str = "sdpa",
-        device: str | None = None,
-        dtype: str | torch.dtype | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
-        preemption_mode: str = "recompute",
-        swap_space: float = 4.0,
-    ):
-        self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                backend=backend,
-                device=device,
-                dtype=dtype,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                seed=seed,
-                enable_prefix_caching=enable_prefix_caching,
-                scheduling_policy=scheduling_policy,
-                preemption_mode=preemption_mode,
-                swap_space=swap_space,
+    def __init__(self, model: str, **engine_args):
+        """`model`: an HF model directory or a preset. `engine_args`: any EngineConfig field
+        (backend, device, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
+        max_model_len, seed, enable_prefix_caching, scheduling_policy, preemption_mode,
+        swap_space, gpu_memory_utilization, cpu_kv_cache_bytes)."""
+        unknown = sorted(set(engine_args) - set(EngineConfig.names()))
+        if unknown:
+            raise TypeError(
+                f"LLM() got an unknown engine argument {unknown[0]!r}; known: {', '.join(EngineConfig.names())}"
             )
-        )
+        self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def generate(
         self,
