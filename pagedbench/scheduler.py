@@ -110,10 +110,7 @@ class Scheduler:
                 break
             self.swapped.remove(seq)
             self.block_manager.swap_in(seq)
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add(out, seq, n, scheduled)
+            self._start(seq, n, out, scheduled)
             budget -= n
             reserved += 1
         # Admit waiting requests while budget, blocks and max_num_seqs allow, unless this
@@ -133,10 +130,7 @@ class Scheduler:
                 break
             self.block_manager.count_lookup(seq, hit)
             self.waiting.remove(seq)
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add(out, seq, n, scheduled)
+            self._start(seq, n, out, scheduled)
             budget -= n
             reserved += self._width(seq)
         # Decodes first in the batch (a one-token prefill chunk is a decode to attention).
@@ -144,6 +138,13 @@ class Scheduler:
         out.seqs = [out.seqs[i] for i in order]
         out.num_tokens = [out.num_tokens[i] for i in order]
         return out
+
+    def _start(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[int]) -> None:
+        """`seq` (admitted or swapped in) runs its next `n` tokens this step."""
+        self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._add(out, seq, n, scheduled)
 
     def _free_a_paused(self, out: SchedulerOutput) -> None:
         """When only paused beams hold the room (nothing ran this step), preempt one."""
