@@ -30,12 +30,14 @@ class Measurement:
     row: dict  # a CSV row: environment, engine config, metrics, engine internals
     outputs: list[list[int]]  # output token ids of each request's samples, in request order
     requests: list[dict]  # per request: lengths and latencies (for latency CDFs)
+    kv: list[dict]  # KV utilization over the run (at most MAX_KV_POINTS steps)
 
 
 @dataclass(slots=True)
 class Comparison:
     rows: list[dict]  # one per backend x run, unavailable backends too (status, reason)
     request_rows: list[dict]
+    kv_rows: list[dict]
     unavailable: dict[str, str]
 
 
@@ -116,7 +118,30 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         {"request": i, "input_len": len(r.prompt_token_ids), "output_len": n, **request_latencies(o.metrics)}
         for i, (r, o, n) in enumerate(zip(requests, outputs, output_lens))
     ]
-    return Measurement(row, [ids for samples in output_ids for ids in samples], per_request)
+    return Measurement(row, [ids for samples in output_ids for ids in samples], per_request, kv_timeline(engine))
+
+
+MAX_KV_POINTS = 500
+
+
+def kv_timeline(engine: LLMEngine) -> list[dict]:
+    """The run's KV use step by step (evenly thinned to MAX_KV_POINTS), time from its first step."""
+    timeline = engine.stats.timeline
+    if not timeline:
+        return []
+    keep = sorted(set(np.linspace(0, len(timeline) - 1, min(len(timeline), MAX_KV_POINTS)).round().astype(int)))
+    start = timeline[0][0]
+    return [
+        {
+            "num_blocks": engine.num_blocks,
+            "step": int(i),
+            "time_s": timeline[i][0] - start,
+            "used_blocks": timeline[i][1],
+            "kv_utilization": timeline[i][1] / engine.num_blocks,
+            "wasted_slots": timeline[i][2],
+        }
+        for i in keep
+    ]
 
 
 def warmup_requests(requests: list[Request], max_tokens: int = 16) -> list[Request]:
@@ -183,7 +208,7 @@ def compare(
         "n": scenario.n,
     }
     rows = [] if rows is None else rows
-    request_rows, unavailable, measured = [], {}, {}
+    request_rows, kv_rows, unavailable, measured = [], [], {}, {}
     for name, cls in classes.items():
         provider, reason = probe(
             cls,
@@ -206,11 +231,12 @@ def compare(
                 {**head, "status": "ok", "reason": "", "max_model_len": max_model_len, "repeat": repeat, **m.row}
             )
             request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
+            kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # the next backend gets the memory this one's engine held
     _add_cross_backend_columns(rows, measured, greedy=scenario.temperature == 0)
-    return Comparison(rows, request_rows, unavailable)
+    return Comparison(rows, request_rows, kv_rows, unavailable)
 
 
 def _add_cross_backend_columns(rows: list[dict], measured: dict[str, list[Measurement]], greedy: bool) -> None:

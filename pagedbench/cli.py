@@ -164,7 +164,11 @@ def serving_report(args, backends: list[str], command: str) -> None:
         f"x {scenario.block_size} for every backend"
     )
     print(console_table(serving, cross_backend=command == "compare"))
-    frames = {"serving": serving, "requests": tidy(result.request_rows, "requests", command)}
+    frames = {
+        "serving": serving,
+        "requests": tidy(result.request_rows, "requests", command),
+        "kv": tidy(result.kv_rows, "kv", command),
+    }
     paths = write_reports(frames, args.out, f"{command}-{scenario.name}")
     print(f"reports: {', '.join(map(str, paths))}")
 

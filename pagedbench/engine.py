@@ -226,6 +226,7 @@ class LLMEngine:
         st.used_block_steps += bm.num_used_blocks
         st.wasted_slot_steps += wasted
         st.peak_wasted_slots = max(st.peak_wasted_slots, wasted)
+        st.timeline.append((t5, bm.num_used_blocks, wasted))
         for part, start, end in zip(STEP_PARTS, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
             st.time[part] += end - start
         for group in progressed:

@@ -88,6 +88,14 @@ REQUEST_COLUMNS = [
     "tpot_ms",
     "e2el_ms",
 ]
+KV_COLUMNS = REQUEST_COLUMNS[: REQUEST_COLUMNS.index("repeat") + 1] + [
+    "num_blocks",
+    "step",
+    "time_s",
+    "used_blocks",
+    "kv_utilization",
+    "wasted_slots",
+]
 KERNEL_COLUMNS = ENVIRONMENT + [
     "phase",
     "batch_size",
@@ -128,7 +136,13 @@ CHECK_COLUMNS = ENVIRONMENT + [
     "tolerance",
     "top1_agreement",
 ]
-SCHEMAS = {"serving": SERVING_COLUMNS, "requests": REQUEST_COLUMNS, "kernels": KERNEL_COLUMNS, "check": CHECK_COLUMNS}
+SCHEMAS = {
+    "serving": SERVING_COLUMNS,
+    "requests": REQUEST_COLUMNS,
+    "kv": KV_COLUMNS,
+    "kernels": KERNEL_COLUMNS,
+    "check": CHECK_COLUMNS,
+}
 
 
 def tidy(rows: list[dict], kind: str, command: str) -> pd.DataFrame:
@@ -184,12 +198,12 @@ def write_reports(frames: dict[str, pd.DataFrame], out_dir: str | Path, stem: st
 
 def load_csvs(paths: list[str]) -> pd.DataFrame:
     """CSVs written by run / compare / kernels (any mix, any machines), with their sibling
-    per-request CSVs (`<stem>-requests.csv`) when present."""
+    per-request and KV-timeline CSVs (`<stem>-requests.csv`, `<stem>-kv.csv`) when present."""
     files = [Path(p) for p in paths]
     for p in list(files):
-        sibling = p.with_name(f"{p.stem}-requests.csv")
-        if sibling.is_file() and sibling not in files:
-            files.append(sibling)
+        for sibling in (p.with_name(f"{p.stem}-requests.csv"), p.with_name(f"{p.stem}-kv.csv")):
+            if sibling.is_file() and sibling not in files:
+                files.append(sibling)
     frames = []
     for p in files:
         if not p.is_file():
@@ -215,6 +229,8 @@ def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
         paths.append(plot_throughput(serving, out_dir / f"{stem}-throughput.png"))
         if "requests" in kinds:
             paths.append(plot_latency_cdfs(kinds["requests"], out_dir / f"{stem}-latency-cdf.png"))
+        if "kv" in kinds:
+            paths.append(plot_kv_timeline(kinds["kv"], out_dir / f"{stem}-kv-utilization.png"))
     if "kernels" in kinds:
         sections.append(_kernel_section(kinds["kernels"]))
     if "kernels" in kinds and (kinds["kernels"]["status"] == "ok").any():
@@ -469,6 +485,22 @@ def plot_latency_cdfs(requests: pd.DataFrame, path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
     fig.suptitle(_title("Latency CDFs per request", requests), fontsize="medium")
+    return _save(fig, path)
+
+
+def plot_kv_timeline(kv: pd.DataFrame, path: Path) -> Path:
+    """KV utilization and empty last-page slots over each run's time (the first run per label)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    first = kv[kv["repeat"] == kv["repeat"].min()]
+    for label, group in first.groupby(_labels(first), sort=False):
+        axes[0].plot(group["time_s"], 100 * group["kv_utilization"], label=label)
+        axes[1].plot(group["time_s"], group["wasted_slots"], label=label)
+    for ax, name in zip(axes, ("KV blocks in use (%)", "empty slots in last pages")):
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(_title("KV cache over time", first), fontsize="medium")
     return _save(fig, path)
 
 

@@ -23,12 +23,14 @@ class EngineStats:
     wasted_slot_steps: int = 0  # allocated slots holding no token (last pages), summed over steps
     peak_wasted_slots: int = 0
     time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # per step: (time, blocks used, empty slots)
 
     def reset(self) -> None:
         self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
         self.used_block_steps = self.wasted_slot_steps = self.peak_wasted_slots = self.swap_outs = 0
         self.prompt_tokens = self.generation_tokens = 0
         self.time = dict.fromkeys(STEP_PARTS, 0.0)
+        self.timeline = []
 
     def time_columns(self) -> dict[str, float]:
         return {column: self.time[part] for column, part in zip(TIME_COLUMNS, STEP_PARTS)}

@@ -191,10 +191,15 @@ def test_compare_writes_markdown_and_plots(compared):
         "compare-mixed-throughput.png",
         "compare-mixed-latency-cdf.png",
         "compare-mixed-requests.csv",
+        "compare-mixed-kv.csv",
+        "compare-mixed-kv-utilization.png",
     ):
         assert (out / name).stat().st_size > 0
     requests = pd.read_csv(out / "compare-mixed-requests.csv")
     assert len(requests) == 2 * 2 * 5 and requests["ttft_ms"].gt(0).all()
+    kv = pd.read_csv(out / "compare-mixed-kv.csv")
+    assert set(kv["backend"]) == {"reference", "sdpa"} and kv["kv_utilization"].between(0, 1).all()
+    assert kv.groupby(["backend", "repeat"])["step"].is_monotonic_increasing.all() and kv["used_blocks"].max() > 0
 
 
 def test_online_run_adds_requests_at_their_arrival_times(tmp_path, capsys):
