@@ -8,7 +8,7 @@ steps, from a queue of pending commands.
 """
 
 import asyncio
-import itertools
+import uuid
 from collections.abc import AsyncIterator
 
 from pagedbench.engine import LLMEngine
@@ -32,7 +32,6 @@ class AsyncLLM:
         self._adds: list[tuple] = []
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
-        self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
         self.error: BaseException | None = None
 
@@ -64,7 +63,9 @@ class AsyncLLM:
             raise EngineFull(f"{len(self._streams)} requests in flight, the limit is {self.max_pending}")
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate_request(token_ids, params)
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams or request_id in self.engine._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._adds.append(({"prompt": text, "prompt_token_ids": token_ids}, params, request_id))

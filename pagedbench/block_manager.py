@@ -33,6 +33,13 @@ def key_digest(key: BlockKey) -> bytes:
     return hashlib.sha256(key[0] + repr(key[1]).encode()).digest()
 
 
+def _needs_prompt_logits(seq: Sequence) -> bool:
+    """Prompt logprobs not all computed yet: every prompt token must run (a cached one has no logits)."""
+    if getattr(seq.params, "prompt_logprobs", None) is None:
+        return False
+    return len(seq.prompt_logprobs or ()) < seq.num_prompt_tokens - 1
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -205,8 +212,8 @@ class BlockManager:
         """Give a sequence with no blocks yet the cached blocks of its longest cached prefix (full
         blocks, never its last token, which must run to produce logits); returns the tokens hit."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching or getattr(seq.params, "prompt_logprobs", None) is not None:
-            return 0  # (prompt logprobs need every prompt token's logits: nothing is skipped)
+        if not self.enable_prefix_caching or _needs_prompt_logits(seq):
+            return 0
         lookup = (seq.num_tokens - 1) // self.block_size
         for index in range(lookup):
             key = self._key(seq, index)

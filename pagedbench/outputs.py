@@ -93,7 +93,9 @@ def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | No
     if finished:
         times = group.token_times
         metrics = RequestMetrics(group.arrival_time, times[0], times, times[-1], group.num_preemptions)
-    prompt_logprobs = group.seqs[0].prompt_logprobs if group.seqs and group.beam is None else None
+    first = group.seqs[0] if group.seqs and group.beam is None else None
+    wanted = first is not None and first.params.prompt_logprobs is not None
+    prompt_logprobs = (first.prompt_logprobs or []) if wanted else None
     return RequestOutput(
         group.request_id,
         group.prompt,
@@ -101,5 +103,5 @@ def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | No
         completions(group, decode),
         finished,
         metrics,
-        None if prompt_logprobs is None else [None, *prompt_logprobs],
+        None if prompt_logprobs is None else [None, *prompt_logprobs],  # nothing predicts the first token
     )

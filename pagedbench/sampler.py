@@ -165,12 +165,13 @@ class Sampler:
         if batch.all_greedy:
             return greedy_tokens
         logits = logits / batch.temperature[:, None]
+        if batch.min_p is not None:  # before top-k/top-p, as in vLLM v1
+            probs = logits.softmax(dim=-1)
+            threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         if batch.top_k is not None or batch.top_p is not None:
             logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = logits.softmax(dim=-1)
-        if batch.min_p is not None:
-            threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, gen in enumerate(batch.generators):
             if gen is not None:

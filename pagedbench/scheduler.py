@@ -76,6 +76,15 @@ class Scheduler:
             return min(ready, key=self._rank, default=None)
         return next(ready, None)  # queue order: preempted sequences went back to the front
 
+    def _next_swapped(self) -> Sequence | None:
+        return min((s for s in self.swapped if not s.paused), key=self._rank, default=None)
+
+    def _waiting_goes_first(self, swapped: Sequence) -> bool:
+        """Under "priority", a waiting request that outranks `swapped` is admitted before it
+        comes back; under "fcfs" swapped sequences always come back first."""
+        waiting = self._next_waiting()
+        return self.policy == "priority" and waiting is not None and self._rank(waiting) < self._rank(swapped)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -97,28 +106,29 @@ class Scheduler:
             self._add(out, seq, n, scheduled)
             budget -= n
         reserved = sum(map(self._width, self.running))
-        # Swapped-out sequences come back (best first) before anything new is admitted.
+        # Swapped-out sequences come back (best first) before anything new is admitted (under
+        # "priority", before anything they outrank).
         while budget > 0 and out.num_preempted == made_room:
-            seq = min((s for s in self.swapped if not s.paused), key=self._rank, default=None)
-            if seq is None:
+            seq = self._next_swapped()
+            if seq is None or self._waiting_goes_first(seq):
                 break
             n = min(seq.num_uncomputed_tokens, budget)
-            if reserved + 1 > self.max_num_seqs or not self.block_manager.can_allocate(
-                seq, seq.num_computed_tokens + n
-            ):
+            fits = reserved + self._width(seq) <= self.max_num_seqs
+            if not fits or not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self._free_a_paused(out)
                 break
             self.swapped.remove(seq)
             self.block_manager.swap_in(seq)
             self._start(seq, n, out, scheduled)
             budget -= n
-            reserved += 1
+            reserved += self._width(seq)
         # Admit waiting requests while budget, blocks and max_num_seqs allow, unless this
-        # step already had to preempt (admitting would only preempt again) or a sequence is still
-        # swapped out. A request that will fork (n/best_of samples, beams) reserves room for all.
-        while budget > 0 and out.num_preempted == made_room and not any(not s.paused for s in self.swapped):
+        # step already had to preempt (admitting would only preempt again) or a swapped-out
+        # sequence goes first. A request that will fork (n/best_of samples, beams) reserves room for all.
+        while budget > 0 and out.num_preempted == made_room:
             seq = self._next_waiting()
-            if seq is None:
+            swapped = self._next_swapped()
+            if seq is None or (swapped is not None and not self._waiting_goes_first(swapped)):
                 break
             fits = reserved + self._width(seq) <= self.max_num_seqs
             hit = self.block_manager.match_prefix(seq) if fits else 0  # cached tokens count as computed

@@ -73,6 +73,7 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.paused = self.paused
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         return child
 
     @property

@@ -38,7 +38,7 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None):
-    from fastapi import FastAPI, Request
+    from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -62,16 +62,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     async def validation_error(request, e):
         return JSONResponse(error_body(400, str(e), "invalid_request_error"), status_code=400)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return JSONResponse(error_body(401, "invalid or missing API key", "authentication_error"), 401)
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-            message = f"request body of {size} bytes is over the limit of {limits.max_body_bytes}"
-            return JSONResponse(error_body(413, message, "invalid_request_error"), 413)
-        return await call_next(request)
+    def authorize(request: Request) -> None:
+        """/v1/* needs the API key when one is set. (A dependency, not an HTTP middleware: that
+        would hide client disconnects from the routes.)"""
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key", "authentication_error")
 
     @app.get("/health")
     async def health():
@@ -79,7 +74,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
             return JSONResponse(error_body(503, f"engine stopped: {llm.error}", "service_unavailable"), 503)
         return PlainTextResponse("ok")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
         card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedbench"}
         return {"object": "list", "data": [card | {"max_model_len": engine.max_model_len}]}
@@ -89,9 +84,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def body_of(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > limits.max_body_bytes:
-            raise APIError(413, f"request body of {len(raw)} bytes is over the limit of {limits.max_body_bytes}")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
+            raise APIError(413, f"request body of {size} bytes is over the limit of {limits.max_body_bytes}")
+        raw = bytearray()
+        async for piece in request.stream():  # chunked uploads too: stop reading past the limit
+            raw += piece
+            if len(raw) > limits.max_body_bytes:
+                raise APIError(413, f"request body is over the limit of {limits.max_body_bytes} bytes")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -172,14 +172,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
             for task in tasks:
                 task.cancel()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request):
         body = await body_of(request)
         prompts = completion_prompts(body.get("prompt"))
         params = sampling_params(body, _int_or_none(body.get("logprobs"), "logprobs"))
         return await respond(request, body, prompts, params, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(request: Request):
         body = await body_of(request)
         messages = body.get("messages")
@@ -202,17 +202,16 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     async def respond(request, body, prompts, params, chat: bool):
         kind = "chat.completion" if chat else "text_completion"
         created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.get("stream") and params.best_of != params.n:
+            raise APIError(400, "best_of != n cannot be streamed (the best samples are known only at the end)")
         stream = run(prompts, params)
         first = await anext(stream)  # errors before the first output are plain JSON errors
         if not body.get("stream"):
-            finals = {}
-            async for i, out in _achain(first, stream):
-                if out.finished:
-                    finals[i] = out
+            finals = await _collect(first, stream, request)
             choices, usage = [], _usage(finals.values())
             for i in sorted(finals):
                 for c in finals[i].outputs:
-                    choices.append(_choice(len(choices), c, chat, engine))
+                    choices.append(_choice(len(choices), c, chat, params.logprobs or 0))
             return {
                 "id": rid,
                 "object": kind,
@@ -223,6 +222,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
             }
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        holdback = max(map(len, params.stop), default=1) - 1
 
         async def events():
             sent: dict[tuple[int, int], int] = {}  # text characters streamed per choice
@@ -237,12 +238,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
                     for c in out.outputs:
                         key = (i, c.index)
                         index = i * params.n + c.index
-                        delta = c.text[sent.get(key, 0) :]
+                        # Hold back what could be the start of a stop string until the end (vLLM's rule).
+                        end = len(c.text) if out.finished else max(sent.get(key, 0), len(c.text) - holdback)
+                        delta = c.text[sent.get(key, 0) : end]
                         if chat and key not in sent:
                             choices.append(
                                 {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                             )
-                        sent[key] = len(c.text)
+                        sent[key] = end
                         reason = c.finish_reason if out.finished else None
                         new_tokens = len(c.token_ids) > tokens_sent.get(key, 0)
                         tokens_sent[key] = len(c.token_ids)
@@ -298,6 +301,32 @@ def _int_or_none(value, name: str) -> int | None:
     return value
 
 
+async def _collect(first, stream, request) -> dict:
+    """Every prompt's finished output; a client that goes away meanwhile cancels the collection,
+    which closes `stream` and aborts the requests."""
+
+    async def collect():
+        finals = {}
+        async for i, out in _achain(first, stream):
+            if out.finished:
+                finals[i] = out
+        return finals
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.wait({task})
+                raise APIError(499, "the client went away")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+        await stream.aclose()
+
+
 async def _achain(first, stream):
     yield first
     async for item in stream:
@@ -310,10 +339,10 @@ def _usage(outputs) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choice(index: int, c, chat: bool, engine) -> dict:
+def _choice(index: int, c, chat: bool, top_k: int) -> dict:
     common = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
     if chat:
-        return common | {"message": {"role": "assistant", "content": c.text}, "logprobs": _chat_logprobs(c)}
+        return common | {"message": {"role": "assistant", "content": c.text}, "logprobs": _chat_logprobs(c, top_k)}
     return common | {"text": c.text, "logprobs": _completion_logprobs(c)}
 
 
@@ -329,14 +358,13 @@ def _completion_logprobs(c) -> dict | None:
     }
 
 
-def _chat_logprobs(c) -> dict | None:
+def _chat_logprobs(c, top_k: int) -> dict | None:
     if c.logprobs is None:
         return None
     content = []
     for entry, t in zip(c.logprobs, c.token_ids):
-        top = [
-            {"token": lp.decoded_token, "logprob": lp.logprob} for tid, lp in entry.items() if tid != t or lp.rank == 1
-        ]
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+        top = [{"token": lp.decoded_token, "logprob": lp.logprob} for lp in ranked if lp.rank <= top_k]
         content.append({"token": entry[t].decoded_token, "logprob": entry[t].logprob, "top_logprobs": top})
     return {"content": content}
 

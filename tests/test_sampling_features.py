@@ -223,3 +223,11 @@ def test_engine_level_refusals(llm, tiny_models):
     with pytest.raises(ValueError, match="bad_words need a tokenizer"):
         preset.generate([good], SamplingParams(bad_words=["x"]), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_edge_cases(llm):
+    one = llm.generate([{"prompt_token_ids": [7]}], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None]  # a one-token prompt: nothing predicts it
+    params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=3, prompt_logprobs=1)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(PROMPT) and len(out.outputs) == 3

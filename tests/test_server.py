@@ -282,3 +282,69 @@ def test_bench_serve_against_our_server(server, tmp_path, capsys):
     assert (tmp_path / "bench-serve-online-latency-vs-throughput.png").stat().st_size > 0
     assert main([*args, "--request-rate", "0", "--out", str(tmp_path)]) == 2
     assert "--request-rate must be > 0" in capsys.readouterr().err
+
+
+def test_streamed_text_never_leaks_a_stop_string(client, chat_model):
+    base = client.completions.create(model=str(chat_model), prompt="the lazy dog", max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    stop = text[6:9]
+    assert len(stop) == 3 and stop in text
+    whole = client.completions.create(
+        model=str(chat_model), prompt="the lazy dog", max_tokens=16, temperature=0, stop=[stop]
+    )
+    chunks = client.completions.create(
+        model=str(chat_model), prompt="the lazy dog", max_tokens=16, temperature=0, stop=[stop], stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert streamed == whole.choices[0].text == text[: text.index(stop)]
+
+
+def test_chat_top_logprobs_and_unstreamable_best_of(client, chat_model, server):
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(
+        model=str(chat_model), messages=messages, max_tokens=4, logprobs=True, top_logprobs=3, temperature=1.0
+    )
+    assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
+    status, body = post(
+        server, "/v1/completions", json.dumps({"prompt": "hi", "n": 1, "best_of": 2, "stream": True}).encode()
+    )
+    assert status == 400 and "best_of != n" in body["error"]["message"]
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_requests(server):
+    before = metrics(server)
+
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=0.5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            body = {"prompt": [5, 6, 7], "max_tokens": 400, "n": 4, "temperature": 1.0, "ignore_eos": True}
+            try:
+                await session.post(server + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+            except TimeoutError:
+                return
+
+    asyncio.run(go())
+    m = wait_idle(server)
+    generated = m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert m["vllm:kv_cache_usage_perc"] == 0 and generated < 4 * 400, f"{generated} tokens: the requests ran on"
+
+
+def test_duplicate_request_ids_are_refused(tiny_models):
+    from pagedbench import LLMEngine
+    from pagedbench.async_engine import AsyncLLM
+    from pagedbench.config import EngineConfig
+
+    llm = AsyncLLM(LLMEngine(EngineConfig(model=tiny_models["llama"][0], device="cpu", dtype="float32")))
+
+    async def go():
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        first = llm.generate({"prompt_token_ids": [5, 6]}, params, "same")
+        out = await anext(first)
+        with pytest.raises(ValueError, match="request id 'same' is already in use"):
+            await anext(llm.generate({"prompt_token_ids": [7]}, params, "same"))
+        outs = [out] + [o async for o in first]
+        await llm.stop()
+        return outs
+
+    outs = asyncio.run(go())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 30
