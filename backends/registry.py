@@ -7,6 +7,7 @@ every other backend stays usable."""
 
 from importlib import import_module
 from importlib.metadata import entry_points
+from typing import NamedTuple
 
 import torch
 from pagedbench.backends.base import AttentionBackend, one_line
@@ -77,6 +78,28 @@ def get_backend(name: str) -> type[AttentionBackend]:
         cls = _broken_backend(name, targets[name], one_line(e))
     _loaded[name] = cls
     return cls
+
+
+class Resolved(NamedTuple):
+    """What `resolve` found: the class, its provider, and why it cannot run here (None: it can)."""
+
+    name: str
+    cls: type[AttentionBackend]
+    provider: str
+    reason: str | None
+
+    @property
+    def runnable(self) -> bool:
+        return self.reason is None
+
+
+def resolve(
+    name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, block_size: int, **settings
+) -> Resolved:
+    """The one call for "can backend `name` run these settings here?": its class (a stand-in if
+    it failed to import), provider and unavailable reason. An unknown name is a ValueError."""
+    cls = get_backend(name)
+    return Resolved(name, cls, *probe(cls, device, dtype, head_dim, block_size, **settings))
 
 
 def probe(

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from pagedbench.backends.registry import get_backend, probe
+from pagedbench.backends.registry import resolve
 from pagedbench.config import EngineConfig
 from pagedbench.device import resolve_device_dtype
 from pagedbench.engine import LLMEngine
@@ -186,7 +186,6 @@ def compare(
     Serving rows are appended to `rows` (a report.CsvLog writes each out) as runs finish."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    classes = {name: get_backend(name) for name in backends}  # an unknown name fails before any run
     dev, dt = resolve_device_dtype(device, dtype)
     model = resolve_model_config(scenario.model)[0]
     requests = build_requests(scenario, model.vocab_size)
@@ -209,9 +208,9 @@ def compare(
     }
     rows = [] if rows is None else rows
     request_rows, kv_rows, unavailable, measured = [], [], {}, {}
-    for name, cls in classes.items():
-        provider, reason = probe(
-            cls,
+    found = [  # an unknown name fails here, before any run
+        resolve(
+            name,
             dev,
             dt,
             model.head_dim,
@@ -219,6 +218,9 @@ def compare(
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
         )
+        for name in backends
+    ]
+    for name, _, provider, reason in found:
         head = {**env, "backend": name, "provider": provider, **scenario_columns}
         if reason:
             unavailable[name] = reason

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedbench.attention_batch import attend_dense, place, random_problem
-from pagedbench.backends.registry import get_backend, probe
+from pagedbench.backends.registry import resolve
 from pagedbench.device import dtype_name
 
 TOLERANCE_FACTOR = 4.0
@@ -116,10 +116,9 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
     }
     rows = []
     for name in backends:
-        cls = get_backend(name)
-        provider, reason = probe(
-            cls, device, case.dtype, case.head_dim, case.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
-        )
+        cls, provider, reason = resolve(
+            name, device, case.dtype, case.head_dim, case.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
+        )[1:]
         row = {**head, "backend": name, "provider": provider}
         if reason:
             rows.append({**row, "status": "skipped", "reason": reason})

@@ -394,12 +394,12 @@ def cmd_bench_serve(args) -> None:
 
 
 def cmd_backends(args) -> None:
-    from pagedbench.backends.registry import get_backend, list_backends, probe
+    from pagedbench.backends.registry import list_backends, resolve
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     rows = []
     for name in list_backends():
-        provider, reason = probe(get_backend(name), device, dtype, args.head_dim, args.block_size)
+        _, _, provider, reason = resolve(name, device, dtype, args.head_dim, args.block_size)
         rows.append(
             {
                 "backend": name,

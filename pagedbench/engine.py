@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from pagedbench.backends.registry import get_backend, probe
+from pagedbench.backends.registry import resolve
 from pagedbench.beam_search import BeamSearch, BeamSearchParams
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
@@ -31,9 +31,8 @@ class LLMEngine:
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.model_config, path = resolve_model_config(config.model)
         cfg = self.model_config
-        backend_cls = get_backend(config.backend)
-        _, reason = probe(
-            backend_cls,
+        found = resolve(
+            config.backend,
             self.device,
             self.dtype,
             cfg.head_dim,
@@ -41,8 +40,9 @@ class LLMEngine:
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
         )
-        if reason:
-            raise ValueError(f"backend {config.backend!r} is unavailable here: {reason}")
+        if not found.runnable:
+            raise ValueError(f"backend {config.backend!r} is unavailable here: {found.reason}")
+        backend_cls = found.cls
         self.tokenizer = load_tokenizer(path) if path is not None else None
 
         max_len_cap = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)

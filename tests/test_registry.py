@@ -44,3 +44,18 @@ def test_entry_point_backend_runs_once_per_step_and_layer(tiny_models, counting_
     assert CountingBackend.prepares == steps and CountingBackend.forwards == steps * layers
     expected = LLM(path, backend="sdpa", dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_resolve_is_one_call_for_class_provider_and_reason():
+    import torch
+
+    from pagedbench.backends.registry import resolve
+
+    found = resolve("sdpa", torch.device("cpu"), torch.float32, 64, 16)
+    assert found.runnable and found.reason is None and found.name == "sdpa" and found.provider
+    gpu_only = resolve("flash-attn", torch.device("cpu"), torch.float32, 64, 16)
+    assert not gpu_only.runnable and "CUDA" in gpu_only.reason
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        resolve("nope", torch.device("cpu"), torch.float32, 64, 16)
