@@ -48,7 +48,6 @@ def test_entry_point_backend_runs_once_per_step_and_layer(tiny_models, counting_
 
 def test_resolve_is_one_call_for_class_provider_and_reason():
     import torch
-
     from pagedbench.backends.registry import resolve
 
     found = resolve("sdpa", torch.device("cpu"), torch.float32, 64, 16)
