@@ -18,6 +18,7 @@ import pytest
 
 from pagedbench import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # a server process per module: the full tier
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
