@@ -71,17 +71,23 @@ def _import(name: str) -> Any:
         return f"import {name}: {one_line(e)}"
 
 
+def _paged_api(module: Any, where: str, fn_name: str, *params: str) -> str | None:
+    """Why `module.fn_name` cannot serve paged attention (absent, or lacks `params`), or None."""
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        return f"{where} has no {fn_name}"
+    missing = _missing_params(fn, *params)
+    return f"{where}: {fn_name} has no {', '.join(missing)}" if missing else None
+
+
 def _probe_fa3() -> Provider | str:
     fa3 = _import("flash_attn_interface")
     if isinstance(fa3, str):
         return fa3
-    fn = getattr(fa3, "flash_attn_with_kvcache", None)
-    if fn is None:
-        return "flash_attn_interface has no flash_attn_with_kvcache"
-    missing = _missing_params(fn, "page_table", "cu_seqlens_q", "max_seqlen_q")
-    if missing:
-        return f"flash_attn_interface: flash_attn_with_kvcache has no {', '.join(missing)}"
-    return Provider("fa3", f"flash_attn_interface (FA3) {_version('flash_attn_3')}", fa3)
+    reason = _paged_api(
+        fa3, "flash_attn_interface", "flash_attn_with_kvcache", "page_table", "cu_seqlens_q", "max_seqlen_q"
+    )
+    return reason or Provider("fa3", f"flash_attn_interface (FA3) {_version('flash_attn_3')}", fa3)
 
 
 def _probe_fa4() -> Provider | str:
@@ -90,13 +96,9 @@ def _probe_fa4() -> Provider | str:
         return fa4.replace("flash_attn not installed", "flash_attn.cute not installed") + INSTALL_HINT[
             "fa4"
         ] * fa4.endswith("not installed")
-    fn = getattr(fa4, "flash_attn_varlen_func", None)
-    if fn is None:
-        return "flash_attn.cute has no flash_attn_varlen_func"
-    missing = _missing_params(fn, "page_table", "seqused_k", "cu_seqlens_q", "max_seqlen_q", "num_splits")
-    if missing:
-        return f"flash_attn.cute: flash_attn_varlen_func has no {', '.join(missing)}"
-    return Provider("fa4", f"flash_attn.cute (FA4) {_version('flash-attn-4')}", fa4)
+    paged = ("page_table", "seqused_k", "cu_seqlens_q", "max_seqlen_q", "num_splits")
+    reason = _paged_api(fa4, "flash_attn.cute", "flash_attn_varlen_func", *paged)
+    return reason or Provider("fa4", f"flash_attn.cute (FA4) {_version('flash-attn-4')}", fa4)
 
 
 def _probe_fa2() -> Provider | str:
@@ -106,12 +108,11 @@ def _probe_fa2() -> Provider | str:
     if getattr(fa2, "__file__", None) is None and not hasattr(fa2, "flash_attn_varlen_func"):
         return "flash_attn is an empty namespace package (FA4's flash_attn/cute/ without FlashAttention-2)"
     version = getattr(fa2, "__version__", _version("flash_attn"))
-    for fn in ("flash_attn_varlen_func", "flash_attn_with_kvcache"):
-        if not hasattr(fa2, fn):
-            return f"flash_attn {version} has no {fn}"
-    if _missing_params(fa2.flash_attn_varlen_func, "block_table"):  # before 2.5.7
-        return f"flash_attn {version}: flash_attn_varlen_func has no block_table"
-    return Provider("fa2", f"flash_attn {version}", fa2)
+    where = f"flash_attn {version}"
+    reason = _paged_api(fa2, where, "flash_attn_varlen_func", "block_table") or _paged_api(  # block_table: 2.5.7+
+        fa2, where, "flash_attn_with_kvcache", "block_table"
+    )
+    return reason or Provider("fa2", where, fa2)
 
 
 def _probe_torch() -> Provider | str:

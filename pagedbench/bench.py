@@ -20,7 +20,7 @@ from pagedbench.environment import environment, synchronize
 from pagedbench.loader import resolve_model_config
 from pagedbench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.outputs import RequestOutput
-from pagedbench.scenario import Request, Scenario, build_requests
+from pagedbench.scenario import ENGINE_FIELDS, Request, Scenario, build_requests
 
 
 @dataclass(slots=True)
@@ -42,19 +42,8 @@ class Comparison:
 
 
 def engine_config(scenario: Scenario, backend: str, device: str | None, dtype: str | None) -> EngineConfig:
-    return EngineConfig(
-        model=scenario.model,
-        backend=backend,
-        device=device,
-        dtype=dtype,
-        block_size=scenario.block_size,
-        num_blocks=scenario.kv_blocks,
-        max_num_seqs=scenario.max_num_seqs,
-        enable_prefix_caching=scenario.enable_prefix_caching,
-        max_num_batched_tokens=scenario.max_num_batched_tokens,
-        max_model_len=scenario.max_model_len,
-        seed=scenario.seed,
-    )
+    settings = {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": scenario.kv_blocks}
+    return EngineConfig(backend=backend, device=device, dtype=dtype, **settings)
 
 
 def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[float, list[RequestOutput]]:

@@ -18,22 +18,10 @@ import torch
 from pagedbench.config import EngineConfig
 from pagedbench.device import dtype_name, resolve_device_dtype
 from pagedbench.presets import PRESETS
-from pagedbench.scenario import LengthRange, Scenario, build_requests, builtin_scenarios, load_scenario
+from pagedbench.scenario import ENGINE_FIELDS, LengthRange, Scenario, build_requests, builtin_scenarios, load_scenario
 
 # Flags that override the scenario's field of the same name (after --scale), equally for every backend.
-SCENARIO_OVERRIDES = (
-    "model",
-    "block_size",
-    "num_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "seed",
-    "num_prompts",
-    "input_len",
-    "output_len",
-    "n",
-)
+SCENARIO_OVERRIDES = (*ENGINE_FIELDS, "num_prompts", "input_len", "output_len", "n")
 
 
 def add_scenario_args(p: argparse.ArgumentParser) -> None:
@@ -51,14 +39,15 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="bf16 on cuda, fp32 on cpu")
     overrides = p.add_argument_group("scenario overrides (default: the scenario's value)")
     overrides.add_argument("--model", default=None, help=f"HF model directory or preset ({', '.join(PRESETS)})")
-    for flag in SCENARIO_OVERRIDES[1:]:
-        overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
     overrides.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="share KV blocks of common prompt prefixes (default: on)",
     )
+    for flag in SCENARIO_OVERRIDES:
+        if flag not in ("model", "enable_prefix_caching"):
+            overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
 
 
 CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model says otherwise
@@ -67,8 +56,6 @@ CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model 
 def scenario_from_args(args) -> Scenario:
     scenario = load_scenario(args.scenario).scaled(args.scale)
     changes = {f: getattr(args, f) for f in SCENARIO_OVERRIDES if getattr(args, f) is not None}
-    if args.enable_prefix_caching is not None:
-        changes["enable_prefix_caching"] = args.enable_prefix_caching
     device, _ = resolve_device_dtype(args.device, args.dtype)
     if device.type == "cpu" and "model" not in changes and scenario.model != CPU_MODEL:
         print(

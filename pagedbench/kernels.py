@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedbench.attention_batch import random_attention_batch
-from pagedbench.backends.registry import get_backend, probe
+from pagedbench.backends.registry import resolve
 from pagedbench.device import resolve_device_dtype
 from pagedbench.environment import environment, synchronize
 
@@ -150,7 +150,6 @@ def run_kernels(
     """One row per backend x grid point: min and median of prepare and forward, bandwidth, TFLOP/s.
     Rows are appended to `rows` (a report.CsvLog writes each one out) as they are measured."""
     grid.validate()
-    classes = {name: get_backend(name) for name in backends}
     dev, dt = resolve_device_dtype(device, dtype)
     env = environment(dev, dt)
     peak_gbps, peak_source = peak_bandwidth(dev)
@@ -180,9 +179,9 @@ def run_kernels(
             "peak_bandwidth_source": peak_source,
         }
         batch = None
-        for name, cls in classes.items():
-            provider, reason = probe(
-                cls, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
+        for name in backends:
+            _, cls, provider, reason = resolve(
+                name, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
             )
             head = {**env, "backend": name, "provider": provider, **point}
             if reason:

@@ -11,6 +11,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from pagedbench.metrics import LATENCIES, STATISTICS  # noqa: E402
+from pagedbench.scenario import ENGINE_FIELDS  # noqa: E402
 from pagedbench.stats import TIME_COLUMNS  # noqa: E402
 
 ENVIRONMENT = [
@@ -33,14 +34,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "scenario",
     "scenario_hash",
     "scale",
-    "enable_prefix_caching",
-    "seed",
-    "model",
-    "block_size",
-    "num_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
+    *ENGINE_FIELDS,
     "arrival",
     "request_rate",
     "temperature",

@@ -19,6 +19,18 @@ from pagedbench.block_manager import blocks_needed
 from pagedbench.sampling_params import SamplingParams
 
 ARRIVALS = ("batch", "poisson")
+# Scenario fields that are engine settings, the same for every backend: flags override them,
+# reports record them, and the engine is configured from them.
+ENGINE_FIELDS = (
+    "model",
+    "block_size",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "seed",
+)
 
 
 @dataclass(slots=True)
