@@ -20,6 +20,7 @@ from pagedbench.environment import environment, synchronize
 from pagedbench.loader import resolve_model_config
 from pagedbench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.outputs import RequestOutput
+from pagedbench.parallel import TPShard
 from pagedbench.scenario import ENGINE_FIELDS, Request, Scenario, build_requests
 
 
@@ -41,9 +42,13 @@ class Comparison:
     unavailable: dict[str, str]
 
 
+def engine_settings(scenario: Scenario) -> dict:
+    """The scenario's engine settings, with the KV budget as blocks."""
+    return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": scenario.kv_blocks}
+
+
 def engine_config(scenario: Scenario, backend: str, device: str | None, dtype: str | None) -> EngineConfig:
-    settings = {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": scenario.kv_blocks}
-    return EngineConfig(backend=backend, device=device, dtype=dtype, **settings)
+    return EngineConfig(backend=backend, device=device, dtype=dtype, **engine_settings(scenario))
 
 
 def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[float, list[RequestOutput]]:
@@ -147,18 +152,21 @@ def run_backend(
 ) -> tuple[int, list[Measurement]]:
     """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
     engine = LLMEngine(engine_config(scenario, backend, device, dtype))
-    engine.sync_timing = engine.device.type == "cuda"  # honest time split; costs a sync per part
-    if scenario.longest_request > engine.max_model_len:
-        raise ValueError(
-            f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "
-            f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
-            f"of {engine.num_blocks} blocks x {scenario.block_size}); lower --scale"
-        )
-    if warmup:
-        drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
-    return engine.max_model_len, [
-        measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)
-    ]
+    try:
+        engine.sync_timing = engine.device.type == "cuda"  # honest time split; costs a sync per part
+        if scenario.longest_request > engine.max_model_len:
+            raise ValueError(
+                f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "
+                f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
+                f"of {engine.num_blocks} blocks x {scenario.block_size}); lower --scale"
+            )
+        if warmup:
+            drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
+        return engine.max_model_len, [
+            measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)
+        ]
+    finally:
+        engine.shutdown()
 
 
 def compare(
@@ -183,13 +191,7 @@ def compare(
         "scenario": scenario.name,
         "scenario_hash": scenario.content_hash(),
         "scale": scale,
-        "enable_prefix_caching": scenario.enable_prefix_caching,
-        "seed": scenario.seed,
-        "model": scenario.model,
-        "block_size": scenario.block_size,
-        "num_blocks": scenario.kv_blocks,
-        "max_num_seqs": scenario.max_num_seqs,
-        "max_num_batched_tokens": scenario.max_num_batched_tokens,
+        **engine_settings(scenario),
         "arrival": scenario.arrival,
         "request_rate": scenario.request_rate,
         "temperature": scenario.temperature,
@@ -197,16 +199,9 @@ def compare(
     }
     rows = [] if rows is None else rows
     request_rows, kv_rows, unavailable, measured = [], [], {}, {}
+    num_heads, num_kv_heads = TPShard(0, scenario.tensor_parallel_size).local_heads(model)  # per rank
     found = [  # an unknown name fails here, before any run
-        resolve(
-            name,
-            dev,
-            dt,
-            model.head_dim,
-            scenario.block_size,
-            num_heads=model.num_heads,
-            num_kv_heads=model.num_kv_heads,
-        )
+        resolve(name, dev, dt, model.head_dim, scenario.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
         for name in backends
     ]
     for name, _, provider, reason in found:

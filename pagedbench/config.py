@@ -128,6 +128,9 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(2048, "tokens per engine step", minimum=1)
     max_model_len: int | None = setting(None, "longest sequence (default: the model's, capped by the cache)", minimum=1)
     seed: int = setting(0, "seed of the sampler and of preset weights", minimum=0)
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is sharded over (worker processes; GPUs on cuda)", minimum=1
+    )
     enable_prefix_caching: bool = setting(True, "share the KV pages of common prompt prefixes (vLLM v1's default)")
     scheduling_policy: str = setting("fcfs", "fcfs, or priority: lowest value first", ("fcfs", "priority"))
     preemption_mode: str = setting("recompute", "what preemption does with K/V", ("recompute", "swap"))

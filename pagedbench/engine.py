@@ -2,18 +2,19 @@
 
 import itertools
 import time
+import weakref
 
 import torch
 
-from pagedbench.backends.registry import resolve
 from pagedbench.beam_search import BeamSearch, BeamSearchParams
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
 from pagedbench.device import resolve_device_dtype
 from pagedbench.environment import synchronize
 from pagedbench.loader import build_model, resolve_model_config
-from pagedbench.model_runner import ModelRunner, kv_bytes_per_block
+from pagedbench.model_runner import ModelRunner, build_backend, kv_bytes_per_block
 from pagedbench.outputs import Logprob, RequestOutput, request_output
+from pagedbench.parallel import TPShard
 from pagedbench.requests import tokenize, validate_request
 from pagedbench.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedbench.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ from pagedbench.sequence import Sequence, SequenceGroup
 from pagedbench.stats import STEP_PARTS, EngineStats
 from pagedbench.stopping import stop_check
 from pagedbench.tokenizer import bad_words_token_ids, detokenize_incrementally, load_tokenizer
+from pagedbench.workers import ParallelRunner, Workers, rank_device
 
 
 class LLMEngine:
@@ -31,45 +33,48 @@ class LLMEngine:
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.model_config, path = resolve_model_config(config.model)
         cfg = self.model_config
-        found = resolve(
-            config.backend,
-            self.device,
-            self.dtype,
-            cfg.head_dim,
-            config.block_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-        )
-        if not found.runnable:
-            raise ValueError(f"backend {config.backend!r} is unavailable here: {found.reason}")
-        backend_cls = found.cls
+        self.tp = TPShard(0, config.tensor_parallel_size)
+        self.tp.validate(cfg)
+        if self.tp.size > 1:
+            self.device = rank_device(self.device, 0)
+            if self.device.type == "cuda" and torch.cuda.device_count() < self.tp.size:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tp.size} needs as many GPUs; {torch.cuda.device_count()} visible"
+                )
+        bs = config.block_size
+        backend = build_backend(config.backend, cfg, bs, self.device, self.dtype, self.tp)
         self.tokenizer = load_tokenizer(path) if path is not None else None
 
         max_len_cap = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > max_len_cap:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {max_len_cap}")
         rope_len = config.max_model_len or max_len_cap
-        self.model = build_model(cfg, path, self.device, self.dtype, rope_len, config.seed)
-
-        bs = config.block_size
-        num_blocks = config.num_blocks or self._auto_num_blocks(config.max_model_len or max_len_cap)
-        if config.max_model_len is None:  # as long as the model allows and the cache holds
-            self.max_model_len = min(max_len_cap, num_blocks * bs)
-        else:
-            self.max_model_len = config.max_model_len
-            if num_blocks < blocks_needed(self.max_model_len, bs):
-                raise ValueError(
-                    f"KV cache of {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens cannot hold one "
-                    f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower max_model_len"
-                )
-        self.num_blocks = num_blocks
-        backend = backend_cls(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, bs, self.device, self.dtype
-        )
-        num_cpu_blocks = 0
-        if config.preemption_mode == "swap":
-            num_cpu_blocks = int(config.swap_space * 2**30) // kv_bytes_per_block(cfg, bs, self.dtype)
-        self.runner = ModelRunner(self.model, backend, num_blocks, bs, self.device, self.dtype, num_cpu_blocks)
+        # Workers build their shards while this process builds rank 0's.
+        self.workers = Workers(config, rope_len, self.tp.size) if self.tp.size > 1 else None
+        try:
+            self.model = build_model(cfg, path, self.device, self.dtype, rope_len, config.seed, self.tp)
+            num_blocks = config.num_blocks or self._auto_num_blocks(config.max_model_len or max_len_cap)
+            if config.max_model_len is None:  # as long as the model allows and the cache holds
+                self.max_model_len = min(max_len_cap, num_blocks * bs)
+            else:
+                self.max_model_len = config.max_model_len
+                if num_blocks < blocks_needed(self.max_model_len, bs):
+                    raise ValueError(
+                        f"KV cache of {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens cannot hold one "
+                        f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower max_model_len"
+                    )
+            self.num_blocks = num_blocks
+            num_cpu_blocks = 0
+            if config.preemption_mode == "swap":
+                num_cpu_blocks = int(config.swap_space * 2**30) // kv_bytes_per_block(cfg, bs, self.dtype, self.tp)
+            self.runner = ModelRunner(self.model, backend, num_blocks, bs, self.device, self.dtype, num_cpu_blocks)
+            if self.workers is not None:
+                self.workers.start(self.device, num_blocks, num_cpu_blocks)
+                self.runner = ParallelRunner(self.runner, self.workers)
+                weakref.finalize(self, self.workers.shutdown)
+        except BaseException:
+            self.shutdown()
+            raise
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -88,8 +93,13 @@ class LLMEngine:
     def backend(self):
         return self.runner.backend
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.shutdown()
+
     def _auto_num_blocks(self, max_model_len: int) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.gpu_memory_utilization)

@@ -7,6 +7,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagedbench.config import ModelConfig
 from pagedbench.model import CausalLM
+from pagedbench.parallel import NO_TP, TPShard, full_shape, local_part
 from pagedbench.presets import PRESETS
 
 
@@ -25,13 +26,20 @@ def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
 
 
 def build_model(
-    cfg: ModelConfig, path: Path | None, device: torch.device, dtype: torch.dtype, max_positions: int, seed: int
+    cfg: ModelConfig,
+    path: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    seed: int,
+    tp: TPShard = NO_TP,
 ) -> CausalLM:
+    """The model (this rank's shard of it), from `path`'s safetensors or random preset weights."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
     try:
         with torch.device(device):
-            model = CausalLM(cfg, max_positions)
+            model = CausalLM(cfg, max_positions, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     if path is None:
@@ -46,8 +54,9 @@ def _init_random(model: CausalLM, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
-        else:
-            p.data.normal_(0.0, 0.02, generator=gen)
+        else:  # drawn at full size, then sliced: every tensor-parallel size gets the same weights
+            full = torch.empty(full_shape(p), dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+            p.data.copy_(local_part(p, full))
 
 
 def _load_safetensors(model: CausalLM, path: Path) -> None:
@@ -72,10 +81,8 @@ def _load_file(file: Path, params: dict[str, torch.nn.Parameter], tied: bool, lo
                 if "rotary_emb" in name or (tied and name == "lm_head.weight"):
                     continue
                 raise ValueError(f"unexpected weight {name!r} in {file.name}")
-            tensor = f.get_tensor(name)
-            if tensor.shape != params[name].shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
-                )
-            params[name].data.copy_(tensor)
+            tensor, param = f.get_tensor(name), params[name]
+            if tuple(tensor.shape) != full_shape(param):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {full_shape(param)}")
+            param.data.copy_(local_part(param, tensor))
             loaded.add(name)

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedbench.backends.base import AttentionBackend, write_kv
 from pagedbench.config import ModelConfig
+from pagedbench.parallel import NO_TP, TPShard, all_reduce, gather_vocab, shard_param
 
 
 @dataclass(slots=True)
@@ -79,19 +80,38 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _column_parallel(in_features: int, out_features: int, start: int, length: int, bias: bool) -> nn.Linear:
+    """The output rows [start, start + length) of an in_features -> out_features projection."""
+    linear = nn.Linear(in_features, length, bias=bias)
+    shard_param(linear.weight, 0, start, length, out_features)
+    if bias:
+        shard_param(linear.bias, 0, start, length, out_features)
+    return linear
+
+
+def _row_parallel(in_features: int, out_features: int, start: int, length: int) -> nn.Linear:
+    """The input columns [start, start + length) of a projection; its output is a partial sum."""
+    linear = nn.Linear(length, out_features, bias=False)
+    shard_param(linear.weight, 1, start, length, in_features)
+    return linear
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """This rank's heads: q heads [h0, h0 + H), KV heads [k0, k0 + H_kv) (all of them at tp=1)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.layer_idx, self.tp = layer_idx, tp
+        d, h = cfg.head_dim, cfg.hidden_size
+        (h0, self.num_heads), (k0, self.num_kv_heads) = tp.heads(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads)
+        self.head_dim = d
+        self.q_proj = _column_parallel(h, cfg.num_heads * d, h0 * d, self.num_heads * d, cfg.qkv_bias)
+        self.k_proj = _column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
+        self.v_proj = _column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
+        self.o_proj = _row_parallel(cfg.num_heads * d, h, h0 * d, self.num_heads * d)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
@@ -104,25 +124,45 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         out = ctx.backend.forward(q, k_cache, v_cache, ctx.state)
-        return self.o_proj(rearrange(out, "t h d -> t (h d)"))
+        return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPShard):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        h, n = cfg.hidden_size, cfg.intermediate_size
+        start, length = tp.chunk(n)
+        self.gate_proj = _column_parallel(h, n, start, length, bias=False)
+        self.up_proj = _column_parallel(h, n, start, length, bias=False)
+        self.down_proj = _row_parallel(n, h, start, length)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [start, start + length) of the embedding; other ids look up zeros, summed across ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPShard):
+        self.tp, (self.start, length) = tp, tp.chunk(vocab_size)
+        super().__init__(length, hidden_size)
+        shard_param(self.weight, 0, self.start, length, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        here = (local >= 0) & (local < self.num_embeddings)
+        x = super().forward(torch.where(here, local, 0)) * here[:, None].to(self.weight.dtype)
+        return all_reduce(x, self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_idx, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -132,11 +172,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg, max_positions)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -148,18 +188,21 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard = NO_TP):
         super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        tp.validate(cfg)
+        self.config, self.tp = cfg, tp
+        self.model = DecoderModel(cfg, max_positions, tp)
+        start, length = tp.chunk(cfg.vocab_size)
+        self.lm_head = _column_parallel(cfg.hidden_size, cfg.vocab_size, start, length, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, logits_indices: torch.Tensor
-    ) -> torch.Tensor:
-        """input_ids, positions [T] -> fp32 logits [len(logits_indices), vocab] of the chosen tokens only."""
+    ) -> torch.Tensor | None:
+        """input_ids, positions [T] -> fp32 logits [len(logits_indices), vocab] of the chosen tokens
+        only (on tensor-parallel rank 0; None on the other ranks)."""
         hidden = self.model(input_ids, positions, ctx)
-        return self.lm_head(hidden[logits_indices]).float()
+        return gather_vocab(self.lm_head(hidden[logits_indices]).float(), self.config.vocab_size, self.tp)

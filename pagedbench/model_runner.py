@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata, to_device
+from pagedbench.backends.registry import resolve
 from pagedbench.config import ModelConfig
 from pagedbench.model import AttentionContext, CausalLM
+from pagedbench.parallel import NO_TP, TPShard
 from pagedbench.scheduler import SchedulerOutput
 from pagedbench.sequence import Sequence
 
@@ -22,10 +24,24 @@ class StepInputs:
     # (scheduled sequence, first position, count): logits rows S.. that give prompt_logprobs
     prompt_logprob_rows: list[tuple[int, int, int]]
     metadata: AttentionMetadata
+    plan: "StepPlan"  # the host arrays these were copied from
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPShard = NO_TP) -> int:
+    """K and V of one page in every layer, on one tensor-parallel rank."""
+    return 2 * cfg.num_layers * block_size * tp.local_heads(cfg)[1] * cfg.head_dim * dtype.itemsize
+
+
+def build_backend(
+    name: str, cfg: ModelConfig, block_size: int, device: torch.device, dtype: torch.dtype, tp: TPShard = NO_TP
+) -> AttentionBackend:
+    """Backend `name` for this rank's heads, or a ValueError saying why it cannot run here."""
+    num_heads, num_kv_heads = tp.local_heads(cfg)
+    d = cfg.head_dim
+    found = resolve(name, device, dtype, d, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    if not found.runnable:
+        raise ValueError(f"backend {name!r} is unavailable here: {found.reason}")
+    return found.cls(num_heads, num_kv_heads, d, d**-0.5, block_size, device, dtype)
 
 
 class ModelRunner:
@@ -42,9 +58,9 @@ class ModelRunner:
         cfg = model.config
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
-        # One allocation; each layer's K and V are views [num_blocks, block_size, H_kv, D].
+        # One allocation; each layer's K and V are views [num_blocks, block_size, H_kv, D] (this rank's KV heads).
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype
+            cfg.num_layers, 2, num_blocks, block_size, backend.num_kv_heads, cfg.head_dim, device=device, dtype=dtype
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         # Swap space: the same layout in (pinned, on CUDA) CPU memory.
@@ -72,18 +88,73 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         return prepare_step(sched.seqs, sched.num_tokens, self.block_size, self.kv_cache.shape[2], self.device)
 
-    def run(self, inputs: StepInputs, backend_state) -> torch.Tensor:
-        """fp32 logits [len(sampling_rows), vocab]."""
+    def run_plan(self, plan: "StepPlan") -> torch.Tensor | None:
+        """A whole step from its host arrays (what a tensor-parallel worker does)."""
+        inputs = plan.to(self.device)
+        return self.run(inputs, self.backend.prepare(inputs.metadata))
+
+    def run(self, inputs: StepInputs, backend_state) -> torch.Tensor | None:
+        """fp32 logits [len(logits_indices), vocab] (None on tensor-parallel ranks other than 0)."""
         ctx = AttentionContext(self.backend, backend_state, inputs.metadata.slot_mapping, self.kv_caches)
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)
 
 
-def prepare_step(
-    seqs: list[Sequence], num_new: list[int], block_size: int, num_cache_blocks: int, device: torch.device
-) -> StepInputs:
-    """Flat inputs and AttentionMetadata for running `num_new[i]` more tokens of `seqs[i]`
-    (decodes first). Host-side numpy, then one copy per tensor: no device sync."""
-    _to = functools.partial(to_device, device=device)
+@dataclass(slots=True)
+class StepPlan:
+    """A step's inputs as host arrays: what rank 0 sends to the other tensor-parallel ranks."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [S + 1] int64
+    seq_lens: np.ndarray  # [S] int64
+    context_lens: np.ndarray  # [S] int64
+    block_table: np.ndarray  # [S, max_blocks] int32
+    slot_mapping: np.ndarray  # [T] int64
+    token_seq_idx: np.ndarray  # [T] int64
+    logits_indices: np.ndarray  # [S' + P] int64
+    sampling_rows: list[int]
+    prompt_logprob_rows: list[tuple[int, int, int]]
+    block_size: int
+    num_cache_blocks: int
+
+    def to(self, device: torch.device) -> StepInputs:
+        """One host-to-device copy per tensor; no device sync."""
+        _to = functools.partial(to_device, device=device)
+        q_lens = np.diff(self.query_start_loc)
+        num_decodes = int((q_lens == 1).sum())
+        num_tokens = len(self.input_ids)
+        meta = AttentionMetadata(
+            query_start_loc=_to(self.query_start_loc.astype(np.int32)),
+            seq_lens=_to(self.seq_lens.astype(np.int32)),
+            context_lens=_to(self.context_lens.astype(np.int32)),
+            block_table=_to(self.block_table),
+            slot_mapping=_to(self.slot_mapping),
+            positions=_to(self.positions),
+            token_seq_idx=_to(self.token_seq_idx.astype(np.int32)),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(self.seq_lens.max()),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            num_prefills=len(q_lens) - num_decodes,
+            num_prefill_tokens=num_tokens - num_decodes,
+            block_size=self.block_size,
+            num_cache_blocks=self.num_cache_blocks,
+            query_start_loc_cpu=self.query_start_loc.tolist(),
+            seq_lens_cpu=self.seq_lens.tolist(),
+            context_lens_cpu=self.context_lens.tolist(),
+        )
+        return StepInputs(
+            input_ids=_to(self.input_ids),
+            logits_indices=_to(self.logits_indices),
+            sampling_rows=self.sampling_rows,
+            prompt_logprob_rows=self.prompt_logprob_rows,
+            metadata=meta,
+            plan=self,
+        )
+
+
+def plan_step(seqs: list[Sequence], num_new: list[int], block_size: int, num_cache_blocks: int) -> StepPlan:
+    """Flat host inputs for running `num_new[i]` more tokens of `seqs[i]` (decodes first)."""
     context = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
     q_lens = np.array(num_new, dtype=np.int64)
     seq_lens = context + q_lens
@@ -112,31 +183,26 @@ def prepare_step(
             if last > first:
                 prompt_logprob_rows.append((i, first, last - first))
                 logits_indices.append(qsl[i] + np.arange(first, last) - context[i])
-    num_decodes = int((q_lens == 1).sum())
-    meta = AttentionMetadata(
-        query_start_loc=_to(qsl.astype(np.int32)),
-        seq_lens=_to(seq_lens.astype(np.int32)),
-        context_lens=_to(context.astype(np.int32)),
-        block_table=_to(block_table),
-        slot_mapping=_to(slot_mapping),
-        positions=_to(positions),
-        token_seq_idx=_to(token_seq.astype(np.int32)),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        num_prefills=len(seqs) - num_decodes,
-        num_prefill_tokens=num_tokens - num_decodes,
-        block_size=block_size,
-        num_cache_blocks=num_cache_blocks,
-        query_start_loc_cpu=qsl.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-        context_lens_cpu=context.tolist(),
-    )
-    return StepInputs(
-        input_ids=_to(input_ids),
-        logits_indices=_to(np.concatenate(logits_indices)),
+    return StepPlan(
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        context_lens=context,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        token_seq_idx=token_seq,
+        logits_indices=np.concatenate(logits_indices).astype(np.int64),
         sampling_rows=sampling_rows,
         prompt_logprob_rows=prompt_logprob_rows,
-        metadata=meta,
+        block_size=block_size,
+        num_cache_blocks=num_cache_blocks,
     )
+
+
+def prepare_step(
+    seqs: list[Sequence], num_new: list[int], block_size: int, num_cache_blocks: int, device: torch.device
+) -> StepInputs:
+    """Flat inputs and AttentionMetadata for running `num_new[i]` more tokens of `seqs[i]`
+    (decodes first). Host-side numpy, then one copy per tensor: no device sync."""
+    return plan_step(seqs, num_new, block_size, num_cache_blocks).to(device)

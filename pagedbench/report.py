@@ -244,7 +244,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     """One row per device x scenario x backend that ran: medians over runs, display names."""
     ok = serving[serving["status"] == "ok"]
     keys = ["device_name", "dtype", "model", "scenario", "scale", "backend"]
-    keys += [col for col in ("n", "enable_prefix_caching") if col in ok]  # older CSVs lack them
+    keys += [col for col in ("n", "enable_prefix_caching", "tensor_parallel_size") if col in ok]  # older CSVs lack them
     numeric = ok.select_dtypes("number").columns.difference(keys)
     groups = ok.groupby(keys, sort=False, dropna=False)
     med = groups[list(numeric)].median().reset_index()
@@ -257,6 +257,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "model": med["model"],
             "scenario": med["scenario"],
             "scale": med["scale"],
+            **_parallel(med),
             "runs": med["runs"],
             "requests": med["num_requests"].astype(int),
             "output tok/s": med["output_throughput"].round(1),
@@ -283,6 +284,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "backend": ok["backend"],
             "device": ok["device_name"],
             "dtype": ok["dtype"],
+            **_parallel(ok),
             "requests": ok["num_requests"].astype(int),
             "output tokens": ok["total_output_tokens"].astype(int),
             "duration s": ok["duration_s"].round(2),
@@ -310,6 +312,13 @@ def markdown(df: pd.DataFrame) -> str:
 def not_run_lines(df: pd.DataFrame) -> list[str]:
     bad = df.loc[df["status"] != "ok", ["backend", "status", "reason"]].drop_duplicates()
     return [f"{backend}: {status}: {reason}" for backend, status, reason in bad.values]
+
+
+def _parallel(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Tensor-parallel size and each rank's KV budget, where some run was sharded."""
+    if "tensor_parallel_size" not in df or not (df["tensor_parallel_size"].fillna(1) > 1).any():
+        return {}
+    return {"TP": df["tensor_parallel_size"].fillna(1).astype(int), "KV blocks/rank": df["num_blocks"].astype(int)}
 
 
 def _sharing(df: pd.DataFrame) -> dict[str, pd.Series]:
@@ -442,6 +451,8 @@ def _labels(df: pd.DataFrame) -> pd.Series:
             label = label + " · " + (f"{col} " if col == "scale" else "") + df[col].astype(str)
     if "enable_prefix_caching" in df and df["enable_prefix_caching"].nunique() > 1:
         label = label + df["enable_prefix_caching"].map({True: "", False: " · no prefix caching"})
+    if "tensor_parallel_size" in df and df["tensor_parallel_size"].nunique(dropna=False) > 1:
+        label = label + " · tp " + df["tensor_parallel_size"].fillna(1).astype(int).astype(str)
     return label
 
 

@@ -30,6 +30,7 @@ ENGINE_FIELDS = (
     "max_model_len",
     "enable_prefix_caching",
     "seed",
+    "tensor_parallel_size",
 )
 
 
@@ -71,9 +72,10 @@ class Scenario:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1  # ranks the model is sharded over; num_blocks is each rank's KV budget
 
     def validate(self) -> None:
-        positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens"]
+        positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
         positive += [
             f for f in ("num_blocks", "kv_tokens", "max_model_len", "request_rate") if getattr(self, f) is not None
         ]
@@ -152,9 +154,12 @@ class Scenario:
 
     def content_hash(self) -> str:
         """sha256 of the canonical form: every field but name and description, sorted keys,
-        the KV budget in blocks however it was given."""
+        the KV budget in blocks however it was given (tensor_parallel_size only when > 1, so
+        hashes from before it existed still match)."""
         content = dataclasses.asdict(self) | {"num_blocks": self.kv_blocks, "kv_tokens": None}
         del content["name"], content["description"]
+        if self.tensor_parallel_size == 1:
+            del content["tensor_parallel_size"]
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
