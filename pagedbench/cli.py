@@ -19,6 +19,7 @@ from pagedbench.config import EngineConfig
 from pagedbench.device import dtype_name, resolve_device_dtype
 from pagedbench.presets import PRESETS
 from pagedbench.scenario import ENGINE_FIELDS, LengthRange, Scenario, build_requests, builtin_scenarios, load_scenario
+from pagedbench.workers import WorkerError
 
 # Flags that override the scenario's field of the same name (after --scale), equally for every backend.
 SCENARIO_OVERRIDES = (*ENGINE_FIELDS, "num_prompts", "input_len", "output_len", "n")
@@ -538,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"pagedbench: {e}", file=sys.stderr)
         return 130
+    except WorkerError as e:  # a tensor-parallel rank failed: its own one-line error
+        print(f"pagedbench: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

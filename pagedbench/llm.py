@@ -13,8 +13,11 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         """`model`: an HF model directory or a preset. `engine_args`: any EngineConfig field
         (backend, device, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
-        max_model_len, seed, enable_prefix_caching, scheduling_policy, preemption_mode,
-        swap_space, gpu_memory_utilization, cpu_kv_cache_bytes)."""
+        max_model_len, seed, tensor_parallel_size, enable_prefix_caching, scheduling_policy,
+        preemption_mode, swap_space, gpu_memory_utilization, cpu_kv_cache_bytes).
+
+        With tensor_parallel_size > 1 the engine starts worker processes (spawn): a script doing
+        so needs the `if __name__ == "__main__":` guard; `shutdown()` (or exit) stops them."""
         unknown = sorted(set(engine_args) - set(EngineConfig.names()))
         if unknown:
             raise TypeError(
@@ -22,6 +25,10 @@ class LLM:
             )
         self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any."""
+        self.engine.shutdown()
 
     def generate(
         self,

@@ -174,13 +174,12 @@ class Workers:
         while time.monotonic() < deadline:
             for conn, proc in zip(self.conns, self.procs):
                 try:
-                    if conn.poll():
-                        message = conn.recv()
-                        if message[0] == "error":
-                            return WorkerError(message[1])
-                except (EOFError, OSError):
-                    pass
-                if not proc.is_alive() and not conn.poll():
+                    message = conn.recv() if conn.poll() else None
+                except (EOFError, OSError):  # it died without a word
+                    message = None
+                if message is not None and message[0] == "error":
+                    return WorkerError(message[1])
+                if not proc.is_alive():
                     return WorkerError(f"tensor-parallel worker {proc.name} exited with code {proc.exitcode}")
             time.sleep(0.05)
         return WorkerError("a tensor-parallel collective failed, but no worker reported an error")
