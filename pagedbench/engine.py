@@ -224,10 +224,11 @@ class LLMEngine:
         for seq, n in zip(sched.seqs, sched.num_tokens):
             st.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
         self.scheduler.computed(sched)
-        num_sampling = len(inputs.sampling_rows)
-        if inputs.prompt_logprob_rows:
-            self._record_prompt_logprobs(sched.seqs, inputs.prompt_logprob_rows, logits[num_sampling:])
-        progressed = self._sample([sched.seqs[i] for i in inputs.sampling_rows], logits[:num_sampling])
+        plan = inputs.plan
+        num_sampling = len(plan.sampling_rows)
+        if plan.prompt_logprob_rows:
+            self._record_prompt_logprobs(sched.seqs, plan.prompt_logprob_rows, logits[num_sampling:])
+        progressed = self._sample([sched.seqs[i] for i in plan.sampling_rows], logits[:num_sampling])
         t5 = time.perf_counter()
         st.steps += 1
         st.peak_blocks_used = max(st.peak_blocks_used, bm.num_used_blocks)

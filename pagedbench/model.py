@@ -190,8 +190,7 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard = NO_TP):
         super().__init__()
-        tp.validate(cfg)
-        self.config, self.tp = cfg, tp
+        self.config, self.tp = cfg, tp  # a tp that divides the model (the engine validates it)
         self.model = DecoderModel(cfg, max_positions, tp)
         start, length = tp.chunk(cfg.vocab_size)
         self.lm_head = _column_parallel(cfg.hidden_size, cfg.vocab_size, start, length, bias=False)

@@ -20,11 +20,8 @@ from pagedbench.sequence import Sequence
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     logits_indices: torch.Tensor  # [S + P] last scheduled token of each sequence that samples, then prompt rows
-    sampling_rows: list[int]  # which scheduled sequences sample this step (their prefill is complete)
-    # (scheduled sequence, first position, count): logits rows S.. that give prompt_logprobs
-    prompt_logprob_rows: list[tuple[int, int, int]]
     metadata: AttentionMetadata
-    plan: "StepPlan"  # the host arrays these were copied from
+    plan: "StepPlan"  # the host arrays these were copied from (and the rows' meaning)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPShard = NO_TP) -> int:
@@ -112,7 +109,8 @@ class StepPlan:
     slot_mapping: np.ndarray  # [T] int64
     token_seq_idx: np.ndarray  # [T] int64
     logits_indices: np.ndarray  # [S' + P] int64
-    sampling_rows: list[int]
+    sampling_rows: list[int]  # which scheduled sequences sample this step (their prefill is complete)
+    # (scheduled sequence, first position, count): logits rows S'.. that give prompt_logprobs
     prompt_logprob_rows: list[tuple[int, int, int]]
     block_size: int
     num_cache_blocks: int
@@ -146,8 +144,6 @@ class StepPlan:
         return StepInputs(
             input_ids=_to(self.input_ids),
             logits_indices=_to(self.logits_indices),
-            sampling_rows=self.sampling_rows,
-            prompt_logprob_rows=self.prompt_logprob_rows,
             metadata=meta,
             plan=self,
         )
