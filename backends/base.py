@@ -8,7 +8,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 
@@ -55,14 +54,6 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Copy a host array to `device` without a sync (pinned staging on CUDA)."""
-    t = torch.from_numpy(array)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -85,6 +76,9 @@ class AttentionBackend(ABC):
     in `unavailable_reason`, build per-step state in `prepare` and attend in `forward`."""
 
     name: ClassVar[str]
+    # Why a decode step cannot be captured in a CUDA graph, or None when prepare() refills static
+    # buffers in place and forward() has no host work, so a graph can replay it.
+    cuda_graph_reason: ClassVar[str | None] = "prepare() builds new tensors sized by each step"
 
     def __init__(
         self,

@@ -299,6 +299,7 @@ def _fa4_compiled_kernels(api: Any) -> int | None:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
+    cuda_graph_reason = None  # prepare() refills StepBuffers in place
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from einops import rearrange
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata, to_device
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from pagedbench.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +164,7 @@ class _Plan:
 
 class FlexBackend(AttentionBackend):
     name = "flex"
+    cuda_graph_reason = "its decode batch is padded to its own power-of-two sizes and its BlockMask rebuilt each step"
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ class _Seq:
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
+    cuda_graph_reason = "it attends one sequence at a time, looping over host-side lengths"
 
     def prepare(self, meta: AttentionMetadata) -> list[_Seq]:
         qsl = meta.query_start_loc_cpu

@@ -26,6 +26,7 @@ class _Group:
 
 class SDPABackend(AttentionBackend):
     name = "sdpa"
+    cuda_graph_reason = "prepare() sizes its padded K/V gather by each step's longest sequence"
 
     def prepare(self, meta: AttentionMetadata) -> list[_Group]:
         groups = []

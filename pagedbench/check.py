@@ -239,7 +239,7 @@ def teacher_forced_logits(
     for step, num_new in enumerate(schedule):
         for s, table, n in zip(seqs, tables, num_new):  # the pages a sequence holds so far
             s.block_table = table[: -(-(s.num_computed_tokens + n) // block_size)]
-        inputs = prepare_step(seqs, num_new, block_size, engine.num_blocks, device)
+        inputs = prepare_step(seqs, num_new, block_size, runner.num_cache_blocks, device)
         ends = torch.tensor(inputs.metadata.query_start_loc_cpu[1:], device=device) - 1
         inputs.logits_indices = ends  # every sequence's last token, prompt finished or not
         out = runner.run(inputs, runner.backend.prepare(inputs.metadata))

@@ -108,9 +108,9 @@ class ModelConfig:
         return cfg
 
 
-def setting(default, help: str, choices: tuple = (), minimum: float | None = None):
+def setting(default, help: str, choices: tuple = (), minimum: float | None = None, maximum: float | None = None):
     """An EngineConfig field with what the CLI and validation need to know about it."""
-    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum})
+    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum, "maximum": maximum})
 
 
 @dataclass(slots=True)
@@ -135,7 +135,14 @@ class EngineConfig:
     scheduling_policy: str = setting("fcfs", "fcfs, or priority: lowest value first", ("fcfs", "priority"))
     preemption_mode: str = setting("recompute", "what preemption does with K/V", ("recompute", "swap"))
     swap_space: float = setting(4.0, "GiB of CPU memory for swapped-out pages", minimum=0)
-    gpu_memory_utilization: float = setting(0.9, "share of free CUDA memory for the KV cache", minimum=0)
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "share of the GPU's memory this engine may use: weights, activations (profiled), CUDA graphs and "
+        "the KV cache, which gets the rest",
+        minimum=0,
+        maximum=1,
+    )
+    enforce_eager: bool = setting(False, "never capture CUDA graphs: every step runs eagerly")
     cpu_kv_cache_bytes: int = setting(1 << 30, "KV cache bytes on CPU when num_blocks is None", minimum=1)
 
     def validate(self) -> None:
@@ -155,6 +162,9 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be {' or '.join(map(repr, choices))}, got {value!r}")
             if minimum is not None and not value >= minimum:
                 raise ValueError(f"{f.name} must be >= {minimum}, got {value}")
+            maximum = f.metadata.get("maximum")
+            if maximum is not None and not value <= maximum:
+                raise ValueError(f"{f.name} must be <= {maximum}, got {value}")
 
     @classmethod
     def names(cls) -> list[str]:

@@ -1,18 +1,21 @@
 """LLMEngine: requests in, one step at a time, RequestOutputs out."""
 
 import itertools
+import logging
 import time
 import weakref
 
+import numpy as np
 import torch
 
 from pagedbench.beam_search import BeamSearch, BeamSearchParams
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
+from pagedbench.cuda_graphs import DecodeGraphs
 from pagedbench.device import resolve_device_dtype
 from pagedbench.environment import synchronize
 from pagedbench.loader import build_model, resolve_model_config
-from pagedbench.model_runner import ModelRunner, build_backend, kv_bytes_per_block
+from pagedbench.model_runner import ModelRunner, build_backend, kv_bytes_per_block, profile_activation_bytes
 from pagedbench.outputs import Logprob, RequestOutput, request_output
 from pagedbench.parallel import TPShard
 from pagedbench.requests import tokenize, validate_request
@@ -23,7 +26,10 @@ from pagedbench.sequence import Sequence, SequenceGroup
 from pagedbench.stats import STEP_PARTS, EngineStats
 from pagedbench.stopping import stop_check
 from pagedbench.tokenizer import bad_words_token_ids, detokenize_incrementally, load_tokenizer
+from pagedbench.transfer import to_device, to_list
 from pagedbench.workers import ParallelRunner, Workers, rank_device
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -53,7 +59,7 @@ class LLMEngine:
         self.workers = Workers(config, rope_len, self.tp.size) if self.tp.size > 1 else None
         try:
             self.model = build_model(cfg, path, self.device, self.dtype, rope_len, config.seed, self.tp)
-            num_blocks = config.num_blocks or self._auto_num_blocks(config.max_model_len or max_len_cap)
+            num_blocks = config.num_blocks or self._auto_num_blocks(backend, config.max_model_len or max_len_cap)
             if config.max_model_len is None:  # as long as the model allows and the cache holds
                 self.max_model_len = min(max_len_cap, num_blocks * bs)
             else:
@@ -72,6 +78,7 @@ class LLMEngine:
                 self.workers.start(self.device, num_blocks, num_cpu_blocks)
                 self.runner = ParallelRunner(self.runner, self.workers)
                 weakref.finalize(self, self.workers.shutdown)
+            self.cuda_graphs = self._capture_graphs()
         except BaseException:
             self.shutdown()
             raise
@@ -87,6 +94,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.sync_timing = False  # synchronize the device around timed parts (for breakdowns)
         self._requests: dict[str, SequenceGroup] = {}
+        self._sampling_batch: SamplingBatch | None = None  # last step's, reused while its sequences run on
         self._ids = itertools.count()
 
     @property
@@ -98,18 +106,66 @@ class LLMEngine:
         if getattr(self, "workers", None) is not None:
             self.workers.shutdown()
 
-    def _auto_num_blocks(self, max_model_len: int) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype, self.tp)
+    def _auto_num_blocks(self, backend, max_model_len: int) -> int:
+        """KV blocks from the memory budget: on CUDA (vLLM's rule) gpu_memory_utilization x the
+        device's memory, less what is in use (weights, other processes) and the activation peak
+        of a profiled step; on CPU cpu_kv_cache_bytes. Never more than max_num_seqs full-length
+        sequences need."""
+        cfg, config = self.model_config, self.config
+        per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype, self.tp)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
+            activations = profile_activation_bytes(
+                self.model,
+                backend,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                max_model_len,
+                config.block_size,
+                self.device,
+                self.dtype,
+            )
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
+            if budget < per_block:
+                raise ValueError(
+                    f"the model does not fit: gpu_memory_utilization={config.gpu_memory_utilization} of "
+                    f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB for the KV cache after "
+                    f"{(total - free) / 2**30:.2f} GiB in use and {activations / 2**30:.2f} GiB of activations; "
+                    "raise gpu_memory_utilization or lower max_num_batched_tokens"
+                )
         else:
-            budget = self.config.cpu_kv_cache_bytes
-        useful = self.config.max_num_seqs * blocks_needed(max_model_len, self.config.block_size)
+            budget = config.cpu_kv_cache_bytes
+        useful = config.max_num_seqs * blocks_needed(max_model_len, config.block_size)
         n = min(budget // per_block, useful)
         if n < 1:
             raise ValueError(f"no memory for even one KV block ({per_block} bytes)")
+        logger.info("KV cache: %d blocks of %d tokens, %.2f GiB", n, config.block_size, n * per_block / 2**30)
         return n
+
+    def _capture_graphs(self) -> str:
+        """Capture the decode CUDA graphs where they can run; returns what the reports say:
+        "on: ..." or "off: why"."""
+        reason = (
+            "enforce_eager"
+            if self.config.enforce_eager
+            else f"no CUDA device (device is {self.device.type})"
+            if self.device.type != "cuda"
+            else "tensor-parallel steps run eagerly"
+            if self.tp.size > 1
+            else self.backend.cuda_graph_reason
+        )
+        if reason is not None:
+            return f"off: {reason}"
+        graphs = DecodeGraphs(self.runner, self.config.max_num_seqs, self.max_model_len)
+        logger.info("capturing decode CUDA graphs for batch sizes %s", graphs.buckets)
+        graphs.capture_all()
+        self.runner.graphs = graphs
+        status = (
+            f"on: {len(graphs.buckets)} decode sizes up to {graphs.buckets[-1]}, captured in "
+            f"{graphs.capture_seconds:.1f} s, {graphs.capture_bytes / 2**20:.0f} MiB"
+        )
+        logger.info("CUDA graphs %s", status)
+        return status
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -276,12 +332,16 @@ class LLMEngine:
             picked = [rows[j] for j in samples]
             sub = logits if picked == list(range(len(logits))) else logits[picked]
             cfg = self.model_config
-            batch = SamplingBatch.from_seqs(sampled, cfg.vocab_size, self.device, cfg.eos_token_ids)
+            batch = SamplingBatch.from_seqs(
+                sampled, cfg.vocab_size, self.device, cfg.eos_token_ids, previous=self._sampling_batch
+            )
+            self._sampling_batch = batch
             out = self.sampler(sub, batch)
+            tokens = to_list(out.tokens)  # the step's one wait for the device
             if batch.logprob_rows is not None:
-                self._record_logprobs(sampled, batch.logprob_rows, out)
+                self._record_logprobs(sampled, batch.logprob_rows, out, tokens)
             self.stats.generation_tokens += len(samples)
-            for j, token in zip(samples, out.tokens.tolist()):
+            for j, token in zip(samples, tokens):
                 self._append_token(seqs[j], token)
                 progressed[id(groups[j])] = groups[j]
         beams = [j for j, g in enumerate(groups) if g.beam is not None]
@@ -290,12 +350,11 @@ class LLMEngine:
                 progressed[id(group)] = group
         return list(progressed.values())
 
-    def _record_logprobs(self, seqs: list[Sequence], rows: list[int], out: SamplerOutput) -> None:
+    def _record_logprobs(self, seqs: list[Sequence], rows: list[int], out: SamplerOutput, tokens: list[int]) -> None:
         """For the batch rows `rows` (of `seqs`): cumulative logprobs, and where the request asks
         for logprobs, the sampled token's and the top ones (vLLM's layout: token id -> Logprob)."""
-        tokens = out.tokens.tolist()
-        picked, ranks = out.token_logprobs.tolist(), out.token_ranks.tolist()
-        top = (out.top_token_ids.tolist(), out.top_logprobs.tolist()) if out.top_token_ids is not None else None
+        picked, ranks = to_list(out.token_logprobs), to_list(out.token_ranks)
+        top = (to_list(out.top_token_ids), to_list(out.top_logprobs)) if out.top_token_ids is not None else None
         for k, row in enumerate(rows):
             seq = seqs[row]
             seq.cumulative_logprob += picked[k]
@@ -318,18 +377,20 @@ class LLMEngine:
             seq = seqs[i]
             chunk = logits[offset : offset + count].log_softmax(dim=-1)
             offset += count
-            targets = torch.tensor(seq.prompt_token_ids[first + 1 : first + 1 + count], device=chunk.device)
-            picked = chunk.gather(-1, targets[:, None])
-            ranks = ((chunk > picked).sum(dim=-1) + 1).tolist()
+            targets = seq.prompt_token_ids[first + 1 : first + 1 + count]
+            picked = chunk.gather(-1, to_device(np.array(targets, dtype=np.int64), chunk.device)[:, None])
+            ranks = to_list((chunk > picked).sum(dim=-1) + 1)
             top_lps, top_ids = (
-                chunk.topk(seq.params.prompt_logprobs, dim=-1) if seq.params.prompt_logprobs else (None, None)
+                map(to_list, chunk.topk(seq.params.prompt_logprobs, dim=-1))
+                if seq.params.prompt_logprobs
+                else (None, None)
             )
-            picked = picked.squeeze(-1).tolist()
+            picked = to_list(picked.squeeze(-1))
             seq.prompt_logprobs = seq.prompt_logprobs or []
-            for j, token in enumerate(targets.tolist()):
+            for j, token in enumerate(targets):
                 entry = {}
                 if top_ids is not None:
-                    for rank, (tid, lp) in enumerate(zip(top_ids[j].tolist(), top_lps[j].tolist()), 1):
+                    for rank, (tid, lp) in enumerate(zip(top_ids[j], top_lps[j]), 1):
                         entry[tid] = Logprob(lp, rank, self._token_text(tid))
                 entry[token] = Logprob(picked[j], ranks[j], self._token_text(token))
                 seq.prompt_logprobs.append(entry)
@@ -340,10 +401,10 @@ class LLMEngine:
     def _advance_beams(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
         """Report each beam's best continuations; a request whose live beams have all reported
         selects its next beams (fork, continue, free). Returns those requests."""
-        temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+        temperature = to_device(np.array([s.params.temperature or 1.0 for s in seqs], dtype=np.float32), logits.device)
         logprobs = torch.log_softmax(logits / temperature[:, None], dim=-1)
         k = min(max(self._requests[s.request_id].beam.num_candidates for s in seqs), logprobs.shape[-1])
-        values, token_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+        values, token_ids = map(to_list, logprobs.topk(k, dim=-1))
         reported: dict[int, SequenceGroup] = {}
         for seq, lps, ids in zip(seqs, values, token_ids):
             group = self._requests[seq.request_id]

@@ -1,19 +1,19 @@
 """Owns the model, the paged KV cache and the backend; turns a SchedulerOutput into one
 flat token batch plus its AttentionMetadata, built once per step."""
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata, to_device
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata
 from pagedbench.backends.registry import resolve
 from pagedbench.config import ModelConfig
 from pagedbench.model import AttentionContext, CausalLM
 from pagedbench.parallel import NO_TP, TPShard
 from pagedbench.scheduler import SchedulerOutput
 from pagedbench.sequence import Sequence
+from pagedbench.transfer import to_device, to_device_packed, to_host
 
 
 @dataclass(slots=True)
@@ -22,6 +22,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S + P] last scheduled token of each sequence that samples, then prompt rows
     metadata: AttentionMetadata
     plan: "StepPlan"  # the host arrays these were copied from (and the rows' meaning)
+    graph: int | None = None  # the CUDA-graph bucket whose static inputs these are (None: eager)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPShard = NO_TP) -> int:
@@ -55,9 +56,20 @@ class ModelRunner:
         cfg = model.config
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
-        # One allocation; each layer's K and V are views [num_blocks, block_size, H_kv, D] (this rank's KV heads).
+        # One allocation; each layer's K and V are views [num_blocks + 1, block_size, H_kv, D] (this
+        # rank's KV heads). The last page is the padding page: CUDA-graph padding rows write there.
+        self.pad_block = num_blocks
+        self.num_cache_blocks = num_blocks + 1
+        self.graphs = None  # DecodeGraphs, once captured
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, backend.num_kv_heads, cfg.head_dim, device=device, dtype=dtype
+            cfg.num_layers,
+            2,
+            self.num_cache_blocks,
+            block_size,
+            backend.num_kv_heads,
+            cfg.head_dim,
+            device=device,
+            dtype=dtype,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         # Swap space: the same layout in (pinned, on CUDA) CPU memory.
@@ -69,21 +81,27 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: K/V of block src -> block dst in every layer (reads happen before writes)."""
-        src, dst = (torch.tensor(c, device=self.device) for c in zip(*copies))
+        src, dst = to_device(np.array(copies, dtype=np.int64).T.copy(), self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """K/V of device block -> CPU block, every layer."""
-        device_blocks, cpu_blocks = (torch.tensor(c) for c in zip(*pairs))
-        self.cpu_kv_cache[:, :, cpu_blocks] = self.kv_cache[:, :, device_blocks.to(self.device)].cpu()
+        device_blocks, cpu_blocks = np.array(pairs, dtype=np.int64).T
+        pages = self.kv_cache[:, :, to_device(device_blocks.copy(), self.device)]
+        self.cpu_kv_cache[:, :, torch.from_numpy(cpu_blocks)] = to_host(pages)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """K/V of CPU block -> device block, every layer."""
-        cpu_blocks, device_blocks = (torch.tensor(c) for c in zip(*pairs))
-        self.kv_cache[:, :, device_blocks.to(self.device)] = self.cpu_kv_cache[:, :, cpu_blocks].to(self.device)
+        cpu_blocks, device_blocks = np.array(pairs, dtype=np.int64).T
+        pages = to_device(self.cpu_kv_cache[:, :, torch.from_numpy(cpu_blocks)], self.device)
+        self.kv_cache[:, :, to_device(device_blocks.copy(), self.device)] = pages
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        return prepare_step(sched.seqs, sched.num_tokens, self.block_size, self.kv_cache.shape[2], self.device)
+        """The step's inputs on the device: a captured graph's static inputs for a decode step
+        that fits one, else fresh tensors."""
+        plan = plan_step(sched.seqs, sched.num_tokens, self.block_size, self.num_cache_blocks)
+        bucket = self.graphs.bucket(plan) if self.graphs is not None else None
+        return plan.to(self.device) if bucket is None else self.graphs.inputs(plan, bucket)
 
     def run_plan(self, plan: "StepPlan") -> torch.Tensor | None:
         """A whole step from its host arrays (what a tensor-parallel worker does)."""
@@ -91,7 +109,13 @@ class ModelRunner:
         return self.run(inputs, self.backend.prepare(inputs.metadata))
 
     def run(self, inputs: StepInputs, backend_state) -> torch.Tensor | None:
-        """fp32 logits [len(logits_indices), vocab] (None on tensor-parallel ranks other than 0)."""
+        """fp32 logits [len(logits_indices), vocab] (None on tensor-parallel ranks other than 0);
+        a graph's step returns its bucket's rows, the step's own first."""
+        if inputs.graph is not None:
+            return self.graphs.replay(inputs)
+        return self.run_eager(inputs, backend_state)
+
+    def run_eager(self, inputs: StepInputs, backend_state) -> torch.Tensor | None:
         ctx = AttentionContext(self.backend, backend_state, inputs.metadata.slot_mapping, self.kv_caches)
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)
 
@@ -115,20 +139,36 @@ class StepPlan:
     block_size: int
     num_cache_blocks: int
 
+    def arrays(self) -> list[np.ndarray]:
+        """What travels to the device: the int32 metadata, then the int64 token arrays."""
+        i32 = (self.query_start_loc, self.seq_lens, self.context_lens, self.token_seq_idx)
+        return [
+            *(a.astype(np.int32) for a in i32),
+            self.block_table,
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.logits_indices,
+        ]
+
     def to(self, device: torch.device) -> StepInputs:
-        """One host-to-device copy per tensor; no device sync."""
-        _to = functools.partial(to_device, device=device)
+        """Two host-to-device copies (one per dtype); no device sync."""
+        return self.inputs(to_device_packed(self.arrays(), device))
+
+    def inputs(self, tensors: list[torch.Tensor]) -> StepInputs:
+        """StepInputs from device copies of `arrays()`, in that order."""
+        qsl, seq_lens, context_lens, token_seq_idx, block_table, input_ids, positions, slots, logits_indices = tensors
         q_lens = np.diff(self.query_start_loc)
         num_decodes = int((q_lens == 1).sum())
         num_tokens = len(self.input_ids)
         meta = AttentionMetadata(
-            query_start_loc=_to(self.query_start_loc.astype(np.int32)),
-            seq_lens=_to(self.seq_lens.astype(np.int32)),
-            context_lens=_to(self.context_lens.astype(np.int32)),
-            block_table=_to(self.block_table),
-            slot_mapping=_to(self.slot_mapping),
-            positions=_to(self.positions),
-            token_seq_idx=_to(self.token_seq_idx.astype(np.int32)),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            block_table=block_table,
+            slot_mapping=slots,
+            positions=positions,
+            token_seq_idx=token_seq_idx,
             max_query_len=int(q_lens.max()),
             max_seq_len=int(self.seq_lens.max()),
             num_decodes=num_decodes,
@@ -141,12 +181,7 @@ class StepPlan:
             seq_lens_cpu=self.seq_lens.tolist(),
             context_lens_cpu=self.context_lens.tolist(),
         )
-        return StepInputs(
-            input_ids=_to(self.input_ids),
-            logits_indices=_to(self.logits_indices),
-            metadata=meta,
-            plan=self,
-        )
+        return StepInputs(input_ids=input_ids, logits_indices=logits_indices, metadata=meta, plan=self)
 
 
 def plan_step(seqs: list[Sequence], num_new: list[int], block_size: int, num_cache_blocks: int) -> StepPlan:
@@ -194,6 +229,43 @@ def plan_step(seqs: list[Sequence], num_new: list[int], block_size: int, num_cac
         block_size=block_size,
         num_cache_blocks=num_cache_blocks,
     )
+
+
+def profile_activation_bytes(
+    model: CausalLM,
+    backend: AttentionBackend,
+    num_tokens: int,
+    num_logits: int,
+    max_model_len: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> int:
+    """CUDA memory one step of `num_tokens` prompt tokens (sequences of at most max_model_len)
+    and `num_logits` logits rows needs beyond what is allocated now: the activation peak, plus
+    the small cache it writes to. What the KV cache must leave free."""
+    from pagedbench.sampling_params import SamplingParams
+
+    seq_len = min(num_tokens, max_model_len)
+    num_seqs = -(-num_tokens // seq_len)
+    pages = -(-seq_len // block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner = ModelRunner(model, backend, num_seqs * pages, block_size, device, dtype)
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence(str(i), None, [0] * seq_len, SamplingParams())
+        seq.block_table = list(range(i * pages, (i + 1) * pages))
+        seqs.append(seq)
+    plan = plan_step(seqs, [seq_len] * num_seqs, block_size, runner.num_cache_blocks)
+    plan.logits_indices = np.arange(num_logits, dtype=np.int64) % len(plan.input_ids)  # the sampler's rows
+    runner.run_plan(plan)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del runner
+    torch.cuda.empty_cache()
+    return peak
 
 
 def prepare_step(

@@ -2,18 +2,22 @@
 min_tokens and logits processors; repetition/frequency/presence penalties; greedy argmax or
 temperature, top-k, top-p, min-p and a draw.
 
-Random rows draw exponential noise and take argmax(probs / noise) (equivalent to sampling
-from probs); a request with a seed draws its noise from its own generator, so its tokens do
-not depend on what else is in the batch. Each feature costs nothing unless a row uses it, and
-only the rows that use it are touched; the host builds small index tensors per step and never
-waits for the device before the tokens are read.
+A random row draws one uniform number and takes the token where it falls in the row's
+cumulative distribution (inverse-CDF sampling: one number per row, not one per vocabulary
+entry); a request with a seed draws from its own generator, so its tokens do not depend on
+what else is in the batch. Each feature costs nothing unless a row uses it, and only the rows
+that use it are touched. The parameters' device tensors are built when the batch's sequences
+change, not every step, and the host never waits for the device before the tokens are read.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedbench.sequence import Sequence
+from pagedbench.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -28,51 +32,44 @@ class Penalties:
 
 @dataclass(slots=True)
 class SamplingBatch:
+    seqs: list[Sequence]  # row i samples for seqs[i]
+    # From the requests' parameters (kept while the rows' sequences stay the same):
     temperature: torch.Tensor  # [B] fp32, 1.0 on greedy rows
     top_k: torch.Tensor | None  # [B] int64, vocab size where disabled
+    max_top_k: int  # the largest enabled top_k (0: none)
     top_p: torch.Tensor | None  # [B] fp32
     min_p: torch.Tensor | None  # [B] fp32
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     generators: list[torch.Generator | None]
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) set to -inf: min_tokens, bad words
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [A], mask [A, V]) allowed_token_ids
+    logprob_rows: list[int] | None = None  # rows whose sampled token's logprob is needed
+    logprob_index: torch.Tensor | None = None  # the same rows on the device
+    num_logprobs: int = 0  # top logprobs returned per row in logprob_rows (the widest request's)
+    # From the sequences' outputs so far (rebuilt every step, only when some row uses them):
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) set to -inf: min_tokens, bad words
     processors: list[tuple] | None = None  # (processor, row indices, their output token ids)
     penalties: Penalties | None = None
-    logprob_rows: list[int] | None = None  # rows whose sampled token's logprob is needed
-    num_logprobs: int = 0  # top logprobs returned per row in logprob_rows (the widest request's)
 
     @classmethod
     def from_seqs(
-        cls, seqs: list[Sequence], vocab_size: int, device: torch.device, eos_token_ids: list[int] = ()
+        cls,
+        seqs: list[Sequence],
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: list[int] = (),
+        previous: "SamplingBatch | None" = None,
     ) -> "SamplingBatch":
-        ps = [s.params for s in seqs]
-
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        batch = cls(
-            temperature=col([p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32),
-            top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in ps], torch.int64)
-            if any(p.top_k > 0 for p in ps)
-            else None,
-            top_p=col([p.top_p for p in ps], torch.float32) if any(p.top_p < 1 for p in ps) else None,
-            min_p=col([p.min_p for p in ps], torch.float32) if any(p.min_p > 0 for p in ps) else None,
-            greedy=col([p.temperature == 0 for p in ps], torch.bool),
-            all_greedy=all(p.temperature == 0 for p in ps),
-            generators=[s.generator for s in seqs],
-        )
+        """The batch for `seqs`; the parameter tensors of `previous` are reused (no copy) when
+        it was built for the same sequences in the same order."""
+        same = previous is not None and len(previous.seqs) == len(seqs)
+        if same and all(a is b for a, b in zip(previous.seqs, seqs)):
+            batch = dataclasses.replace(previous, banned=None, processors=None, penalties=None)
+        else:
+            batch = cls._from_params(seqs, vocab_size, device)
         banned = [(i, t) for i, s in enumerate(seqs) for t in _banned_tokens(s, eos_token_ids)]
         if banned:
-            batch.banned = (col([i for i, _ in banned], torch.int64), col([t for _, t in banned], torch.int64))
-        allowed = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]
-        if allowed:
-            mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool)
-            for j, i in enumerate(allowed):
-                if ps[i]._allowed_ids is None:  # once per request, not per step
-                    ps[i]._allowed_ids = torch.tensor(ps[i].allowed_token_ids, dtype=torch.int64)
-                mask[j, ps[i]._allowed_ids] = True
-            batch.allowed = (col(allowed, torch.int64), mask.to(device))
+            batch.banned = tuple(to_device(np.array(c, dtype=np.int64), device) for c in zip(*banned))
         by_processor: dict[int, tuple] = {}
         for i, s in enumerate(seqs):
             for fn in s.params.logits_processors or ():
@@ -80,12 +77,40 @@ class SamplingBatch:
                 by_processor[id(fn)][1].append(i)
                 by_processor[id(fn)][2].append(s.output_token_ids)
         batch.processors = list(by_processor.values()) or None
-        penalized = [i for i, p in enumerate(ps) if p.penalized]
+        penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
         if penalized:
             batch.penalties = _penalties([seqs[i] for i in penalized], penalized, vocab_size, device)
+        return batch
+
+    @classmethod
+    def _from_params(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        ps = [s.params for s in seqs]
+
+        def col(values, dtype):
+            return to_device(np.array(values, dtype=dtype), device)
+
+        top_ks = [p.top_k for p in ps if p.top_k > 0]
+        batch = cls(
+            seqs=list(seqs),
+            temperature=col([p.temperature if p.temperature > 0 else 1.0 for p in ps], np.float32),
+            top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in ps], np.int64) if top_ks else None,
+            max_top_k=min(max(top_ks, default=0), vocab_size),
+            top_p=col([p.top_p for p in ps], np.float32) if any(p.top_p < 1 for p in ps) else None,
+            min_p=col([p.min_p for p in ps], np.float32) if any(p.min_p > 0 for p in ps) else None,
+            greedy=col([p.temperature == 0 for p in ps], np.bool_),
+            all_greedy=all(p.temperature == 0 for p in ps),
+            generators=[s.generator for s in seqs],
+        )
+        allowed = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]
+        if allowed:
+            mask = np.zeros((len(allowed), vocab_size), dtype=np.bool_)
+            for j, i in enumerate(allowed):
+                mask[j, ps[i].allowed_token_ids] = True
+            batch.allowed = (col(allowed, np.int64), to_device(mask, device))
         wanted = [i for i, p in enumerate(ps) if p.logprobs is not None or p.best_of > 1]
         if wanted:
             batch.logprob_rows = wanted
+            batch.logprob_index = col(wanted, np.int64)
             batch.num_logprobs = max(ps[i].logprobs or 0 for i in wanted)
         return batch
 
@@ -107,25 +132,24 @@ def _banned_tokens(seq: Sequence, eos_token_ids) -> list[int]:
 def _penalties(seqs: list[Sequence], rows: list[int], vocab_size: int, device: torch.device) -> Penalties:
     def padded(lists):  # ragged token lists -> [P, L] with a spill column V for padding
         width = max(map(len, lists), default=0)
-        out = torch.full((len(lists), max(width, 1)), vocab_size, dtype=torch.int64)
+        out = np.full((len(lists), max(width, 1)), vocab_size, dtype=np.int64)
         for j, ids in enumerate(lists):
-            out[j, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        return out.to(device)
+            out[j, : len(ids)] = ids
+        return to_device(out, device)
 
     def counts(tokens):
         c = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.int32, device=device)
         return c.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.int32))[:, :vocab_size]
 
-    def col(name):
-        return torch.tensor([[getattr(s.params, name)] for s in seqs], dtype=torch.float32, device=device)
-
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    weights = to_device(np.array([[getattr(s.params, n) for n in names] for s in seqs], dtype=np.float32), device)
     output_counts = counts(padded([s.output_token_ids for s in seqs]))
     prompt_counts = counts(padded([s.prompt_token_ids for s in seqs]))
     return Penalties(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        presence=col("presence_penalty"),
-        frequency=col("frequency_penalty"),
-        repetition=col("repetition_penalty"),
+        rows=to_device(np.array(rows, dtype=np.int64), device),
+        presence=weights[:, 0:1],
+        frequency=weights[:, 1:2],
+        repetition=weights[:, 2:3],
         output_counts=output_counts,
         seen=(output_counts > 0) | (prompt_counts > 0),
     )
@@ -151,7 +175,7 @@ class Sampler:
         tokens = self.sample(logits, batch)
         out = SamplerOutput(tokens)
         if batch.logprob_rows is not None:
-            rows = torch.tensor(batch.logprob_rows, device=logits.device)
+            rows = batch.logprob_index
             logprobs = raw[rows].log_softmax(dim=-1)
             picked = logprobs.gather(-1, tokens[rows, None])
             out.token_logprobs = picked.squeeze(-1)
@@ -169,14 +193,19 @@ class Sampler:
             probs = logits.softmax(dim=-1)
             threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if batch.top_k is not None or batch.top_p is not None:
+        if batch.top_p is not None:
             logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        elif batch.top_k is not None:
+            logits = _apply_top_k(logits, batch.top_k, batch.max_top_k)
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # [B, V]
+        u = torch.rand(len(cdf), 1, generator=self.generator, device=cdf.device)
         for i, gen in enumerate(batch.generators):
             if gen is not None:
-                noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=gen, device=cdf.device)
+        # The first token whose cumulative probability exceeds u (never a zero-probability one);
+        # u rounding up to the total (about 1 in 2^24) takes the most likely token.
+        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+        sampled = torch.where(sampled < cdf.shape[-1], sampled, greedy_tokens)
         return torch.where(batch.greedy, greedy_tokens, sampled)
 
 
@@ -204,6 +233,15 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     repeated = torch.where(logits > 0, logits / p.repetition, logits * p.repetition)
     logits = torch.where(p.seen, repeated, logits)
     return logits - p.frequency * p.output_counts - p.presence * (p.output_counts > 0)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Top-k alone, without a full sort: each row keeps the logits at least its k-th largest
+    (ties at the k-th kept, as in vLLM); rows with top-k disabled (k = V) keep everything."""
+    top = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
+    kth = top.gather(-1, (top_k.clamp(max=max_top_k) - 1)[:, None])
+    kth = kth.masked_fill((top_k >= logits.shape[-1])[:, None], float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

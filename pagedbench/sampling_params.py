@@ -1,6 +1,6 @@
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
 
@@ -46,7 +46,6 @@ class SamplingParams:
     logits_processors: list[Callable] | None = None
     skip_special_tokens: bool = True
     _bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized by the engine
-    _allowed_ids: object = field(default=None, repr=False, compare=False)  # allowed_token_ids as a tensor, cached
 
     def __post_init__(self):
         if isinstance(self.stop, str):

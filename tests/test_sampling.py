@@ -32,6 +32,42 @@ def test_top_k_top_p_min_p_restrict_support():
     assert set(sample_many(LOGITS, SP(temperature=1.0)).tolist()) >= {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("params", [SP(temperature=1.0), SP(temperature=0.5), SP(top_k=3), SP(top_p=0.8)])
+def test_draws_follow_the_processed_distribution(params):
+    """Inverse-CDF draws: token frequencies match softmax(logits / T) restricted to the kept set."""
+    logits = LOGITS / params.temperature
+    keep = torch.ones_like(LOGITS, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[params.top_k :] = False  # LOGITS is sorted
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        keep &= probs.cumsum(-1) - probs < params.top_p
+    expected = logits.masked_fill(~keep, float("-inf")).softmax(-1)
+    freq = torch.bincount(sample_many(LOGITS, params, n=20000), minlength=len(LOGITS)) / 20000
+    assert (freq - expected).abs().max() < 0.015
+    assert (freq[~keep] == 0).all()
+
+
+def test_top_k_alone_per_row_with_rows_that_disable_it():
+    seqs = [Sequence(str(i), None, [1], SP(top_k=k)) for i, k in enumerate([1, -1, 2, 1000] * 100)]
+    batch = SamplingBatch.from_seqs(seqs, len(LOGITS), torch.device("cpu"))
+    assert batch.max_top_k == len(LOGITS)
+    tokens = Sampler(torch.device("cpu"), seed=0)(LOGITS.expand(len(seqs), -1).clone(), batch).tokens.view(-1, 4)
+    assert set(tokens[:, 0].tolist()) == {0} and set(tokens[:, 2].tolist()) == {0, 1}
+    assert len(set(tokens[:, 1].tolist())) >= 4 and len(set(tokens[:, 3].tolist())) >= 4  # disabled / k >= V
+
+
+def test_parameter_tensors_are_reused_for_the_same_sequences():
+    seqs = [Sequence(str(i), None, [1], SP(temperature=0.5 + i, top_p=0.9, min_tokens=3)) for i in range(3)]
+    first = SamplingBatch.from_seqs(seqs, 8, torch.device("cpu"), eos_token_ids=[2])
+    again = SamplingBatch.from_seqs(list(seqs), 8, torch.device("cpu"), eos_token_ids=[2], previous=first)
+    assert again.temperature is first.temperature and again.top_p is first.top_p
+    assert again.banned is not None  # rebuilt every step: it follows the outputs
+    reordered = SamplingBatch.from_seqs(seqs[::-1], 8, torch.device("cpu"), previous=first)
+    assert reordered.temperature is not first.temperature
+    assert reordered.temperature.tolist() == [2.5, 1.5, 0.5]
+
+
 def test_temperature_sharpens_distribution():
     hot = sample_many(LOGITS, SP(temperature=5.0), n=2000)
     cold = sample_many(LOGITS, SP(temperature=0.2), n=2000)

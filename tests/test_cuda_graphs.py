@@ -1,0 +1,131 @@
+"""Decode CUDA graphs, checked on CPU: bucket choice, padding, and replay. A fake capture stands
+for a CUDA graph — its replay reruns the captured call with the objects captured, so a backend
+whose prepare() does not refill static buffers in place replays stale state and is caught."""
+
+import numpy as np
+import pytest
+import torch
+from pagedbench.backends.flash_attn import FlashAttnBackend
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets, graphable, pad_decode_plan
+from pagedbench.model_runner import plan_step
+from pagedbench.sequence import Sequence
+from tests.test_flash_attn import install_only
+
+CPU = torch.device("cpu")
+
+
+def fake_capture(fn, pool):
+    return fn, pool
+
+
+def test_buckets_follow_vllm_sizes_up_to_max_num_seqs():
+    assert decode_buckets(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert decode_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(300)[-4:] == [256, 272, 288, 300]
+    buckets = decode_buckets(20)
+    assert [bucket_for(n, buckets) for n in (1, 3, 4, 5, 9, 17, 20, 21)] == [1, 4, 4, 8, 16, 20, 20, None]
+
+
+def decode_seqs(lens, block_size, rng, num_blocks):
+    """Sequences in decode: `lens[i]` tokens, the last not yet computed, pages scattered."""
+    free = rng.permutation(num_blocks).tolist()
+    seqs = []
+    for i, n in enumerate(lens):
+        seq = Sequence(str(i), None, rng.integers(3, 300, n).tolist(), SamplingParams())
+        seq.num_computed_tokens = n - 1
+        seq.block_table = [free.pop() for _ in range(-(-n // block_size))]
+        seqs.append(seq)
+    return seqs
+
+
+def test_padding_rows_live_in_the_padding_page():
+    rng = np.random.default_rng(0)
+    seqs = decode_seqs([5, 17, 33], 16, rng, 20)
+    plan = plan_step(seqs, [1, 1, 1], 16, 21)
+    assert graphable(plan)
+    padded = pad_decode_plan(plan, 8, 6, pad_block=20)
+    assert padded.block_table.shape == (8, 6) and np.array_equal(padded.block_table[:3, :3], plan.block_table)
+    assert (padded.block_table[3:, 0] == 20).all() and (padded.slot_mapping[3:] == 20 * 16).all()
+    assert padded.seq_lens.tolist() == [5, 17, 33, 1, 1, 1, 1, 1]
+    assert padded.query_start_loc.tolist() == list(range(9)) and padded.logits_indices.tolist() == list(range(8))
+    assert padded.sampling_rows == plan.sampling_rows == [0, 1, 2]
+    with pytest.raises(ValueError, match="exceeds"):
+        pad_decode_plan(plan, 2, 6, 20)
+    seqs[2].num_computed_tokens -= 1  # a two-token chunk: not a decode step
+    prefill = plan_step(seqs, [1, 1, 2], 16, 21)
+    assert not graphable(prefill)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_padding_does_not_change_the_real_rows(backend):
+    llm = LLM("tiny-llama", backend=backend, device="cpu", num_blocks=40)
+    runner = llm.engine.runner
+    rng = np.random.default_rng(1)
+    seqs = decode_seqs([3, 20, 45, 9], 16, rng, 40)
+    plan = plan_step(seqs, [1] * 4, 16, runner.num_cache_blocks)
+    inputs = plan.to(CPU)
+    eager = runner.run_eager(inputs, runner.backend.prepare(inputs.metadata))
+    padded = pad_decode_plan(plan, 8, 8, runner.pad_block).to(CPU)
+    got = runner.run_eager(padded, runner.backend.prepare(padded.metadata))
+    torch.testing.assert_close(got[:4], eager, atol=1e-5, rtol=1e-5)
+
+
+def graph_engine(monkeypatch, backend_cls=FlashAttnBackend, max_num_seqs=8):
+    """A tiny engine whose runner replays fake-captured decode graphs through `backend_cls`
+    (flash-attn with the FA4 fake: the backend whose prepare() is graph-safe)."""
+    install_only(monkeypatch, "fa4")
+    llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_num_seqs=max_num_seqs, max_model_len=128)
+    engine = llm.engine
+    cfg = engine.model_config
+    engine.runner.backend = backend_cls(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, 16, CPU, torch.float32
+    )
+    graphs = DecodeGraphs(engine.runner, max_num_seqs, engine.max_model_len, capture=fake_capture)
+    graphs.capture_all()
+    return llm, graphs
+
+
+def test_graphs_replay_decode_steps_exactly(monkeypatch):
+    """Greedy generation with ragged lengths (the batch shrinks through every bucket as requests
+    finish) gives the same tokens with graphs as eagerly; every decode step replays a graph."""
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 4 * i + 2))} for i in range(7)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(7)]
+    eager_llm, _ = graph_engine(monkeypatch)
+    expected = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+
+    llm, graphs = graph_engine(monkeypatch)
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    llm.engine.runner.graphs = graphs
+    replayed = []
+    original = graphs.replay
+    graphs.replay = lambda inputs: replayed.append(inputs.graph) or original(inputs)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert set(replayed) == {1, 2, 4, 8}
+
+
+def test_a_backend_that_rebuilds_its_state_replays_stale_inputs(monkeypatch):
+    """Why sdpa says it cannot be captured: its replayed step attends with the capture's masks."""
+    from pagedbench.backends.sdpa import SDPABackend
+
+    assert SDPABackend.cuda_graph_reason and FlashAttnBackend.cuda_graph_reason is None
+    llm, graphs = graph_engine(monkeypatch, backend_cls=SDPABackend, max_num_seqs=4)
+    runner = llm.engine.runner
+    seqs = decode_seqs([7, 30, 12], 16, np.random.default_rng(2), 60)
+    plan = plan_step(seqs, [1] * 3, 16, runner.num_cache_blocks)
+    inputs = plan.to(CPU)
+    eager = runner.run_eager(inputs, runner.backend.prepare(inputs.metadata))
+    static = graphs.inputs(plan, graphs.bucket(plan))
+    runner.backend.prepare(static.metadata)  # a fresh state the captured call never sees
+    assert not torch.allclose(graphs.replay(static)[:3], eager, atol=1e-3)
+
+
+def test_engine_takes_vllm_memory_and_graph_settings():
+    llm = LLM("tiny-llama", device="cpu", num_blocks=16, enforce_eager=True, gpu_memory_utilization=0.5)
+    assert llm.engine.cuda_graphs == "off: enforce_eager"
+    assert LLM("tiny-llama", device="cpu", num_blocks=16).engine.cuda_graphs == "off: no CUDA device (device is cpu)"
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be <= 1, got 1.5"):
+        LLM("tiny-llama", device="cpu", gpu_memory_utilization=1.5)
