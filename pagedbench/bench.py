@@ -21,6 +21,7 @@ from pagedbench.loader import resolve_model_config
 from pagedbench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.outputs import RequestOutput
 from pagedbench.parallel import TPShard
+from pagedbench.peers import HFContinuousBatching, peer_provider, peer_unavailable_reason
 from pagedbench.scenario import ENGINE_FIELDS, Request, Scenario, build_requests
 
 
@@ -178,11 +179,15 @@ def compare(
     repeats: int = 1,
     warmup: bool = True,
     rows: list | None = None,
+    peers: list[str] = (),
 ) -> Comparison:
-    """Every available backend on the identical request set and KV budget, one engine at a time.
-    Serving rows are appended to `rows` (a report.CsvLog writes each out) as runs finish."""
+    """Every available backend on the identical request set and KV budget, one engine at a time,
+    then each peer library (`peers.PEERS`) on the same requests. Serving rows are appended to
+    `rows` (a report.CsvLog writes each out) as runs finish."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for peer in peers:
+        peer_unavailable_reason(peer, scenario)  # an unknown name fails here, before any run
     dev, dt = resolve_device_dtype(device, dtype)
     model = resolve_model_config(scenario.model)[0]
     requests = build_requests(scenario, model.vocab_size)
@@ -221,8 +226,37 @@ def compare(
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # the next backend gets the memory this one's engine held
+    for peer in peers:
+        head = {**env, "backend": peer, "provider": peer_provider(peer), **scenario_columns}
+        reason = peer_unavailable_reason(peer, scenario)
+        if reason:
+            unavailable[peer] = reason
+            rows.append({**head, "status": "unavailable", "reason": reason})
+            continue
+        measured[peer] = run_peer(scenario, requests, dev, dt, repeats, warmup)
+        for repeat, m in enumerate(measured[peer]):
+            rows.append({**head, "status": "ok", "reason": "", "repeat": repeat, **m.row})
+        gc.collect()
     _add_cross_backend_columns(rows, measured, greedy=scenario.temperature == 0)
+    if resolve_model_config(scenario.model)[1] is None:  # a preset: the peer's random weights differ
+        for row in rows:
+            if row["backend"] in peers and "identical_token_share" in row:
+                row["identical_token_share"] = np.nan
     return Comparison(rows, request_rows, kv_rows, unavailable)
+
+
+def run_peer(scenario: Scenario, requests: list[Request], device, dtype, repeats: int, warmup: bool):
+    """`repeats` measurements of Hugging Face continuous batching on the requests (throughput
+    only: it reports no per-token times)."""
+    peer = HFContinuousBatching(scenario, device, dtype)
+    if warmup:
+        peer.drive(warmup_requests(requests))
+    runs = []
+    for _ in range(repeats):
+        duration, outputs = peer.drive(requests)
+        row = throughput_summary([len(r.prompt_token_ids) for r in requests], list(map(len, outputs)), duration)
+        runs.append(Measurement(row, outputs, [], []))
+    return runs
 
 
 def _add_cross_backend_columns(rows: list[dict], measured: dict[str, list[Measurement]], greedy: bool) -> None:

@@ -142,7 +142,17 @@ def serving_report(args, backends: list[str], command: str) -> None:
     warn_if_busy(resolve_device_dtype(args.device, args.dtype)[0])
     log = CsvLog(args.out, f"{command}-{scenario.name}", "serving", command)
     with keep_partial(log):
-        result = compare(scenario, backends, args.scale, args.device, args.dtype, args.repeats, args.warmup, rows=log)
+        result = compare(
+            scenario,
+            backends,
+            args.scale,
+            args.device,
+            args.dtype,
+            args.repeats,
+            args.warmup,
+            rows=log,
+            peers=getattr(args, "peer", None) or [],
+        )
     if command == "run" and result.unavailable:
         raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
     serving = tidy(result.rows, "serving", command)
@@ -423,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compare", help="run a scenario on several backends: same requests, same KV budget")
     comp.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
+    comp.add_argument(
+        "--peer",
+        action="append",
+        choices=["hf"],
+        help="also run a peer library on the same requests: hf = transformers' continuous batching (repeatable)",
+    )
     add_scenario_args(comp)
     comp.set_defaults(func=cmd_compare)
 

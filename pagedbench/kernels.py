@@ -1,13 +1,19 @@
 """Attention-only microbenchmark: each backend's prepare() and forward() timed separately on
-fragmented block tables (random_attention_batch), over batch x context x block size x phase."""
+fragmented block tables (random_attention_batch), over batch x context x block size x phase.
+
+Two yardsticks in every row: the device's measured copy bandwidth (what a kernel that only
+streams K/V could reach) and a dense row — the same attention by SDPA over contiguous,
+unpaged K/V — so each backend's cost of paging is a column (`vs_dense`)."""
 
 import itertools
 import re
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pagedbench.attention_batch import random_attention_batch
@@ -17,6 +23,7 @@ from pagedbench.environment import environment, synchronize
 
 PHASES = ("decode", "prefill", "mixed")
 MIXED_CHUNK = 512  # the prefill chunk a mixed step carries next to its decodes
+DENSE = "dense-sdpa"  # the unpaged yardstick's row name
 
 # Spec-sheet HBM bandwidth (TB/s), matched against torch.cuda.get_device_name in order.
 PEAK_BANDWIDTH_TBPS = [
@@ -130,18 +137,46 @@ def time_call(fn, device: torch.device, warmup: int, repeats: int) -> list[float
     return times
 
 
-def peak_bandwidth(device: torch.device) -> tuple[float, str]:
-    """(GB/s, where it comes from): the spec sheet for known GPUs, else a measured device copy."""
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a large device-to-device copy (read + write): the memory speed a kernel can reach."""
+    nbytes = (256 if device.type == "cuda" else 64) << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = min(time_call(lambda: dst.copy_(src), device, warmup=2, repeats=10))
+    return 2 * nbytes / seconds / 1e9
+
+
+def peak_bandwidth(device: torch.device, measured_copy: float) -> tuple[float, str]:
+    """(GB/s, where it comes from): the spec sheet for known GPUs, else the measured copy."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for pattern, tbps in PEAK_BANDWIDTH_TBPS:
             if re.search(pattern, name):
                 return tbps * 1e3, "spec sheet"
-    nbytes = (256 if device.type == "cuda" else 64) << 20
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = min(time_call(lambda: dst.copy_(src), device, warmup=2, repeats=10))
-    return 2 * nbytes / seconds / 1e9, "measured copy (read + write)"
+    return measured_copy, "measured copy (read + write)"
+
+
+def dense_calls(spec: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
+    """The point's attention without paging: one SDPA call per group of alike sequences, over
+    contiguous [n, H_kv, cached + new, D] K/V (decodes need no mask, whole prompts are causal,
+    a chunk after cached tokens gets a bottom-right causal mask)."""
+    calls = []
+    for (cached, new), n in sorted(Counter(spec).items()):
+        q = torch.randn(n, num_heads, new, head_dim, dtype=dtype, device=device)
+        k, v = (torch.randn(n, num_kv_heads, cached + new, head_dim, dtype=dtype, device=device) for _ in "kv")
+        mask = None
+        if new > 1 and cached:
+            keys = torch.arange(cached + new, device=device)
+            mask = keys[None, :] <= cached + torch.arange(new, device=device)[:, None]
+        calls.append((q, k, v, mask, new > 1 and not cached))
+    return calls
+
+
+def dense_forward(calls, scale: float) -> None:
+    for q, k, v, mask, causal in calls:
+        F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
 
 def run_kernels(
@@ -152,7 +187,8 @@ def run_kernels(
     grid.validate()
     dev, dt = resolve_device_dtype(device, dtype)
     env = environment(dev, dt)
-    peak_gbps, peak_source = peak_bandwidth(dev)
+    copy_gbps = copy_bandwidth(dev)
+    peak_gbps, peak_source = peak_bandwidth(dev, copy_gbps)
     points = list(grid.points())
     if not points:
         raise ValueError("every grid point exceeds max_kv_tokens or max_query_tokens")
@@ -177,7 +213,10 @@ def run_kernels(
             "repeats": grid.repeats,
             "peak_bandwidth_gbps": peak_gbps,
             "peak_bandwidth_source": peak_source,
+            "copy_bandwidth_gbps": copy_gbps,
         }
+        dense = _time_dense(spec, point, grid, dev, dt)
+        rows.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **point, **dense})
         batch = None
         for name in backends:
             _, cls, provider, reason = resolve(
@@ -190,7 +229,9 @@ def run_kernels(
             if batch is None:  # built once per point, shared by the backends
                 batch = random_attention_batch(spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev)
             try:
-                rows.append({**head, "status": "ok", "reason": "", **_time_backend(cls, batch, point, grid, dev, dt)})
+                timed = _time_backend(cls, batch, point, grid, dev, dt)
+                timed["vs_dense"] = timed["forward_median_ms"] / dense["forward_median_ms"]
+                rows.append({**head, "status": "ok", "reason": "", **timed})
             except torch.cuda.OutOfMemoryError:
                 rows.append({**head, "status": "error", "reason": "out of device memory"})
                 torch.cuda.empty_cache()
@@ -214,16 +255,29 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device: torch.devic
     forward = time_call(
         lambda: backend.forward(batch.q, batch.k_cache, batch.v_cache, state), device, grid.warmup, grid.repeats
     )
-    forward_median = statistics.median(forward)
     efficiency = getattr(backend, "tile_efficiency", None)  # flex: share of computed scores its mask keeps
-    bandwidth = point["kv_bytes"] / forward_median / 1e9
     return {
         "prepare_min_ms": 1e3 * min(prepare),
         "prepare_median_ms": 1e3 * statistics.median(prepare),
+        **_forward_columns(forward, point),
+        "tile_efficiency": efficiency(state) if efficiency else float("nan"),
+    }
+
+
+def _time_dense(spec, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
+    calls = dense_calls(spec, point["num_heads"], point["num_kv_heads"], grid.head_dim, dtype, device)
+    forward = time_call(lambda: dense_forward(calls, grid.head_dim**-0.5), device, grid.warmup, grid.repeats)
+    return {"status": "ok", "reason": "", **_forward_columns(forward, point), "vs_dense": 1.0}
+
+
+def _forward_columns(forward: list[float], point: dict) -> dict:
+    median = statistics.median(forward)
+    bandwidth = point["kv_bytes"] / median / 1e9
+    return {
         "forward_min_ms": 1e3 * min(forward),
-        "forward_median_ms": 1e3 * forward_median,
+        "forward_median_ms": 1e3 * median,
         "bandwidth_gbps": bandwidth,
         "pct_of_peak_bandwidth": 100 * bandwidth / point["peak_bandwidth_gbps"],
-        "tflops": point["flops"] / forward_median / 1e12,
-        "tile_efficiency": efficiency(state) if efficiency else float("nan"),
+        "pct_of_copy_bandwidth": 100 * bandwidth / point["copy_bandwidth_gbps"],
+        "tflops": point["flops"] / median / 1e12,
     }

@@ -111,6 +111,9 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "peak_bandwidth_gbps",
     "peak_bandwidth_source",
     "pct_of_peak_bandwidth",
+    "copy_bandwidth_gbps",
+    "pct_of_copy_bandwidth",
+    "vs_dense",
     "tflops",
     "tile_efficiency",
 ]
@@ -267,7 +270,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "TPOT mean/p99 ms": _pair(med, "tpot"),
             "ITL mean/p99 ms": _pair(med, "itl"),
             "E2EL mean ms": med["mean_e2el_ms"].round(1),
-            "preemptions": med["preemptions"].astype(int),
+            "preemptions": med["preemptions"].round().astype("Int64"),  # empty for a peer
             "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
             **_sharing(med),
             "prepare %": _prepare_pct(med),
@@ -292,8 +295,8 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "total tok/s": ok["total_token_throughput"].round(1),
             "mean TTFT ms": ok["mean_ttft_ms"].round(1),
             "mean TPOT ms": ok["mean_tpot_ms"].round(2),
-            "steps": ok["steps"].astype(int),
-            "preemptions": ok["preemptions"].astype(int),
+            "steps": ok["steps"].astype("Int64"),  # empty for a peer: its internals are not ours to count
+            "preemptions": ok["preemptions"].astype("Int64"),
             **_sharing(ok),
             "prepare %": _prepare_pct(ok),
         }
@@ -318,7 +321,7 @@ def _parallel(df: pd.DataFrame) -> dict[str, pd.Series]:
     """Tensor-parallel size and each rank's KV budget, where some run was sharded."""
     if "tensor_parallel_size" not in df or not (df["tensor_parallel_size"].fillna(1) > 1).any():
         return {}
-    return {"TP": df["tensor_parallel_size"].fillna(1).astype(int), "KV blocks/rank": df["num_blocks"].astype(int)}
+    return {"TP": df["tensor_parallel_size"].fillna(1).astype(int), "KV blocks/rank": df["num_blocks"].astype("Int64")}
 
 
 def _sharing(df: pd.DataFrame) -> dict[str, pd.Series]:
@@ -381,6 +384,11 @@ def _serving_section(serving: pd.DataFrame) -> str:
     return "\n".join(parts)
 
 
+def _column(df: pd.DataFrame, name: str) -> pd.Series:
+    """A numeric column, or NaN where the CSV predates it."""
+    return pd.to_numeric(df[name], errors="coerce") if name in df else pd.Series(float("nan"), index=df.index)
+
+
 def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
     ok = kernels[kernels["status"] == "ok"]
     return pd.DataFrame(
@@ -398,8 +406,10 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
             "forward ms (min)": ok["forward_min_ms"].round(3),
             "GB/s": ok["bandwidth_gbps"].round(1),
             "% peak": ok["pct_of_peak_bandwidth"].round(1),
+            "% copy": _column(ok, "pct_of_copy_bandwidth").round(1),
+            "x dense": _column(ok, "vs_dense").round(2),
             "TFLOP/s": ok["tflops"].round(3),
-            "tile eff.": ok["tile_efficiency"].round(3) if "tile_efficiency" in ok else float("nan"),
+            "tile eff.": _column(ok, "tile_efficiency").round(3),
         }
     )
 

@@ -179,6 +179,26 @@ def test_kernels_csv_schema_and_report(tmp_path, capsys):
     assert sorted(df["phase"].unique()) == ["decode", "mixed", "prefill"] and (df["status"] == "ok").all()
     assert (df["bandwidth_gbps"] > 0).all() and (df["forward_min_ms"] <= df["forward_median_ms"]).all()
     assert (tmp_path / "kernels-bandwidth.png").stat().st_size > 0
+    # Yardsticks at every point: the unpaged SDPA row, and the measured copy bandwidth.
+    dense = df[df["backend"] == "dense-sdpa"]
+    assert len(dense) == 3 and (dense["vs_dense"] == 1).all()
+    paged = df[df["backend"] != "dense-sdpa"]
+    assert (paged["vs_dense"] > 0).all() and (df["copy_bandwidth_gbps"] > 0).all()
+    assert (df["pct_of_copy_bandwidth"] - 100 * df["bandwidth_gbps"] / df["copy_bandwidth_gbps"]).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("cached,new", [(0, 1), (7, 1), (0, 9), (7, 9)])
+def test_dense_yardstick_attends_causally_bottom_right(cached, new):
+    from pagedbench.kernels import dense_calls
+
+    ((q, k, v, mask, causal),) = dense_calls([(cached, new)] * 2, 4, 2, 8, torch.float32, torch.device("cpu"))
+    assert q.shape == (2, 4, new, 8) and k.shape == (2, 2, cached + new, 8)
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    scores = q @ kk.transpose(-1, -2) / 8**0.5
+    visible = torch.arange(cached + new)[None, :] <= cached + torch.arange(new)[:, None]
+    expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vv
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -255,6 +275,7 @@ def test_a_cut_kernels_run_keeps_its_rows(monkeypatch, tmp_path, capsys):
             str(tmp_path),
         ]
     )
-    assert code == 130 and "interrupted after 3 rows" in capsys.readouterr().err
+    assert code == 130 and "interrupted after 5 rows" in capsys.readouterr().err  # 3 timed + 2 dense yardsticks
     rows = pd.read_csv(tmp_path / "kernels.csv")
-    assert len(rows) == 3 and (rows["status"] == "ok").all() and (tmp_path / "kernels.md").exists()
+    assert len(rows) == 5 and (rows["status"] == "ok").all() and (tmp_path / "kernels.md").exists()
+    assert (rows["backend"] == "dense-sdpa").sum() == 2

@@ -1,0 +1,42 @@
+"""`compare --peer hf`: Hugging Face transformers' continuous batching on the identical requests."""
+
+import pandas as pd
+import pytest
+
+from pagedbench.bench import compare
+from pagedbench.cli import main
+from pagedbench.scenario import load_scenario
+
+
+def test_hf_peer_runs_the_identical_requests(tiny_models):
+    """Same weights (a model directory), greedy fp32: transformers' continuous batching produces
+    exactly the tokens our engine does, request by request."""
+    scenario = load_scenario("mixed").scaled(0.02)
+    scenario.model = str(tiny_models["llama"][0])
+    result = compare(scenario, ["sdpa"], 0.02, "cpu", "fp32", warmup=False, peers=["hf"])
+    rows = {r["backend"]: r for r in result.rows}
+    assert rows["hf"]["status"] == "ok" and rows["hf"]["provider"].startswith("transformers ")
+    assert rows["hf"]["total_output_tokens"] == rows["sdpa"]["total_output_tokens"] > 0
+    assert rows["hf"]["identical_token_share"] == 1.0
+    assert rows["hf"]["output_throughput"] > 0 and 0 < rows["hf"]["throughput_vs_best"] <= 1
+
+
+def test_peer_on_a_preset_reports_throughput_only(tmp_path, capsys):
+    code = main(
+        ["compare", "--backends", "sdpa", "--peer", "hf", "--scenario", "mixed", "--scale", "0.02"]
+        + ["--model", "tiny-llama", "--device", "cpu", "--dtype", "fp32", "--no-warmup", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    df = pd.read_csv(tmp_path / "compare-mixed.csv").set_index("backend")
+    assert df.loc["hf", "status"] == "ok" and pd.isna(df.loc["hf", "identical_token_share"])  # other weights
+    assert df.loc["hf", "total_output_tokens"] == df.loc["sdpa", "total_output_tokens"]
+    assert "| hf " in capsys.readouterr().out
+
+
+def test_peer_refuses_what_it_cannot_run(tmp_path):
+    scenario = load_scenario("parallel-sampling").scaled(0.02)
+    scenario.model = "tiny-llama"
+    result = compare(scenario, [], 0.02, "cpu", "fp32", warmup=False, peers=["hf"])
+    assert result.unavailable == {"hf": "n > 1: transformers' continuous batching returns one sample per request"}
+    with pytest.raises(ValueError, match="unknown peer 'vllm'"):
+        compare(scenario, [], 0.02, "cpu", "fp32", peers=["vllm"])
