@@ -2,7 +2,9 @@
 `scaled_dot_product_attention` call with a causal + length mask.
 
 Decodes and prefills are separate padded groups, so one long prefill does not pad every
-decode to its query length.
+decode to its query length. On CUDA the kernel is chosen, not left to the dispatcher: the
+memory-efficient kernel (it takes the boolean mask), never cuDNN, which builds a plan for
+every new shape (~1.7 ms of host time per call on an H100, 28 calls a step).
 """
 
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata, gather_kv_slots
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass(slots=True)
@@ -22,6 +25,9 @@ class _Group:
     mask: torch.Tensor  # [n, 1, max_q, max_kv] True = attend
     num_seqs: int
     max_q: int
+
+
+CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # masks rule out flash; cuDNN plans per shape
 
 
 class SDPABackend(AttentionBackend):
@@ -48,7 +54,19 @@ class SDPABackend(AttentionBackend):
             )
         return groups
 
+    @classmethod
+    def provider(cls, **settings) -> str:
+        device = settings.get("device")
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        return f"torch {torch.__version__}" + (" SDPA memory-efficient kernel (cuDNN excluded)" if on_cuda else "")
+
     def forward(self, q, k_cache, v_cache, state: list[_Group]) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return self._forward(q, k_cache, v_cache, state)
+        with sdpa_kernel(CUDA_KERNELS):
+            return self._forward(q, k_cache, v_cache, state)
+
+    def _forward(self, q, k_cache, v_cache, state: list[_Group]) -> torch.Tensor:
         out = torch.empty_like(q)
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)

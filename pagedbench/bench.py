@@ -88,7 +88,9 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
     compile_before = engine.backend.compile_seconds
     bm = engine.block_manager
     queries_before, hits_before = bm.prefix_queries, bm.prefix_hits
+    engine.timer.reset()
     duration, outputs = drive(engine, requests, desc)
+    device = engine.timer.totals()
     output_ids = [[c.token_ids for c in o.outputs] for o in outputs]  # each request's samples
     output_lens = [sum(map(len, samples)) for samples in output_ids]
     st = engine.stats
@@ -100,7 +102,9 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_kv_blocks": st.peak_blocks_used,
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
         **st.time_columns(),
+        **device_columns(device, sum(st.time.values())),
         "time_backend_compile_s": engine.backend.compile_seconds - compile_before,  # 0 after a warmup run
+        "cuda_graphs": engine.cuda_graphs,  # "on: sizes, capture time, MiB" or "off: why"
         "prefix_cache_queries": bm.prefix_queries - queries_before,  # prompt tokens looked up
         "prefix_cache_hits": bm.prefix_hits - hits_before,  # of which cached
         "peak_shared_blocks": st.peak_shared_blocks,
@@ -114,6 +118,20 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         for i, (r, o, n) in enumerate(zip(requests, outputs, output_lens))
     ]
     return Measurement(row, [ids for samples in output_ids for ids in samples], per_request, kv_timeline(engine))
+
+
+def device_columns(device: dict[str, float], step_wall: float) -> dict:
+    """Device time of the steps (CUDA events around each step's forward and sampler; launch gaps
+    inside count as busy, so the overhead is a lower bound), the share of eager forward time
+    spent in attention, and the engine's overhead: the share of step wall time not covered."""
+    forward, attention = device.get("forward", 0.0), device.get("attention", 0.0)
+    step = forward + device.get("forward_graph", 0.0) + device.get("sample", 0.0)
+    return {
+        "time_device_s": step,
+        "time_attention_s": attention,
+        "attention_share": attention / forward if forward else np.nan,
+        "engine_overhead_share": max(0.0, 1 - step / step_wall) if step_wall else np.nan,
+    }
 
 
 MAX_KV_POINTS = 500
@@ -154,7 +172,7 @@ def run_backend(
     """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
     engine = LLMEngine(engine_config(scenario, backend, device, dtype))
     try:
-        engine.sync_timing = engine.device.type == "cuda"  # honest time split; costs a sync per part
+        engine.timer.enabled = True  # device time from CUDA events read after each run: no sync in the loop
         if scenario.longest_request > engine.max_model_len:
             raise ValueError(
                 f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "

@@ -13,6 +13,7 @@ from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
 from pagedbench.cuda_graphs import DecodeGraphs
 from pagedbench.device import resolve_device_dtype
+from pagedbench.device_timer import DeviceTimer
 from pagedbench.environment import synchronize
 from pagedbench.loader import build_model, resolve_model_config
 from pagedbench.model_runner import ModelRunner, build_backend, kv_bytes_per_block, profile_activation_bytes
@@ -93,6 +94,9 @@ class LLMEngine:
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
         self.sync_timing = False  # synchronize the device around timed parts (for breakdowns)
+        # Device spans (CUDA events, read after a run; off unless enabled): "forward" / "forward_graph"
+        # (eager / replayed), "attention" (each eager layer's call), "sample" (the sampler's kernels).
+        self.timer = DeviceTimer(self.device)
         self._requests: dict[str, SequenceGroup] = {}
         self._sampling_batch: SamplingBatch | None = None  # last step's, reused while its sequences run on
         self._ids = itertools.count()
@@ -275,7 +279,10 @@ class LLMEngine:
         t2 = self._now()
         state = self.backend.prepare(inputs.metadata)
         t3 = self._now()
-        logits = self.runner.run(inputs, state)
+        forward_start = self.timer.mark()
+        timer = self.timer if self.timer.enabled and inputs.graph is None else None
+        logits = self.runner.run(inputs, state, timer)
+        self.timer.span("forward" if inputs.graph is None else "forward_graph", forward_start)
         t4 = self._now()
         for seq, n in zip(sched.seqs, sched.num_tokens):
             st.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
@@ -336,7 +343,9 @@ class LLMEngine:
                 sampled, cfg.vocab_size, self.device, cfg.eos_token_ids, previous=self._sampling_batch
             )
             self._sampling_batch = batch
+            sample_start = self.timer.mark()
             out = self.sampler(sub, batch)
+            self.timer.span("sample", sample_start)
             tokens = to_list(out.tokens)  # the step's one wait for the device
             if batch.logprob_rows is not None:
                 self._record_logprobs(sampled, batch.logprob_rows, out, tokens)

@@ -26,6 +26,7 @@ class AttentionContext:
     state: Any
     slot_mapping: torch.Tensor  # [T] int64
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, H_kv, D]
+    timer: Any = None  # a DeviceTimer: each layer's attention call becomes an "attention" span
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -123,7 +124,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        start = ctx.timer.mark() if ctx.timer is not None else None
         out = ctx.backend.forward(q, k_cache, v_cache, ctx.state)
+        if start is not None:
+            ctx.timer.span("attention", start)
         return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
 
 

@@ -108,15 +108,16 @@ class ModelRunner:
         inputs = plan.to(self.device)
         return self.run(inputs, self.backend.prepare(inputs.metadata))
 
-    def run(self, inputs: StepInputs, backend_state) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs, backend_state, timer=None) -> torch.Tensor | None:
         """fp32 logits [len(logits_indices), vocab] (None on tensor-parallel ranks other than 0);
-        a graph's step returns its bucket's rows, the step's own first."""
+        a graph's step returns its bucket's rows, the step's own first. `timer` (a DeviceTimer)
+        times each layer's attention in eager steps."""
         if inputs.graph is not None:
             return self.graphs.replay(inputs)
-        return self.run_eager(inputs, backend_state)
+        return self.run_eager(inputs, backend_state, timer)
 
-    def run_eager(self, inputs: StepInputs, backend_state) -> torch.Tensor | None:
-        ctx = AttentionContext(self.backend, backend_state, inputs.metadata.slot_mapping, self.kv_caches)
+    def run_eager(self, inputs: StepInputs, backend_state, timer=None) -> torch.Tensor | None:
+        ctx = AttentionContext(self.backend, backend_state, inputs.metadata.slot_mapping, self.kv_caches, timer)
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)
 
 

@@ -60,7 +60,12 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "mean_wasted_slots",
     "peak_wasted_slots",
     *TIME_COLUMNS,
+    "time_device_s",
+    "time_attention_s",
+    "attention_share",
+    "engine_overhead_share",
     "time_backend_compile_s",
+    "cuda_graphs",
     "throughput_vs_best",
     "identical_token_share",
 ]
@@ -274,6 +279,8 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
             **_sharing(med),
             "prepare %": _prepare_pct(med),
+            "attention % of GPU": _pct(med, "attention_share"),
+            "overhead %": _pct(med, "engine_overhead_share"),
             "identical tokens": med["identical_token_share"].round(4),
         }
     )
@@ -299,6 +306,8 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "preemptions": ok["preemptions"].astype("Int64"),
             **_sharing(ok),
             "prepare %": _prepare_pct(ok),
+            "attention % of GPU": _pct(ok, "attention_share"),
+            "overhead %": _pct(ok, "engine_overhead_share"),
         }
     )
     if cross_backend:
@@ -337,6 +346,10 @@ def _sharing(df: pd.DataFrame) -> dict[str, pd.Series]:
         "shared blocks": df["peak_shared_blocks"].round().astype("Int64"),
     }
     return {name: col for name, col in columns.items() if col is not None}
+
+
+def _pct(df: pd.DataFrame, share: str) -> pd.Series:
+    return (100 * _column(df, share)).round(1)
 
 
 def _prepare_pct(df: pd.DataFrame) -> pd.Series:

@@ -4,10 +4,11 @@ temperature, top-k, top-p, min-p and a draw.
 
 A random row draws one uniform number and takes the token where it falls in the row's
 cumulative distribution (inverse-CDF sampling: one number per row, not one per vocabulary
-entry); a request with a seed draws from its own generator, so its tokens do not depend on
-what else is in the batch. Each feature costs nothing unless a row uses it, and only the rows
-that use it are touched. The parameters' device tensors are built when the batch's sequences
-change, not every step, and the host never waits for the device before the tokens are read.
+entry; top-p on CPU draws by rejection instead of sorting). A request with a seed draws from
+its own generator, so its tokens do not depend on what else is in the batch. Each feature
+costs nothing unless a row uses it, and only the rows that use it are touched. The
+parameters' device tensors are built when the batch's sequences change, not every step, and
+the host never waits for the device before the tokens are read.
 """
 
 import dataclasses
@@ -41,6 +42,7 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # [B] fp32
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
+    any_greedy: bool
     generators: list[torch.Generator | None]
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [A], mask [A, V]) allowed_token_ids
     logprob_rows: list[int] | None = None  # rows whose sampled token's logprob is needed
@@ -99,6 +101,7 @@ class SamplingBatch:
             min_p=col([p.min_p for p in ps], np.float32) if any(p.min_p > 0 for p in ps) else None,
             greedy=col([p.temperature == 0 for p in ps], np.bool_),
             all_greedy=all(p.temperature == 0 for p in ps),
+            any_greedy=any(p.temperature == 0 for p in ps),
             generators=[s.generator for s in seqs],
         )
         allowed = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]
@@ -167,6 +170,9 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # top-p by sorting (one kernel on a GPU) or, on CPU where a sort of [B, V] costs tens of
+        # milliseconds, by rejection draws (a few passes over the row, no sort).
+        self.sort_top_p = device.type != "cpu"
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] fp32 -> the sampled tokens and the logprobs asked for (on the device)."""
@@ -185,28 +191,65 @@ class Sampler:
         return out
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
-            return greedy_tokens
+            return logits.argmax(dim=-1)
+        greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
         logits = logits / batch.temperature[:, None]
         if batch.min_p is not None:  # before top-k/top-p, as in vLLM v1
             probs = logits.softmax(dim=-1)
             threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if batch.top_p is not None:
-            logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        elif batch.top_k is not None:
+        if batch.top_k is not None:
             logits = _apply_top_k(logits, batch.top_k, batch.max_top_k)
-        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # [B, V]
-        u = torch.rand(len(cdf), 1, generator=self.generator, device=cdf.device)
-        for i, gen in enumerate(batch.generators):
-            if gen is not None:
-                u[i] = torch.rand(1, generator=gen, device=cdf.device)
-        # The first token whose cumulative probability exceeds u (never a zero-probability one);
-        # u rounding up to the total (about 1 in 2^24) takes the most likely token.
-        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-        sampled = torch.where(sampled < cdf.shape[-1], sampled, greedy_tokens)
-        return torch.where(batch.greedy, greedy_tokens, sampled)
+        if batch.top_p is not None and self.sort_top_p:
+            logits = _apply_top_p(logits, batch.top_p)
+        probs = logits.softmax(dim=-1)
+        if batch.top_p is not None and not self.sort_top_p:
+            sampled = self._draw_from_nucleus(probs, batch)
+        else:
+            sampled = _inverse_cdf(probs, self._uniform(range(len(probs)), batch, probs.device))
+        return sampled if greedy_tokens is None else torch.where(batch.greedy, greedy_tokens, sampled)
+
+    def _uniform(self, rows, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+        """One uniform number per row [len(rows), 1]: a seeded request's from its own generator."""
+        u = torch.rand(len(rows), 1, generator=self.generator, device=device)
+        for j, i in enumerate(rows):
+            if batch.generators[i] is not None:
+                u[j] = torch.rand(1, generator=batch.generators[i], device=device)
+        return u
+
+    def _draw_from_nucleus(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Exact top-p draws without a sort. A row draws from its distribution restricted to the
+        tokens more likely than its floor (initially none excluded); the draw is kept when the
+        tokens strictly more likely than it hold less than top_p (it is in the nucleus), else
+        the floor rises to its probability and the row draws again. Every draw comes from a
+        superset of the nucleus, so a kept one follows the renormalised nucleus; each rejection
+        removes at least one token, and in practice a row needs one or two draws."""
+        num_rows = len(probs)
+        tokens = torch.zeros(num_rows, dtype=torch.int64, device=probs.device)
+        pending = torch.arange(num_rows, device=probs.device)
+        p, floor = probs, None  # the pending rows; their floors (None: nothing excluded yet)
+        while len(pending):
+            u = self._uniform(pending.tolist(), batch, probs.device)  # CPU only: a host list costs no sync
+            t = _inverse_cdf(p if floor is None else p.masked_fill(p <= floor, 0), u)
+            q = p.gather(-1, t[:, None])
+            above = torch.where(p > q, p, 0).sum(dim=-1, keepdim=True)
+            keep = (above < batch.top_p[pending, None]).squeeze(-1)
+            tokens[pending[keep]] = t[keep]
+            again = ~keep
+            floor = q[again] if floor is None else torch.maximum(floor[again], q[again])
+            pending, p = pending[again], p[again]
+        return tokens
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u [B, 1] x the row's total: never
+    a zero-probability one (its cumulative value equals the token's before it). The target is
+    kept below the total, which u x total can round up to."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -244,16 +287,11 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> t
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set to -inf every logit outside each row's top-k and top-p (nucleus) set."""
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside each row's nucleus: the most likely tokens whose
+    probability before them is below top_p (the top token always stays). Sorts the row."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        remove |= ranks[None, :] >= top_k[:, None]
-    if top_p is not None:
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # the top token always stays
-        remove |= mass_before >= top_p[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    remove = probs.cumsum(dim=-1) - probs >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

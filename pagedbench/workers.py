@@ -232,10 +232,10 @@ class ParallelRunner:
     def swap_in(self, pairs) -> None:
         self._everywhere("swap_in", pairs)
 
-    def run(self, inputs: StepInputs, backend_state) -> torch.Tensor:
+    def run(self, inputs: StepInputs, backend_state, timer=None) -> torch.Tensor:
         self.workers.send("run_plan", inputs.plan)
         try:
-            return self.local.run(inputs, backend_state)
+            return self.local.run(inputs, backend_state, timer)
         except RuntimeError as e:
             error = e if isinstance(e, WorkerError) else self.workers.failure()
             self.workers.shutdown()  # the group is broken: this engine cannot step again

@@ -91,3 +91,14 @@ def test_reference_matches_dense_causal_attention():
     v = batch.v_cache.view(-1, 2, 64)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
     dense = torch.nn.functional.scaled_dot_product_attention(batch.q.transpose(0, 1), k, v, is_causal=True)
     torch.testing.assert_close(out, dense.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_names_its_cuda_kernel():
+    """On CUDA sdpa picks the memory-efficient kernel itself (cuDNN plans per shape); the
+    provider column says so. On CPU it is plain torch."""
+    from pagedbench.backends.sdpa import CUDA_KERNELS, SDPABackend
+    from torch.nn.attention import SDPBackend
+
+    assert SDPABackend.provider(device="cuda").endswith("SDPA memory-efficient kernel (cuDNN excluded)")
+    assert SDPABackend.provider(device="cpu") == f"torch {torch.__version__}"
+    assert SDPBackend.CUDNN_ATTENTION not in CUDA_KERNELS

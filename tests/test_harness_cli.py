@@ -13,6 +13,7 @@ from pagedbench.backends.sdpa import SDPABackend
 
 from pagedbench.cli import main
 from pagedbench.report import KERNEL_COLUMNS, SERVING_COLUMNS
+from pagedbench.stats import TIME_COLUMNS
 
 # Columns that scripts and notebooks read: the schema (report.py) must keep them.
 RELIED_ON = {
@@ -279,3 +280,29 @@ def test_a_cut_kernels_run_keeps_its_rows(monkeypatch, tmp_path, capsys):
     rows = pd.read_csv(tmp_path / "kernels.csv")
     assert len(rows) == 5 and (rows["status"] == "ok").all() and (tmp_path / "kernels.md").exists()
     assert (rows["backend"] == "dense-sdpa").sum() == 2
+
+
+def test_device_time_columns(compared):
+    """Device time (forward + sampler spans), attention's share of the eager forward, and the
+    engine overhead: consistent with the step wall time of the same run."""
+    _, df = compared
+    ok = df[df["status"] == "ok"]
+    wall = ok[TIME_COLUMNS].sum(axis=1)
+    assert ((ok["time_device_s"] > 0) & (ok["time_device_s"] <= wall)).all()
+    assert ((ok["time_attention_s"] > 0) & (ok["time_attention_s"] < ok["time_forward_s"])).all()
+    assert ok["attention_share"].between(0, 1, inclusive="neither").all()
+    assert (ok["engine_overhead_share"] - (1 - ok["time_device_s"] / wall)).abs().max() < 1e-9
+
+
+def test_device_timer_is_off_unless_enabled():
+    """An engine that serves forever must not collect spans nobody reads."""
+    from pagedbench.device_timer import DeviceTimer
+
+    timer = DeviceTimer(torch.device("cpu"))
+    timer.span("forward", timer.mark())
+    assert timer.totals() == {}
+    timer.enabled = True
+    start = timer.mark()
+    timer.span("forward", start)
+    timer.span("forward", start)
+    assert set(timer.totals()) == {"forward"} and timer.totals()["forward"] >= 0

@@ -10,10 +10,12 @@ from pagedbench.sequence import Sequence
 from tests.conftest import hf_greedy
 
 
-def sample_many(logits_row, params, n=400):
+def sample_many(logits_row, params, n=400, sort_top_p=False):
     seqs = [Sequence(str(i), None, [1], params) for i in range(n)]
     batch = SamplingBatch.from_seqs(seqs, logits_row.numel(), torch.device("cpu"))
-    return Sampler(torch.device("cpu"), seed=0)(logits_row.expand(n, -1).clone(), batch).tokens
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    sampler.sort_top_p = sort_top_p  # the GPU's way (a sort) or the CPU's (rejection draws)
+    return sampler(logits_row.expand(n, -1).clone(), batch).tokens
 
 
 LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])
@@ -32,20 +34,40 @@ def test_top_k_top_p_min_p_restrict_support():
     assert set(sample_many(LOGITS, SP(temperature=1.0)).tolist()) >= {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("params", [SP(temperature=1.0), SP(temperature=0.5), SP(top_k=3), SP(top_p=0.8)])
-def test_draws_follow_the_processed_distribution(params):
+@pytest.mark.parametrize("sort_top_p", [False, True])
+@pytest.mark.parametrize(
+    "params", [SP(temperature=1.0), SP(temperature=0.5), SP(top_k=3), SP(top_p=0.8), SP(top_k=4, top_p=0.6)]
+)
+def test_draws_follow_the_processed_distribution(params, sort_top_p):
     """Inverse-CDF draws: token frequencies match softmax(logits / T) restricted to the kept set."""
     logits = LOGITS / params.temperature
     keep = torch.ones_like(LOGITS, dtype=torch.bool)
     if params.top_k > 0:
         keep[params.top_k :] = False  # LOGITS is sorted
     probs = logits.softmax(-1)
+    probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)  # top-p over the top-k renormalised
     if params.top_p < 1:
         keep &= probs.cumsum(-1) - probs < params.top_p
     expected = logits.masked_fill(~keep, float("-inf")).softmax(-1)
-    freq = torch.bincount(sample_many(LOGITS, params, n=20000), minlength=len(LOGITS)) / 20000
+    freq = torch.bincount(sample_many(LOGITS, params, n=20000, sort_top_p=sort_top_p), minlength=len(LOGITS)) / 20000
     assert (freq - expected).abs().max() < 0.015
     assert (freq[~keep] == 0).all()
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.95])
+def test_nucleus_draws_stay_in_the_nucleus_of_a_flat_distribution(top_p):
+    """Rejection draws on a near-uniform row (a random-weight model's): the support is exactly
+    the sorted nucleus, and every token in it is drawn about equally often."""
+    logits = torch.randn(200, generator=torch.Generator().manual_seed(0)) * 0.3
+    probs = logits.softmax(-1)
+    sorted_probs, order = probs.sort(descending=True)
+    nucleus = set(order[(sorted_probs.cumsum(-1) - sorted_probs) < top_p].tolist())
+    drawn = sample_many(logits, SP(top_p=top_p), n=20000)
+    assert set(drawn.tolist()) <= nucleus and len(set(drawn.tolist())) > 0.9 * len(nucleus)
+    freq = torch.bincount(drawn, minlength=200).float() / 20000
+    expected = torch.zeros(200)
+    expected[list(nucleus)] = probs[list(nucleus)] / probs[list(nucleus)].sum()
+    assert (freq - expected).abs().max() < 0.02
 
 
 def test_top_k_alone_per_row_with_rows_that_disable_it():
