@@ -117,7 +117,11 @@ class LLMEngine:
         sequences need."""
         cfg, config = self.model_config, self.config
         per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype, self.tp)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.tp.size > 1:
+            # The profiling step would need the other ranks in its all-reduces, and they start
+            # later: the free memory's share, as before vLLM profiled.
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * config.gpu_memory_utilization)
+        elif self.device.type == "cuda":
             activations = profile_activation_bytes(
                 self.model,
                 backend,

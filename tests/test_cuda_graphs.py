@@ -129,3 +129,45 @@ def test_engine_takes_vllm_memory_and_graph_settings():
     assert LLM("tiny-llama", device="cpu", num_blocks=16).engine.cuda_graphs == "off: no CUDA device (device is cpu)"
     with pytest.raises(ValueError, match="gpu_memory_utilization must be <= 1, got 1.5"):
         LLM("tiny-llama", device="cpu", gpu_memory_utilization=1.5)
+
+
+def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilization=0.9):
+    """What `_auto_num_blocks` reads, on a pretend GPU: memory figures and the profiled step."""
+    from types import SimpleNamespace
+
+    from pagedbench import engine as engine_module
+    from pagedbench.config import EngineConfig
+    from pagedbench.loader import resolve_model_config
+    from pagedbench.parallel import NO_TP
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * gib), int(total_gib * gib)))
+    monkeypatch.setattr(engine_module, "profile_activation_bytes", lambda *args: int(activation_gib * gib))
+    config = EngineConfig(model="qwen3-0.6b", gpu_memory_utilization=utilization, max_num_seqs=10**6)
+    fake = SimpleNamespace(
+        model_config=resolve_model_config("qwen3-0.6b")[0],
+        config=config,
+        tp=NO_TP,
+        device=torch.device("cuda"),
+        dtype=torch.bfloat16,
+        model=None,
+    )
+    return lambda: engine_module.LLMEngine._auto_num_blocks(fake, None, 4096)
+
+
+def test_kv_cache_gets_what_utilization_leaves_after_weights_and_activations(monkeypatch):
+    """vLLM's rule: utilization x total, less memory in use (weights...) and the profiled peak."""
+    from pagedbench.loader import resolve_model_config
+    from pagedbench.model_runner import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(resolve_model_config("qwen3-0.6b")[0], 16, torch.bfloat16)
+    blocks = fake_cuda_engine(monkeypatch, total_gib=80, free_gib=78, activation_gib=3)()
+    assert blocks == int(0.9 * 80 * 2**30 - 2 * 2**30 - 3 * 2**30) // per_block
+    half = fake_cuda_engine(monkeypatch, total_gib=80, free_gib=78, activation_gib=3, utilization=0.5)()
+    assert half < blocks / 1.5
+
+
+def test_a_model_that_does_not_fit_is_a_clear_error(monkeypatch):
+    too_small = fake_cuda_engine(monkeypatch, total_gib=8, free_gib=2, activation_gib=1, utilization=0.5)
+    with pytest.raises(ValueError, match=r"the model does not fit: gpu_memory_utilization=0.5 of 8.0 GiB leaves"):
+        too_small()
