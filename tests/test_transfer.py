@@ -20,6 +20,22 @@ def test_packed_copy_is_one_transfer_per_dtype_and_keeps_shapes():
         assert np.array_equal(t.numpy(), a)
 
 
+def test_pack_and_unpack_round_trip_through_one_buffer_per_dtype():
+    """The CUDA path (and the graphs' static inputs): one flat buffer per dtype, views back."""
+    from pagedbench.transfer import copy_to_device_, pack, unpack
+
+    arrays = [np.arange(3, dtype=np.int32), np.arange(8, dtype=np.int64).reshape(2, 4), np.full((3, 2), 7, np.int32)]
+    packed = pack(arrays)
+    assert [(d, len(h)) for d, h in packed.items()] == [(np.dtype(np.int32), 9), (np.dtype(np.int64), 8)]
+    buffers = {d: torch.zeros(len(h), dtype=torch.from_numpy(h).dtype) for d, h in packed.items()}
+    with counting() as copies:
+        for d, h in packed.items():
+            copy_to_device_(buffers[d], h)
+    assert copies == {"h2d": 2}
+    for a, view in zip(arrays, unpack(buffers, arrays)):
+        assert np.array_equal(view.numpy(), a)
+
+
 def test_counters_nest_and_close():
     with counting() as outer:
         to_device(np.zeros(3), CPU)
