@@ -8,6 +8,7 @@ import weakref
 import numpy as np
 import torch
 
+from pagedbench.backends.base import one_line
 from pagedbench.beam_search import BeamSearch, BeamSearchParams
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
@@ -166,7 +167,14 @@ class LLMEngine:
             return f"off: {reason}"
         graphs = DecodeGraphs(self.runner, self.config.max_num_seqs, self.max_model_len)
         logger.info("capturing decode CUDA graphs for batch sizes %s", graphs.buckets)
-        graphs.capture_all()
+        try:
+            graphs.capture_all()
+            mismatch = graphs.verify()
+        except Exception as e:  # a backend that cannot be captured after all: eager, and say why
+            mismatch = f"capture failed: {one_line(e)}"
+        if mismatch is not None:
+            logger.warning("CUDA graphs off: %s", mismatch)
+            return f"off: {mismatch}"
         self.runner.graphs = graphs
         status = (
             f"on: {len(graphs.buckets)} decode sizes up to {graphs.buckets[-1]}, captured in "

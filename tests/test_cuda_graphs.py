@@ -97,7 +97,7 @@ def test_graphs_replay_decode_steps_exactly(monkeypatch):
     expected = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
 
     llm, graphs = graph_engine(monkeypatch)
-    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert sorted(graphs.graphs) == [1, 2, 4, 8] and graphs.verify() is None
     llm.engine.runner.graphs = graphs
     replayed = []
     original = graphs.replay
@@ -121,6 +121,8 @@ def test_a_backend_that_rebuilds_its_state_replays_stale_inputs(monkeypatch):
     static = graphs.inputs(plan, graphs.bucket(plan))
     runner.backend.prepare(static.metadata)  # a fresh state the captured call never sees
     assert not torch.allclose(graphs.replay(static)[:3], eager, atol=1e-3)
+    # The engine's start-up check catches it before anything is measured, and runs eagerly.
+    assert graphs.verify().startswith("the batch-1 graph's logits differ from eager ones by")
 
 
 def test_engine_takes_vllm_memory_and_graph_settings():
@@ -171,3 +173,32 @@ def test_a_model_that_does_not_fit_is_a_clear_error(monkeypatch):
     too_small = fake_cuda_engine(monkeypatch, total_gib=8, free_gib=2, activation_gib=1, utilization=0.5)
     with pytest.raises(ValueError, match=r"the model does not fit: gpu_memory_utilization=0.5 of 8.0 GiB leaves"):
         too_small()
+
+
+def test_engine_runs_eagerly_when_its_graphs_fail(monkeypatch):
+    """A capture that raises, or replays that disagree with eager steps, leave the engine eager
+    and the reports saying why (checked at start-up, before anything is measured)."""
+    import functools
+
+    from pagedbench.backends.sdpa import SDPABackend
+
+    from pagedbench import engine as engine_module
+
+    llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_num_seqs=4)
+    engine = llm.engine
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # as if on a GPU
+    monkeypatch.setattr(SDPABackend, "cuda_graph_reason", None)  # as if sdpa claimed graph safety
+    monkeypatch.setattr(engine_module, "DecodeGraphs", functools.partial(DecodeGraphs, capture=fake_capture))
+    assert engine._capture_graphs().startswith("off: the batch-1 graph's logits differ from eager ones")
+    assert engine.runner.graphs is None
+
+    def failing_capture(fn, pool):
+        raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors ...")
+
+    monkeypatch.setattr(engine_module, "DecodeGraphs", functools.partial(DecodeGraphs, capture=failing_capture))
+    assert engine._capture_graphs() == (
+        "off: capture failed: RuntimeError: operation not permitted when stream is capturing"
+    )
+    monkeypatch.undo()  # back on the CPU: the engine steps eagerly
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
