@@ -62,12 +62,14 @@ class SDPABackend(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, state: list[_Group]) -> torch.Tensor:
         if self.device.type != "cuda":
-            return self._forward(q, k_cache, v_cache, state)
+            return self._forward(q, k_cache, v_cache, state, enable_gqa=self.num_heads != self.num_kv_heads)
+        # The memory-efficient kernel has no GQA: the gather repeats each KV head for its query heads.
         with sdpa_kernel(CUDA_KERNELS):
-            return self._forward(q, k_cache, v_cache, state)
+            return self._forward(q, k_cache, v_cache, state, enable_gqa=False)
 
-    def _forward(self, q, k_cache, v_cache, state: list[_Group]) -> torch.Tensor:
+    def _forward(self, q, k_cache, v_cache, state: list[_Group], enable_gqa: bool) -> torch.Tensor:
         out = torch.empty_like(q)
+        repeat = 1 if enable_gqa else self.num_heads // self.num_kv_heads
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         for g in state:
@@ -76,8 +78,8 @@ class SDPABackend(AttentionBackend):
             q_pad = rearrange(q_pad, "(n q) h d -> n h q d", n=g.num_seqs)
             k = rearrange(k_flat[g.kv_slots], "n s h d -> n h s d")  # gathered slots [n, max_kv] -> padded K
             v = rearrange(v_flat[g.kv_slots], "n s h d -> n h s d")
-            o = F.scaled_dot_product_attention(
-                q_pad, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
-            )
+            if repeat > 1:
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            o = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=enable_gqa)
             out[g.token_start : g.token_end] = rearrange(o, "n h q d -> (n q) h d")[g.q_dest]
         return out

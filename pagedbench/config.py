@@ -128,6 +128,12 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(2048, "tokens per engine step", minimum=1)
     max_model_len: int | None = setting(None, "longest sequence (default: the model's, capped by the cache)", minimum=1)
     seed: int = setting(0, "seed of the sampler and of preset weights", minimum=0)
+    preset_init: str = setting(
+        "decisive",
+        "a preset's random weights: decisive (one-hot attention heads, so every correct backend's greedy tokens "
+        "are identical) or plain (N(0, 0.02) everywhere)",
+        ("decisive", "plain"),
+    )
     tensor_parallel_size: int = setting(
         1, "ranks the model is sharded over (worker processes; GPUs on cuda)", minimum=1
     )

@@ -113,12 +113,16 @@ class DecodeGraphs:
         cuda = self.runner.device.type == "cuda"
         free_before = torch.cuda.mem_get_info(self.runner.device)[0] if cuda else 0
         start, pool = time.perf_counter(), None
+        vocab = self.runner.model.config.vocab_size
+        # One logits buffer for every graph: each graph's own output is a temporary of the shared
+        # pool (reused by the next capture), not [bucket, V] kept alive per bucket.
+        self.logits = torch.empty(self.buckets[-1], vocab, dtype=torch.float32, device=self.runner.device)
         for bucket in reversed(self.buckets):
             plan = self._padding_plan(bucket)
             buffers = {d: to_device(h, self.runner.device) for d, h in pack(plan.arrays()).items()}
-            inputs = self._inputs(plan, unpack(buffers, plan.arrays()))
+            inputs = self._graph_shaped(plan.inputs(unpack(buffers, plan.arrays())))
             state = self.runner.backend.prepare(inputs.metadata)
-            step = functools.partial(self.runner.run_eager, inputs, state)
+            step = functools.partial(self._step, inputs, state, self.logits[:bucket])
             for _ in range(2):  # warm-up outside the graph: lazy initialisation, JIT compiles
                 step()
             replay, pool = self._capture(step, pool)
@@ -127,6 +131,9 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.runner.device)
             self.capture_bytes = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
         self.capture_seconds = time.perf_counter() - start
+
+    def _step(self, inputs: StepInputs, state, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.runner.run_eager(inputs, state))
 
     def verify(self, seed: int = 0) -> str | None:
         """Replay the smallest and largest graphs on a fresh decode step (random tokens, one page
@@ -154,8 +161,10 @@ class DecodeGraphs:
                 block_size=bs,
                 num_cache_blocks=self.runner.num_cache_blocks,
             )
-            eager_inputs = plan.to(self.runner.device)
-            eager = self.runner.run_eager(eager_inputs, self.runner.backend.prepare(eager_inputs.metadata))
+            # The eager step gets the graph's shapes (padding, table width, max length), so both
+            # run the same kernels and may be compared closely.
+            eager_inputs = self._graph_shaped(self._pad(plan, bucket).to(self.runner.device))
+            eager = self.runner.run_eager(eager_inputs, self.runner.backend.prepare(eager_inputs.metadata))[:rows]
             inputs = self.inputs(plan, bucket)
             self.runner.backend.prepare(inputs.metadata)
             replayed = self.replay(inputs)[:rows]
@@ -204,9 +213,9 @@ class DecodeGraphs:
         )
         return self._pad(nothing, bucket)
 
-    def _inputs(self, padded: StepPlan, views: list[torch.Tensor]) -> StepInputs:
-        inputs = padded.inputs(views)
-        inputs.metadata = replace(inputs.metadata, max_seq_len=self.max_seq_len)  # what the kernels were built for
+    def _graph_shaped(self, inputs: StepInputs) -> StepInputs:
+        """`inputs` with the longest sequence the kernels are captured for as max_seq_len."""
+        inputs.metadata = replace(inputs.metadata, max_seq_len=self.max_seq_len)
         return inputs
 
     def _metadata(self, padded: StepPlan, captured: StepInputs):

@@ -39,6 +39,8 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # graph capture, events and syncs act on the current device
         self.model_config, path = resolve_model_config(config.model)
         cfg = self.model_config
         self.tp = TPShard(0, config.tensor_parallel_size)
@@ -60,7 +62,9 @@ class LLMEngine:
         # Workers build their shards while this process builds rank 0's.
         self.workers = Workers(config, rope_len, self.tp.size) if self.tp.size > 1 else None
         try:
-            self.model = build_model(cfg, path, self.device, self.dtype, rope_len, config.seed, self.tp)
+            self.model = build_model(
+                cfg, path, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init
+            )
             num_blocks = config.num_blocks or self._auto_num_blocks(backend, config.max_model_len or max_len_cap)
             if config.max_model_len is None:  # as long as the model allows and the cache holds
                 self.max_model_len = min(max_len_cap, num_blocks * bs)
@@ -133,6 +137,18 @@ class LLMEngine:
                 self.device,
                 self.dtype,
             )
+            if self._graph_off_reason(backend) is None:  # the graphs' pool and their logits buffer
+                activations += profile_activation_bytes(
+                    self.model,
+                    backend,
+                    config.max_num_seqs,
+                    config.max_num_seqs,
+                    1,
+                    config.block_size,
+                    self.device,
+                    self.dtype,
+                )
+                activations += config.max_num_seqs * cfg.vocab_size * 4
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
             if budget < per_block:
@@ -151,18 +167,19 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens, %.2f GiB", n, config.block_size, n * per_block / 2**30)
         return n
 
+    def _graph_off_reason(self, backend) -> str | None:
+        if self.config.enforce_eager:
+            return "enforce_eager"
+        if self.device.type != "cuda":
+            return f"no CUDA device (device is {self.device.type})"
+        if self.tp.size > 1:
+            return "tensor-parallel steps run eagerly"
+        return backend.cuda_graph_reason
+
     def _capture_graphs(self) -> str:
         """Capture the decode CUDA graphs where they can run; returns what the reports say:
         "on: ..." or "off: why"."""
-        reason = (
-            "enforce_eager"
-            if self.config.enforce_eager
-            else f"no CUDA device (device is {self.device.type})"
-            if self.device.type != "cuda"
-            else "tensor-parallel steps run eagerly"
-            if self.tp.size > 1
-            else self.backend.cuda_graph_reason
-        )
+        reason = self._graph_off_reason(self.backend)
         if reason is not None:
             return f"off: {reason}"
         graphs = DecodeGraphs(self.runner, self.config.max_num_seqs, self.max_model_len)

@@ -8,6 +8,7 @@ from safetensors import SafetensorError, safe_open
 from pagedbench.config import ModelConfig
 from pagedbench.model import CausalLM
 from pagedbench.parallel import NO_TP, TPShard, full_shape, local_part
+from pagedbench.preset_init import decisive_weights
 from pagedbench.presets import PRESETS
 
 
@@ -33,8 +34,10 @@ def build_model(
     max_positions: int,
     seed: int,
     tp: TPShard = NO_TP,
+    preset_init: str = "decisive",
 ) -> CausalLM:
-    """The model (this rank's shard of it), from `path`'s safetensors or random preset weights."""
+    """The model (this rank's shard of it), from `path`'s safetensors or random preset weights
+    (`preset_init`: "decisive", see preset_init.py, or "plain" N(0, 0.02))."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
     try:
@@ -42,7 +45,9 @@ def build_model(
             model = CausalLM(cfg, max_positions, tp)
     finally:
         torch.set_default_dtype(default_dtype)
-    if path is None:
+    if path is None and preset_init == "decisive":
+        _init_decisive(model, seed, max_positions)
+    elif path is None:
         _init_random(model, seed)
     else:
         _load_safetensors(model, path)
@@ -57,6 +62,14 @@ def _init_random(model: CausalLM, seed: int) -> None:
         else:  # drawn at full size, then sliced: every tensor-parallel size gets the same weights
             full = torch.empty(full_shape(p), dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
             p.data.copy_(local_part(p, full))
+
+
+def _init_decisive(model: CausalLM, seed: int, max_positions: int) -> None:
+    params = dict(model.named_parameters())
+    shapes = [(name, full_shape(p)) for name, p in params.items()]
+    for name, full in decisive_weights(model.config, shapes, seed, max_positions):
+        p = params[name]
+        p.data.copy_(local_part(p, full.to(p.device, p.dtype)))
 
 
 def _load_safetensors(model: CausalLM, path: Path) -> None:

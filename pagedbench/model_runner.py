@@ -242,26 +242,30 @@ def profile_activation_bytes(
     device: torch.device,
     dtype: torch.dtype,
 ) -> int:
-    """CUDA memory one step of `num_tokens` prompt tokens (sequences of at most max_model_len)
-    and `num_logits` logits rows needs beyond what is allocated now: the activation peak, plus
-    the small cache it writes to. What the KV cache must leave free."""
+    """Peak CUDA memory, beyond what is allocated before it, of one step of `num_tokens` prompt
+    tokens (sequences of at most max_model_len) whose `num_logits` logits rows then go through
+    the sampler with top-k and top-p (its sort is the largest temporary). What the KV cache
+    must leave free; the small cache the step writes to is not counted."""
+    from pagedbench.sampler import Sampler, SamplingBatch
     from pagedbench.sampling_params import SamplingParams
 
     seq_len = min(num_tokens, max_model_len)
     num_seqs = -(-num_tokens // seq_len)
     pages = -(-seq_len // block_size)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
     runner = ModelRunner(model, backend, num_seqs * pages, block_size, device, dtype)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
     seqs = []
     for i in range(num_seqs):
-        seq = Sequence(str(i), None, [0] * seq_len, SamplingParams())
+        seq = Sequence(str(i), None, [0] * seq_len, params)
         seq.block_table = list(range(i * pages, (i + 1) * pages))
         seqs.append(seq)
     plan = plan_step(seqs, [seq_len] * num_seqs, block_size, runner.num_cache_blocks)
     plan.logits_indices = np.arange(num_logits, dtype=np.int64) % len(plan.input_ids)  # the sampler's rows
-    runner.run_plan(plan)
+    sampling = SamplingBatch.from_seqs([seqs[i % num_seqs] for i in range(num_logits)], model.config.vocab_size, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    Sampler(device, seed=0)(runner.run_plan(plan), sampling)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del runner

@@ -244,12 +244,17 @@ class Sampler:
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The first token whose cumulative probability exceeds u [B, 1] x the row's total: never
-    a zero-probability one (its cumulative value equals the token's before it). The target is
-    kept below the total, which u x total can round up to."""
+    a zero-probability one (its cumulative value equals the token's before it, with CPU's
+    sequential sum; on a GPU the scan is checked). The target is kept below the total, which
+    u x total can round up to."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    if probs.device.type != "cpu":  # a parallel scan may round a zero-probability step upwards
+        allowed = probs.gather(-1, tokens[:, None]).squeeze(-1) > 0
+        tokens = torch.where(allowed, tokens, probs.argmax(dim=-1))
+    return tokens
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
         cfg, path = resolve_model_config(config.model)
         backend = build_backend(config.backend, cfg, config.block_size, device, dtype, tp)
-        model = build_model(cfg, path, device, dtype, spec.rope_len, config.seed, tp)
+        model = build_model(cfg, path, device, dtype, spec.rope_len, config.seed, tp, config.preset_init)
         conn.send(("built",))
         _, (num_blocks, num_cpu_blocks) = conn.recv()
         init_group(device, rank, spec.size, spec.port)  # first: a failure after it cannot leave rank 0 waiting

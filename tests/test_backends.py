@@ -102,3 +102,17 @@ def test_sdpa_names_its_cuda_kernel():
     assert SDPABackend.provider(device="cuda").endswith("SDPA memory-efficient kernel (cuDNN excluded)")
     assert SDPABackend.provider(device="cpu") == f"torch {torch.__version__}"
     assert SDPBackend.CUDNN_ATTENTION not in CUDA_KERNELS
+
+
+def test_sdpa_cuda_path_repeats_kv_heads_for_gqa():
+    """The CUDA path (no enable_gqa: the memory-efficient kernel lacks it) repeats each KV head
+    for its query heads; on CPU it must equal the enable_gqa path."""
+    from pagedbench.backends.sdpa import SDPABackend
+
+    from pagedbench.attention_batch import random_attention_batch
+
+    batch = random_attention_batch([(30, 1), (0, 20), (5, 7)], 8, 2, 16, 16)
+    backend = SDPABackend(8, 2, 16, 0.25, 16, torch.device("cpu"), torch.float32)
+    state = backend.prepare(batch.metadata)
+    repeated = backend._forward(batch.q, batch.k_cache, batch.v_cache, state, enable_gqa=False)
+    torch.testing.assert_close(repeated, backend.forward(batch.q, batch.k_cache, batch.v_cache, state))

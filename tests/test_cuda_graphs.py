@@ -133,7 +133,7 @@ def test_engine_takes_vllm_memory_and_graph_settings():
         LLM("tiny-llama", device="cpu", gpu_memory_utilization=1.5)
 
 
-def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilization=0.9):
+def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilization=0.9, graphs=False):
     """What `_auto_num_blocks` reads, on a pretend GPU: memory figures and the profiled step."""
     from types import SimpleNamespace
 
@@ -145,7 +145,7 @@ def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilizati
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * gib), int(total_gib * gib)))
     monkeypatch.setattr(engine_module, "profile_activation_bytes", lambda *args: int(activation_gib * gib))
-    config = EngineConfig(model="qwen3-0.6b", gpu_memory_utilization=utilization, max_num_seqs=10**6)
+    config = EngineConfig(model="qwen3-0.6b", gpu_memory_utilization=utilization, max_num_seqs=256)
     fake = SimpleNamespace(
         model_config=resolve_model_config("qwen3-0.6b")[0],
         config=config,
@@ -153,6 +153,7 @@ def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilizati
         device=torch.device("cuda"),
         dtype=torch.bfloat16,
         model=None,
+        _graph_off_reason=lambda backend: None if graphs else "enforce_eager",
     )
     return lambda: engine_module.LLMEngine._auto_num_blocks(fake, None, 4096)
 
@@ -167,6 +168,10 @@ def test_kv_cache_gets_what_utilization_leaves_after_weights_and_activations(mon
     assert blocks == int(0.9 * 80 * 2**30 - 2 * 2**30 - 3 * 2**30) // per_block
     half = fake_cuda_engine(monkeypatch, total_gib=80, free_gib=78, activation_gib=3, utilization=0.5)()
     assert half < blocks / 1.5
+    # With CUDA graphs: a profiled decode step for their pool, and their logits buffer, come off too.
+    with_graphs = fake_cuda_engine(monkeypatch, total_gib=80, free_gib=78, activation_gib=3, graphs=True)()
+    logits_buffer = 256 * 151936 * 4  # max_num_seqs x vocab x fp32
+    assert with_graphs == max(0, int(0.9 * 80 * 2**30 - 2 * 2**30 - 6 * 2**30) - logits_buffer) // per_block
 
 
 def test_a_model_that_does_not_fit_is_a_clear_error(monkeypatch):
