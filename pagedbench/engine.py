@@ -15,7 +15,6 @@ from pagedbench.config import EngineConfig
 from pagedbench.cuda_graphs import DecodeGraphs
 from pagedbench.device import resolve_device_dtype
 from pagedbench.device_timer import DeviceTimer
-from pagedbench.environment import synchronize
 from pagedbench.loader import build_model, resolve_model_config
 from pagedbench.model_runner import ModelRunner, build_backend, kv_bytes_per_block, profile_activation_bytes
 from pagedbench.outputs import Logprob, RequestOutput, request_output
@@ -98,7 +97,6 @@ class LLMEngine:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.stats = EngineStats()
-        self.sync_timing = False  # synchronize the device around timed parts (for breakdowns)
         # Device spans (CUDA events, read after a run; off unless enabled): "forward" / "forward_graph"
         # (eager / replayed), "attention" (each eager layer's call), "sample" (the sampler's kernels).
         self.timer = DeviceTimer(self.device)
@@ -277,20 +275,15 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _now(self) -> float:
-        if self.sync_timing:
-            synchronize(self.device)
-        return time.perf_counter()
-
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns outputs of the requests that progressed."""
         st, bm = self.stats, self.block_manager
-        t0 = self._now()
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         st.preemptions += sched.num_preempted
         if sched.empty:
             return []
-        t1 = self._now()
+        t1 = time.perf_counter()
         # Before the step writes anything: pages leaving for swap space, copy-on-write of shared
         # pages it writes into, pages coming back from swap space (that order: each may reuse
         # a block the one before read).
@@ -305,14 +298,14 @@ class LLMEngine:
         if swap_in:
             self.runner.swap_in(swap_in)
         inputs = self.runner.prepare(sched)
-        t2 = self._now()
+        t2 = time.perf_counter()
         state = self.backend.prepare(inputs.metadata)
-        t3 = self._now()
+        t3 = time.perf_counter()
         forward_start = self.timer.mark()
         timer = self.timer if self.timer.enabled and inputs.graph is None else None
         logits = self.runner.run(inputs, state, timer)
         self.timer.span("forward" if inputs.graph is None else "forward_graph", forward_start)
-        t4 = self._now()
+        t4 = time.perf_counter()
         for seq, n in zip(sched.seqs, sched.num_tokens):
             st.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
         self.scheduler.computed(sched)
