@@ -11,13 +11,16 @@ import time
 
 import torch
 import transformers
+from packaging.version import Version
 
 from pagedbench.loader import resolve_model_config
 from pagedbench.presets import PRESETS
 from pagedbench.scenario import Request, Scenario
 
 PEERS = ("hf",)
-HF_ATTENTION = "sdpa"  # transformers routes it through its paged cache under continuous batching
+# Under continuous batching transformers routes "sdpa" through its paged cache; before 5.23 that
+# had to be asked for by name ("paged|sdpa", deprecated since).
+HF_ATTENTION = "sdpa" if Version(transformers.__version__).release >= (5, 23) else "paged|sdpa"
 HF_PAGE = 256  # transformers' default page size
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -99,7 +102,8 @@ class HFContinuousBatching:
     def drive(self, requests: list[Request]) -> tuple[float, list[list[int]]]:
         """Wall time and each request's output token ids, in request order."""
         pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
-        outputs: dict[str, list[int]] = {}
+        index: dict[str, int] = {}  # transformers' request id -> our request
+        outputs: dict[int, list[int]] = {}
         with (
             quiet_transformers(),
             self.model.continuous_batching_context_manager(
@@ -111,18 +115,18 @@ class HFContinuousBatching:
                 while pending and start + requests[pending[0]].arrival_time <= time.perf_counter():
                     i = pending.pop(0)
                     r = requests[i]
-                    manager.add_request(
+                    request_id = manager.add_request(
                         r.prompt_token_ids,
-                        request_id=str(i),
                         max_new_tokens=r.params.max_tokens,
                         eos_token_id=-1 if r.params.ignore_eos else self.eos_token_id,
                     )
+                    index[request_id] = i
                 result = manager.get_result(timeout=0.05)
                 if result is None:
                     if not manager.is_running():
                         raise RuntimeError("transformers' continuous batching stopped before finishing")
                     continue
                 if result.is_finished():
-                    outputs[result.request_id] = list(result.generated_tokens)
+                    outputs[index[result.request_id]] = list(result.generated_tokens)
             duration = time.perf_counter() - start
-        return duration, [outputs[str(i)] for i in range(len(requests))]
+        return duration, [outputs[i] for i in range(len(requests))]
