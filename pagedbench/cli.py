@@ -46,8 +46,14 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="share KV blocks of common prompt prefixes (default: on)",
     )
+    overrides.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="no CUDA graphs: every step eager (default: graphs where the backend allows them, on CUDA)",
+    )
     for flag in SCENARIO_OVERRIDES:
-        if flag not in ("model", "enable_prefix_caching"):
+        if flag not in ("model", "enable_prefix_caching", "enforce_eager"):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
 
 

@@ -252,7 +252,8 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     """One row per device x scenario x backend that ran: medians over runs, display names."""
     ok = serving[serving["status"] == "ok"]
     keys = ["device_name", "dtype", "model", "scenario", "scale", "backend"]
-    keys += [col for col in ("n", "enable_prefix_caching", "tensor_parallel_size") if col in ok]  # older CSVs lack them
+    optional = ("n", "enable_prefix_caching", "tensor_parallel_size", "enforce_eager")  # older CSVs lack them
+    keys += [col for col in optional if col in ok]
     numeric = ok.select_dtypes("number").columns.difference(keys)
     groups = ok.groupby(keys, sort=False, dropna=False)
     med = groups[list(numeric)].median().reset_index()
@@ -308,6 +309,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "prepare %": _prepare_pct(ok),
             "attention % of GPU": _pct(ok, "attention_share"),
             "overhead %": _pct(ok, "engine_overhead_share"),
+            **_graphs(ok),
         }
     )
     if cross_backend:
@@ -346,6 +348,13 @@ def _sharing(df: pd.DataFrame) -> dict[str, pd.Series]:
         "shared blocks": df["peak_shared_blocks"].round().astype("Int64"),
     }
     return {name: col for name, col in columns.items() if col is not None}
+
+
+def _graphs(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """CUDA graphs on/off, where some run had them (the CSV's cuda_graphs column says why not)."""
+    if "cuda_graphs" not in df or not df["cuda_graphs"].astype(str).str.startswith("on").any():
+        return {}
+    return {"CUDA graphs": df["cuda_graphs"].astype(str).str.split(":").str[0]}
 
 
 def _pct(df: pd.DataFrame, share: str) -> pd.Series:
@@ -476,6 +485,8 @@ def _labels(df: pd.DataFrame) -> pd.Series:
         label = label + df["enable_prefix_caching"].map({True: "", False: " · no prefix caching"})
     if "tensor_parallel_size" in df and df["tensor_parallel_size"].nunique(dropna=False) > 1:
         label = label + " · tp " + df["tensor_parallel_size"].fillna(1).astype(int).astype(str)
+    if "enforce_eager" in df and df["enforce_eager"].nunique() > 1:
+        label = label + df["enforce_eager"].map({True: " · eager", False: ""})
     return label
 
 

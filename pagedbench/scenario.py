@@ -31,6 +31,7 @@ ENGINE_FIELDS = (
     "enable_prefix_caching",
     "seed",
     "tensor_parallel_size",
+    "enforce_eager",
 )
 
 
@@ -73,6 +74,7 @@ class Scenario:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # ranks the model is sharded over; num_blocks is each rank's KV budget
+    enforce_eager: bool = False  # no CUDA graphs (how the engine runs, not what: outside the hash)
 
     def validate(self) -> None:
         positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
@@ -155,9 +157,9 @@ class Scenario:
     def content_hash(self) -> str:
         """sha256 of the canonical form: every field but name and description, sorted keys,
         the KV budget in blocks however it was given (tensor_parallel_size only when > 1, so
-        hashes from before it existed still match)."""
+        hashes from before it existed still match; enforce_eager never: the workload is the same)."""
         content = dataclasses.asdict(self) | {"num_blocks": self.kv_blocks, "kv_tokens": None}
-        del content["name"], content["description"]
+        del content["name"], content["description"], content["enforce_eager"]
         if self.tensor_parallel_size == 1:
             del content["tensor_parallel_size"]
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

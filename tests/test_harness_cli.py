@@ -306,3 +306,18 @@ def test_device_timer_is_off_unless_enabled():
     timer.span("forward", start)
     timer.span("forward", start)
     assert set(timer.totals()) == {"forward"} and timer.totals()["forward"] >= 0
+
+
+def test_enforce_eager_is_a_run_setting_outside_the_workload_hash(tmp_path, compared):
+    """`--enforce-eager` (graphs on and off on the same requests) is recorded, not hashed."""
+    _, df = compared
+    ok = df[df["status"] == "ok"]
+    assert (ok["cuda_graphs"] == "off: no CUDA device (device is cpu)").all() and not ok["enforce_eager"].any()
+    code = main(
+        ["run", "--scenario", "mixed", "--scale", "0.02", "--model", "tiny-llama", "--device", "cpu"]
+        + ["--dtype", "fp32", "--no-warmup", "--enforce-eager", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    eager = pd.read_csv(tmp_path / "run-mixed.csv")
+    assert eager["enforce_eager"].all() and (eager["cuda_graphs"] == "off: enforce_eager").all()
+    assert eager["scenario_hash"].iloc[0] == ok["scenario_hash"].iloc[0]
