@@ -11,6 +11,7 @@ from pagedbench import LLM, SamplingParams
 from pagedbench.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets, graphable, pad_decode_plan
 from pagedbench.model_runner import plan_step
 from pagedbench.sequence import Sequence
+from pagedbench.transfer import counting
 from tests.test_flash_attn import install_only
 
 CPU = torch.device("cpu")
@@ -105,6 +106,14 @@ def test_graphs_replay_decode_steps_exactly(monkeypatch):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert set(replayed) == {1, 2, 4, 8}
+    # A replayed step copies its padded inputs into the graph's buffers: one copy per dtype.
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request({"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(temperature=0, max_tokens=8))
+    engine.step()  # the prefill (eager)
+    with counting() as copies:
+        engine.step()
+    assert replayed[-1] == 4 and copies == {"h2d": 2, "d2h": 1}
 
 
 def test_a_backend_that_rebuilds_its_state_replays_stale_inputs(monkeypatch):
