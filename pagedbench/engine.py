@@ -114,56 +114,46 @@ class LLMEngine:
             self.workers.shutdown()
 
     def _auto_num_blocks(self, backend, max_model_len: int) -> int:
-        """KV blocks from the memory budget: on CUDA (vLLM's rule) gpu_memory_utilization x the
-        device's memory, less what is in use (weights, other processes) and the activation peak
-        of a profiled step; on CPU cpu_kv_cache_bytes. Never more than max_num_seqs full-length
-        sequences need."""
-        cfg, config = self.model_config, self.config
-        per_block = kv_bytes_per_block(cfg, config.block_size, self.dtype, self.tp)
-        if self.device.type == "cuda" and self.tp.size > 1:
-            # The profiling step would need the other ranks in its all-reduces, and they start
-            # later: the free memory's share, as before vLLM profiled.
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * config.gpu_memory_utilization)
-        elif self.device.type == "cuda":
-            activations = profile_activation_bytes(
-                self.model,
-                backend,
-                config.max_num_batched_tokens,
-                config.max_num_seqs,
-                max_model_len,
-                config.block_size,
-                self.device,
-                self.dtype,
-            )
-            if self._graph_off_reason(backend) is None:  # the graphs' pool and their logits buffer
-                activations += profile_activation_bytes(
-                    self.model,
-                    backend,
-                    config.max_num_seqs,
-                    config.max_num_seqs,
-                    1,
-                    config.block_size,
-                    self.device,
-                    self.dtype,
-                )
-                activations += config.max_num_seqs * cfg.vocab_size * 4
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
-            if budget < per_block:
-                raise ValueError(
-                    f"the model does not fit: gpu_memory_utilization={config.gpu_memory_utilization} of "
-                    f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB for the KV cache after "
-                    f"{(total - free) / 2**30:.2f} GiB in use and {activations / 2**30:.2f} GiB of activations; "
-                    "raise gpu_memory_utilization or lower max_num_batched_tokens"
-                )
+        """KV blocks from the memory budget (`_cuda_kv_budget` on CUDA, cpu_kv_cache_bytes on
+        CPU), never more than max_num_seqs full-length sequences need."""
+        config = self.config
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.tp)
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget(backend, max_model_len, per_block)
         else:
             budget = config.cpu_kv_cache_bytes
-        useful = config.max_num_seqs * blocks_needed(max_model_len, config.block_size)
-        n = min(budget // per_block, useful)
+        n = min(budget // per_block, config.max_num_seqs * blocks_needed(max_model_len, config.block_size))
         if n < 1:
             raise ValueError(f"no memory for even one KV block ({per_block} bytes)")
         logger.info("KV cache: %d blocks of %d tokens, %.2f GiB", n, config.block_size, n * per_block / 2**30)
         return n
+
+    def _cuda_kv_budget(self, backend, max_model_len: int, per_block: int) -> int:
+        """vLLM's rule: gpu_memory_utilization x the device's memory, less what is in use (weights,
+        other processes), the peak of a profiled step of max_num_batched_tokens tokens and, with
+        CUDA graphs, their pool (a profiled decode step) and logits buffer."""
+        config, vocab = self.config, self.model_config.vocab_size
+        if self.tp.size > 1:
+            # The profiling step would need the other ranks in its all-reduces, and they start
+            # later: the free memory's share, as before vLLM profiled.
+            return int(torch.cuda.mem_get_info(self.device)[0] * config.gpu_memory_utilization)
+        args = (config.block_size, self.device, self.dtype)
+        peak = profile_activation_bytes(
+            self.model, backend, config.max_num_batched_tokens, config.max_num_seqs, max_model_len, *args
+        )
+        if self._graph_off_reason(backend) is None:
+            peak += profile_activation_bytes(self.model, backend, config.max_num_seqs, config.max_num_seqs, 1, *args)
+            peak += config.max_num_seqs * vocab * 4
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - peak
+        if budget < per_block:
+            raise ValueError(
+                f"the model does not fit: gpu_memory_utilization={config.gpu_memory_utilization} of "
+                f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB for the KV cache after "
+                f"{(total - free) / 2**30:.2f} GiB in use and {peak / 2**30:.2f} GiB of activations; "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return budget
 
     def _graph_off_reason(self, backend) -> str | None:
         if self.config.enforce_eager:

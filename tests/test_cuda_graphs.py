@@ -2,6 +2,8 @@
 for a CUDA graph — its replay reruns the captured call with the objects captured, so a backend
 whose prepare() does not refill static buffers in place replays stale state and is caught."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -164,6 +166,7 @@ def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilizati
         model=None,
         _graph_off_reason=lambda backend: None if graphs else "enforce_eager",
     )
+    fake._cuda_kv_budget = functools.partial(engine_module.LLMEngine._cuda_kv_budget, fake)
     return lambda: engine_module.LLMEngine._auto_num_blocks(fake, None, 4096)
 
 
@@ -192,8 +195,6 @@ def test_a_model_that_does_not_fit_is_a_clear_error(monkeypatch):
 def test_engine_runs_eagerly_when_its_graphs_fail(monkeypatch):
     """A capture that raises, or replays that disagree with eager steps, leave the engine eager
     and the reports saying why (checked at start-up, before anything is measured)."""
-    import functools
-
     from pagedbench.backends.sdpa import SDPABackend
 
     from pagedbench import engine as engine_module
