@@ -217,3 +217,44 @@ def test_engine_runs_eagerly_when_its_graphs_fail(monkeypatch):
     monkeypatch.undo()  # back on the CPU: the engine steps eagerly
     out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+# --- on a GPU: real capture and replay ------------------------------------------------------
+
+
+def graph_safe_backend_reason() -> str | None:
+    """Why the real-GPU test cannot run here, or None."""
+    from pagedbench.backends.registry import resolve
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    found = resolve("flash-attn", "cuda", torch.bfloat16, 128, 16, num_heads=16, num_kv_heads=8)
+    return f"flash-attn: {found.reason}" if found.reason else None
+
+
+@pytest.mark.skipif(graph_safe_backend_reason() is not None, reason=str(graph_safe_backend_reason()))
+def test_cuda_graphs_on_cuda_give_the_eager_tokens():
+    """Qwen3-0.6B shape (decisive weights: greedy tokens are exact), flash-attn in bf16: graphs
+    are captured and pass their start-up check, every decode step replays one, and the tokens
+    equal an enforce_eager engine's, through batches shrinking across the buckets."""
+    settings = dict(backend="flash-attn", device="cuda", dtype="bfloat16", num_blocks=128, max_num_seqs=8)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + 5 * i + 1))} for i in range(7)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(7)]
+    graphed = LLM("qwen3-0.6b", max_model_len=512, **settings)
+    assert graphed.engine.cuda_graphs.startswith("on: 4 decode sizes up to 8"), graphed.engine.cuda_graphs
+    replayed = []
+    graphs = graphed.engine.runner.graphs
+    original = graphs.replay
+    graphs.replay = lambda inputs: replayed.append(inputs.graph) or original(inputs)
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    del graphed
+    eager = LLM("qwen3-0.6b", max_model_len=512, enforce_eager=True, **settings)
+    assert eager.engine.cuda_graphs == "off: enforce_eager"
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert set(replayed) == {1, 2, 4, 8}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_backends_without_static_state_say_why_they_run_eagerly():
+    llm = LLM("tiny-llama", backend="sdpa", device="cuda", num_blocks=16, max_num_seqs=4)
+    assert llm.engine.cuda_graphs == "off: prepare() sizes its padded K/V gather by each step's longest sequence"
