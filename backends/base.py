@@ -79,6 +79,8 @@ class AttentionBackend(ABC):
     # Why a decode step cannot be captured in a CUDA graph, or None when prepare() refills static
     # buffers in place and forward() has no host work, so a graph can replay it.
     cuda_graph_reason: ClassVar[str | None] = "prepare() builds new tensors sized by each step"
+    # Decode graphs only at power-of-two batch sizes of at least 2 (what the kernel compiles for).
+    cuda_graph_powers_of_two: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -164,7 +164,10 @@ class _Plan:
 
 class FlexBackend(AttentionBackend):
     name = "flex"
-    cuda_graph_reason = "its decode batch is padded to its own power-of-two sizes and its BlockMask rebuilt each step"
+    # A decode step padded to a power of two is one identity call whose BlockMask, inverse page
+    # table and positions are views of persistent buffers that prepare() refills in place.
+    cuda_graph_reason = None
+    cuda_graph_powers_of_two = True
 
     def __init__(
         self,

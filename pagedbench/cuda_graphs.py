@@ -24,9 +24,12 @@ from pagedbench.model_runner import StepInputs, StepPlan
 from pagedbench.transfer import copy_to_device_, pack, to_device, unpack
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
+def decode_buckets(max_num_seqs: int, powers_of_two: bool = False) -> list[int]:
     """Batch sizes with a graph: 1, 2, 4, 8, then every multiple of 8 up to 256 and of 16 beyond,
-    up to max_num_seqs (always the last one)."""
+    up to max_num_seqs (always the last one); or, for a backend that compiles only those, the
+    powers of two from 2 up to the first that holds max_num_seqs."""
+    if powers_of_two:
+        return [1 << k for k in range(1, max(1, (max_num_seqs - 1).bit_length()) + 1)]
     sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_num_seqs + 16, 16)]
     return sorted({min(b, max_num_seqs) for b in sizes})
 
@@ -99,7 +102,7 @@ class DecodeGraphs:
 
     def __init__(self, runner, max_num_seqs: int, max_model_len: int, capture: Capture = cuda_capture):
         self.runner = runner
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = decode_buckets(max_num_seqs, runner.backend.cuda_graph_powers_of_two)
         self.width = -(-max_model_len // runner.block_size)  # block-table columns of the longest sequence
         self.max_seq_len = max_model_len
         self._capture = capture

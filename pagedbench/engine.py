@@ -12,7 +12,7 @@ from pagedbench.backends.base import one_line
 from pagedbench.beam_search import BeamSearch, BeamSearchParams
 from pagedbench.block_manager import BlockManager, blocks_needed
 from pagedbench.config import EngineConfig
-from pagedbench.cuda_graphs import DecodeGraphs
+from pagedbench.cuda_graphs import DecodeGraphs, decode_buckets
 from pagedbench.device import resolve_device_dtype
 from pagedbench.device_timer import DeviceTimer
 from pagedbench.loader import build_model, resolve_model_config
@@ -142,8 +142,9 @@ class LLMEngine:
             self.model, backend, config.max_num_batched_tokens, config.max_num_seqs, max_model_len, *args
         )
         if self._graph_off_reason(backend) is None:
-            peak += profile_activation_bytes(self.model, backend, config.max_num_seqs, config.max_num_seqs, 1, *args)
-            peak += config.max_num_seqs * vocab * 4
+            rows = decode_buckets(config.max_num_seqs, backend.cuda_graph_powers_of_two)[-1]  # the largest graph
+            peak += profile_activation_bytes(self.model, backend, rows, rows, 1, *args)
+            peak += rows * vocab * 4
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * config.gpu_memory_utilization) - (total - free) - peak
         if budget < per_block:

@@ -168,7 +168,9 @@ test_scheduler_and_block_manager_invariants.swaps = 0
 def test_the_invariant_workloads_add_up_to_10k_operations():
     """The property test above ran (in this process) over more than 10k scheduler and block
     operations, swaps to CPU among them."""
-    if test_scheduler_and_block_manager_invariants.operations == 0:
+    for _ in range(5):  # under xdist the property test may have run in another worker, or drawn fewer
+        if test_scheduler_and_block_manager_invariants.operations > 10_000:
+            break
         test_scheduler_and_block_manager_invariants()
     assert test_scheduler_and_block_manager_invariants.operations > 10_000
     assert test_scheduler_and_block_manager_invariants.swaps > 0, "no workload swapped"

@@ -118,6 +118,33 @@ def test_graphs_replay_decode_steps_exactly(monkeypatch):
     assert replayed[-1] == 4 and copies == {"h2d": 2, "d2h": 1}
 
 
+@pytest.mark.slow
+def test_flex_replays_decode_steps_exactly(monkeypatch):
+    """flex's decode graphs (powers of two from 2, its kernel's static batches): every replay
+    reads the BlockMask, inverse page table and positions that prepare() refilled in place."""
+    from pagedbench.backends.flex import FlexBackend
+
+    monkeypatch.setenv("PAGEDBENCH_FLEX_COMPILE", "0")  # the buffers are what is tested; eager is quicker
+
+    def static_flex(*args):
+        backend = FlexBackend(*args)
+        backend.static_decode_batch = True  # as on CUDA
+        return backend
+
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 7 * i + 2))} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 5 * i, ignore_eos=True) for i in range(5)]
+    eager_llm, _ = graph_engine(monkeypatch, backend_cls=static_flex, max_num_seqs=5)
+    expected = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+    llm, graphs = graph_engine(monkeypatch, backend_cls=static_flex, max_num_seqs=5)
+    assert graphs.buckets == [2, 4, 8] and graphs.verify() is None
+    llm.engine.runner.graphs = graphs
+    replayed = []
+    original = graphs.replay
+    graphs.replay = lambda inputs: replayed.append(inputs.graph) or original(inputs)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert set(replayed) == {2, 4, 8}
+
+
 def test_a_backend_that_rebuilds_its_state_replays_stale_inputs(monkeypatch):
     """Why sdpa says it cannot be captured: its replayed step attends with the capture's masks."""
     from pagedbench.backends.sdpa import SDPABackend
@@ -167,7 +194,8 @@ def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilizati
         _graph_off_reason=lambda backend: None if graphs else "enforce_eager",
     )
     fake._cuda_kv_budget = functools.partial(engine_module.LLMEngine._cuda_kv_budget, fake)
-    return lambda: engine_module.LLMEngine._auto_num_blocks(fake, None, 4096)
+    backend = SimpleNamespace(cuda_graph_powers_of_two=False)
+    return lambda: engine_module.LLMEngine._auto_num_blocks(fake, backend, 4096)
 
 
 def test_kv_cache_gets_what_utilization_leaves_after_weights_and_activations(monkeypatch):
@@ -222,36 +250,52 @@ def test_engine_runs_eagerly_when_its_graphs_fail(monkeypatch):
 # --- on a GPU: real capture and replay ------------------------------------------------------
 
 
-def graph_safe_backend_reason() -> str | None:
-    """Why the real-GPU test cannot run here, or None."""
+def cuda_reason(backend: str, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the real-GPU test of `backend` cannot run here, or None."""
     from pagedbench.backends.registry import resolve
 
     if not torch.cuda.is_available():
         return "needs a CUDA device"
-    found = resolve("flash-attn", "cuda", torch.bfloat16, 128, 16, num_heads=16, num_kv_heads=8)
-    return f"flash-attn: {found.reason}" if found.reason else None
+    found = resolve(backend, "cuda", torch.bfloat16, head_dim, 16, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    return f"{backend}: {found.reason}" if found.reason else None
 
 
-@pytest.mark.skipif(graph_safe_backend_reason() is not None, reason=str(graph_safe_backend_reason()))
-def test_cuda_graphs_on_cuda_give_the_eager_tokens():
-    """Qwen3-0.6B shape (decisive weights: greedy tokens are exact), flash-attn in bf16: graphs
-    are captured and pass their start-up check, every decode step replays one, and the tokens
-    equal an enforce_eager engine's, through batches shrinking across the buckets."""
-    settings = dict(backend="flash-attn", device="cuda", dtype="bfloat16", num_blocks=128, max_num_seqs=8)
+# (backend, preset, its head_dim / heads, the graphs' batch sizes)
+CUDA_GRAPH_CASES = [
+    ("flash-attn", "qwen3-0.6b", (128, 16, 8), [1, 2, 4, 8]),
+    ("flex", "tiny-llama", (32, 8, 4), [2, 4, 8]),
+]
+
+
+def cuda_graph_params():
+    params = []
+    for case in CUDA_GRAPH_CASES:
+        reason = cuda_reason(case[0], *case[2])
+        params.append(pytest.param(*case, id=case[0], marks=[pytest.mark.skip(reason=reason)] if reason else []))
+    return params
+
+
+@pytest.mark.parametrize("backend,model,heads,buckets", cuda_graph_params())
+def test_cuda_graphs_on_cuda_give_the_eager_tokens(backend, model, heads, buckets):
+    """On a GPU, bf16, decisive weights (greedy tokens are exact): graphs are captured and pass
+    their start-up check, every decode step replays one, and the tokens equal an enforce_eager
+    engine's, through batches shrinking across the buckets."""
+    settings = dict(backend=backend, device="cuda", dtype="bfloat16", num_blocks=128, max_num_seqs=8)
     prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + 5 * i + 1))} for i in range(7)]
     params = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(7)]
-    graphed = LLM("qwen3-0.6b", max_model_len=512, **settings)
-    assert graphed.engine.cuda_graphs.startswith("on: 4 decode sizes up to 8"), graphed.engine.cuda_graphs
+    graphed = LLM(model, max_model_len=512, **settings)
+    status = graphed.engine.cuda_graphs
+    assert status.startswith(f"on: {len(buckets)} decode sizes up to 8"), status
     replayed = []
     graphs = graphed.engine.runner.graphs
     original = graphs.replay
     graphs.replay = lambda inputs: replayed.append(inputs.graph) or original(inputs)
     got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     del graphed
-    eager = LLM("qwen3-0.6b", max_model_len=512, enforce_eager=True, **settings)
+    eager = LLM(model, max_model_len=512, enforce_eager=True, **settings)
     assert eager.engine.cuda_graphs == "off: enforce_eager"
     assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    assert set(replayed) == {1, 2, 4, 8}
+    assert set(replayed) == set(buckets)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
