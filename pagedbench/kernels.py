@@ -215,7 +215,11 @@ def run_kernels(
             "peak_bandwidth_source": peak_source,
             "copy_bandwidth_gbps": copy_gbps,
         }
-        dense = _time_dense(spec, point, grid, dev, dt)
+        try:
+            dense = _time_dense(spec, point, grid, dev, dt)
+        except torch.cuda.OutOfMemoryError:
+            dense = {"status": "error", "reason": "out of device memory", "forward_median_ms": float("nan")}
+            torch.cuda.empty_cache()
         rows.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **point, **dense})
         batch = None
         for name in backends:
