@@ -359,9 +359,10 @@ class LLMEngine:
             sample_start = self.timer.mark()
             out = self.sampler(sub, batch)
             self.timer.span("sample", sample_start)
-            tokens = to_list(out.tokens)  # the step's one wait for the device
+            host = out.to_host()  # the step's one wait for the device
+            tokens = host.tokens
             if batch.logprob_rows is not None:
-                self._record_logprobs(sampled, batch.logprob_rows, out, tokens)
+                self._record_logprobs(sampled, batch.logprob_rows, host)
             self.stats.generation_tokens += len(samples)
             for j, token in zip(samples, tokens):
                 self._append_token(seqs[j], token)
@@ -372,11 +373,11 @@ class LLMEngine:
                 progressed[id(group)] = group
         return list(progressed.values())
 
-    def _record_logprobs(self, seqs: list[Sequence], rows: list[int], out: SamplerOutput, tokens: list[int]) -> None:
+    def _record_logprobs(self, seqs: list[Sequence], rows: list[int], out: SamplerOutput) -> None:
         """For the batch rows `rows` (of `seqs`): cumulative logprobs, and where the request asks
         for logprobs, the sampled token's and the top ones (vLLM's layout: token id -> Logprob)."""
-        picked, ranks = to_list(out.token_logprobs), to_list(out.token_ranks)
-        top = (to_list(out.top_token_ids), to_list(out.top_logprobs)) if out.top_token_ids is not None else None
+        tokens, picked, ranks = out.tokens, out.token_logprobs, out.token_ranks  # host lists (to_host)
+        top = (out.top_token_ids, out.top_logprobs) if out.top_token_ids is not None else None
         for k, row in enumerate(rows):
             seq = seqs[row]
             seq.cumulative_logprob += picked[k]

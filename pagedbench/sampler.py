@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedbench.sequence import Sequence
-from pagedbench.transfer import to_device
+from pagedbench.transfer import to_device, to_list
 
 
 @dataclass(slots=True)
@@ -165,6 +165,23 @@ class SamplerOutput:
     token_ranks: torch.Tensor | None = None  # [L] its rank in the vocabulary (1 = most likely)
     top_logprobs: torch.Tensor | None = None  # [L, k]
     top_token_ids: torch.Tensor | None = None  # [L, k]
+
+    def to_host(self) -> "SamplerOutput":
+        """The same fields as Python lists, read back in one device-to-host copy (the ids and
+        ranks travel as float64, exact below 2^53)."""
+        names = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+        tensors = [getattr(self, name) for name in names]
+        flat = to_list(torch.cat([t.reshape(-1).double() for t in tensors]))
+        host, start = {}, 0
+        for name, t in zip(names, tensors):
+            values = flat[start : start + t.numel()]
+            start += t.numel()
+            if not t.is_floating_point():
+                values = [int(v) for v in values]
+            if t.dim() == 2:  # [L, k] -> L lists of k
+                values = [values[i : i + t.shape[1]] for i in range(0, len(values), t.shape[1])]
+            host[name] = values
+        return SamplerOutput(**host)
 
 
 class Sampler:

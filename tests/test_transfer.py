@@ -71,6 +71,22 @@ def test_a_steady_decode_step_copies_its_inputs_once_and_reads_back_once(backend
     assert _decode_step_copies(engine) == [expected] * 3
 
 
+def test_logprobs_come_back_in_the_same_single_read():
+    """Sampled ids, their logprobs, ranks and top logprobs: one device-to-host copy per step."""
+    llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_num_seqs=4)
+    engine = llm.engine
+    for i, logprobs in enumerate([None, 3, 0]):
+        engine.add_request(
+            {"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(max_tokens=6, logprobs=logprobs, ignore_eos=True)
+        )
+    engine.step()
+    assert _decode_step_copies(engine, 2) == [{"h2d": 2, "d2h": 1}] * 2
+    outs = {o.request_id: o for o in engine.step()}
+    entry = outs["1"].outputs[0].logprobs[-1]
+    assert len(entry) in (3, 4) and all(isinstance(t, int) for t in entry)  # the top 3 and the sampled token
+    assert entry[outs["1"].outputs[0].token_ids[-1]].rank >= 1
+
+
 def test_sampling_tensors_are_rebuilt_when_the_batch_changes():
     llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_num_seqs=4)
     engine = llm.engine
