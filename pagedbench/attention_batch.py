@@ -122,6 +122,11 @@ def place(
     return AttentionBatch(problem.q.to(device), k_cache, v_cache, step.metadata)
 
 
+def causal_mask(cached: int, new: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[new, cached + new] bool: query i (position cached + i) sees keys 0..cached + i."""
+    return torch.arange(cached + new, device=device)[None, :] <= cached + torch.arange(new, device=device)[:, None]
+
+
 def attend_dense(
     problem: AttentionProblem, scale: float, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -135,7 +140,7 @@ def attend_dense(
         k = k.to(device, dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         v = v.to(device, dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * scale
-        visible = torch.arange(ctx + qlen, device=device)[None, :] <= ctx + torch.arange(qlen, device=device)[:, None]
+        visible = causal_mask(ctx, qlen, device)
         out.append((scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1))
         start += qlen
     return torch.cat(out)

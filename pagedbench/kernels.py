@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pagedbench.attention_batch import random_attention_batch
+from pagedbench.attention_batch import causal_mask, random_attention_batch
 from pagedbench.backends.registry import resolve
 from pagedbench.device import resolve_device_dtype
 from pagedbench.environment import environment, synchronize
@@ -164,10 +164,7 @@ def dense_calls(spec: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     for (cached, new), n in sorted(Counter(spec).items()):
         q = torch.randn(n, num_heads, new, head_dim, dtype=dtype, device=device)
         k, v = (torch.randn(n, num_kv_heads, cached + new, head_dim, dtype=dtype, device=device) for _ in "kv")
-        mask = None
-        if new > 1 and cached:
-            keys = torch.arange(cached + new, device=device)
-            mask = keys[None, :] <= cached + torch.arange(new, device=device)[:, None]
+        mask = causal_mask(cached, new, device) if new > 1 and cached else None
         calls.append((q, k, v, mask, new > 1 and not cached))
     return calls
 
