@@ -161,7 +161,11 @@ def warmup_requests(requests: list[Request], max_tokens: int = 16) -> list[Reque
     """Every request, all at t=0, generating at most `max_tokens`: the prefill shapes and
     batch sizes of the measured run compile (and caches warm) before timing starts."""
     return [
-        Request(r.prompt_token_ids, dataclasses.replace(r.params, max_tokens=min(max_tokens, r.params.max_tokens)), 0.0)
+        Request(
+            r.prompt_token_ids,
+            dataclasses.replace(r.params, max_tokens=min(max_tokens, r.params.max_tokens or max_tokens)),
+            0.0,
+        )
         for r in requests
     ]
 

@@ -419,18 +419,33 @@ def cmd_backends(args) -> None:
     print(pd.DataFrame(rows).to_markdown(index=False))
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" only where it tells something: not for flags, unset options, or help
+    that already names its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "default" in text
+            or any(action.default is v for v in (None, False, True, argparse.SUPPRESS))
+            or not action.option_strings
+        ):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagedbench import __version__
 
     parser = argparse.ArgumentParser(
         prog="pagedbench",
         description="Compare paged-attention backends in one engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"pagedbench {__version__} (torch {torch.__version__})")
     parser.epilog = "Errors are one line on stderr with exit code 2; `check` exits 1 when a case fails."
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser = functools.partial(sub.add_parser, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
 
     run = sub.add_parser("run", help="run a scenario on one backend: throughput, latency, engine internals")
     run.add_argument("--backend", default="sdpa", help="a name from `pagedbench backends`")

@@ -280,7 +280,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
             **_sharing(med),
             "prepare %": _prepare_pct(med),
-            "attention % of GPU": _pct(med, "attention_share"),
+            "attention % of forward": _pct(med, "attention_share"),
             "overhead %": _pct(med, "engine_overhead_share"),
             "identical tokens": med["identical_token_share"].round(4),
         }
@@ -307,7 +307,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "preemptions": ok["preemptions"].astype("Int64"),
             **_sharing(ok),
             "prepare %": _prepare_pct(ok),
-            "attention % of GPU": _pct(ok, "attention_share"),
+            "attention % of forward": _pct(ok, "attention_share"),
             "overhead %": _pct(ok, "engine_overhead_share"),
             **_graphs(ok),
         }

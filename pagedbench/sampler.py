@@ -94,14 +94,14 @@ class SamplingBatch:
         top_ks = [p.top_k for p in ps if p.top_k > 0]
         batch = cls(
             seqs=list(seqs),
-            temperature=col([p.temperature if p.temperature > 0 else 1.0 for p in ps], np.float32),
+            temperature=col([1.0 if p.greedy else p.temperature for p in ps], np.float32),
             top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in ps], np.int64) if top_ks else None,
             max_top_k=min(max(top_ks, default=0), vocab_size),
             top_p=col([p.top_p for p in ps], np.float32) if any(p.top_p < 1 for p in ps) else None,
             min_p=col([p.min_p for p in ps], np.float32) if any(p.min_p > 0 for p in ps) else None,
-            greedy=col([p.temperature == 0 for p in ps], np.bool_),
-            all_greedy=all(p.temperature == 0 for p in ps),
-            any_greedy=any(p.temperature == 0 for p in ps),
+            greedy=col([p.greedy for p in ps], np.bool_),
+            all_greedy=all(p.greedy for p in ps),
+            any_greedy=any(p.greedy for p in ps),
             generators=[s.generator for s in seqs],
         )
         allowed = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]

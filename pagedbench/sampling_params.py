@@ -3,11 +3,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy (dividing by it overflows)
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling and stopping rules, with vLLM's names. temperature 0 is greedy.
+    """Per-request sampling and stopping rules, with vLLM's names. temperature 0 (or under 1e-5) is greedy.
     A wrong type is a TypeError, a value out of range a ValueError; both name the field.
 
     n samples are returned per prompt; best_of (default n) are generated, all forked from one
@@ -29,7 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until max_model_len, as in vLLM
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -74,13 +75,13 @@ class SamplingParams:
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
         for name in ("n", "best_of", "top_k", "max_tokens", "min_tokens"):
-            if not _is_int(getattr(self, name)):
+            if not _is_int(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.best_of < self.n:
             raise ValueError(f"best_of must be >= n, got best_of={self.best_of} n={self.n}")
-        if self.best_of > 1 and self.temperature == 0:
+        if self.best_of > 1 and self.greedy:
             raise ValueError(
                 f"n/best_of > 1 needs temperature > 0 (greedy samples are all the same), got best_of={self.best_of}"
             )
@@ -92,8 +93,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         if not all(isinstance(s, str) for s in self.stop):
             raise TypeError("stop must be a str or a list of str")
         if any(not s for s in self.stop):
@@ -105,7 +106,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -133,7 +134,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -23,6 +23,6 @@ def stop_check(
             i, s = min(hits)
             seq.output_text = seq.output_text[: i + len(s) if p.include_stop_str_in_output else i]
             return "stop", s
-    if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+    if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= max_model_len:
         return "length", None
     return None

@@ -55,6 +55,17 @@ def test_bad_sampling_param_types_name_the_field(kwargs, error, message):
         SamplingParams(**kwargs)
 
 
+def test_max_tokens_none_generates_up_to_max_model_len(engine):
+    """vLLM's max_tokens=None: no output limit but the model's length (max_model_len=64 here)."""
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, min_tokens=5)
+    rid = engine.add_request({"prompt_token_ids": [5, 6, 7, 8]}, params)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == [rid]
+    assert len(done[0].outputs[0].token_ids) == 64 - 4 and done[0].outputs[0].finish_reason == "length"
+
+
 def test_a_bad_request_mid_run_loses_nothing(engine):
     """Params made valid, then broken after construction, are refused at add_request: others finish."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

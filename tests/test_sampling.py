@@ -25,6 +25,12 @@ def test_greedy_is_argmax():
     assert set(sample_many(LOGITS, SP(temperature=0)).tolist()) == {0}
 
 
+def test_a_temperature_under_1e_5_is_greedy():
+    """As in vLLM: dividing by a tiny temperature would overflow, so it is greedy, top-k/p aside."""
+    assert SP(temperature=1e-6, top_p=0.5).greedy and not SP(temperature=1e-5).greedy
+    assert set(sample_many(LOGITS * 1e3, SP(temperature=1e-7, top_k=3)).tolist()) == {0}
+
+
 def test_top_k_top_p_min_p_restrict_support():
     assert set(sample_many(LOGITS, SP(top_k=2)).tolist()) == {0, 1}
     probs = LOGITS.softmax(-1)  # 0.46, 0.28, 0.17, ...: top_p 0.7 keeps tokens 0 and 1 (0.46 < 0.7 <= 0.74)
