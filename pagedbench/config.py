@@ -119,6 +119,12 @@ class EngineConfig:
     LLM(**kwargs), the CLI flags (`add_cli_args`) and `validate()`."""
 
     model: str = setting(None, "HF model directory or preset")
+    tokenizer: str | None = setting(None, "tokenizer directory (default: the model directory's)")
+    load_format: str = setting(
+        "auto",
+        "auto (the directory's safetensors), or dummy: random weights in the model's shapes, as in vLLM",
+        ("auto", "safetensors", "dummy"),
+    )
     backend: str = setting("sdpa", "attention backend (see `pagedbench backends`)")
     device: str | None = setting(None, "cuda if available, else cpu")
     dtype: str | None = setting(None, "bf16 on cuda, fp32 on cpu")
@@ -127,7 +133,7 @@ class EngineConfig:
     max_num_seqs: int = setting(256, "sequences running at once", minimum=1)
     max_num_batched_tokens: int = setting(2048, "tokens per engine step", minimum=1)
     max_model_len: int | None = setting(None, "longest sequence (default: the model's, capped by the cache)", minimum=1)
-    seed: int = setting(0, "seed of the sampler and of preset weights", minimum=0)
+    seed: int | None = setting(0, "seed of the sampler and of random weights (None: a fresh one)", minimum=0)
     preset_init: str = setting(
         "decisive",
         "a preset's random weights: decisive (one-hot attention heads, so every correct backend's greedy tokens "
@@ -148,6 +154,7 @@ class EngineConfig:
         minimum=0,
         maximum=1,
     )
+    max_logprobs: int = setting(20, "most logprobs / prompt_logprobs a request may ask for", minimum=0)
     enforce_eager: bool = setting(False, "never capture CUDA graphs: every step runs eagerly")
     cpu_kv_cache_bytes: int = setting(1 << 30, "KV cache bytes on CPU when num_blocks is None", minimum=1)
 

@@ -1,9 +1,12 @@
 """LLMEngine: requests in, one step at a time, RequestOutputs out."""
 
+import dataclasses
 import itertools
 import logging
+import secrets
 import time
 import weakref
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -15,7 +18,7 @@ from pagedbench.config import EngineConfig
 from pagedbench.cuda_graphs import DecodeGraphs, decode_buckets
 from pagedbench.device import resolve_device_dtype
 from pagedbench.device_timer import DeviceTimer
-from pagedbench.loader import build_model, resolve_model_config
+from pagedbench.loader import build_model, resolve_model_config, weights_path
 from pagedbench.model_runner import ModelRunner, build_backend, kv_bytes_per_block, profile_activation_bytes
 from pagedbench.outputs import Logprob, RequestOutput, request_output
 from pagedbench.parallel import TPShard
@@ -36,11 +39,13 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
+        if config.seed is None:  # one fresh seed, shared with the tensor-parallel workers
+            config = dataclasses.replace(config, seed=secrets.randbelow(2**31))
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # graph capture, events and syncs act on the current device
-        self.model_config, path = resolve_model_config(config.model)
+        self.model_config, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
         cfg = self.model_config
         self.tp = TPShard(0, config.tensor_parallel_size)
         self.tp.validate(cfg)
@@ -52,7 +57,10 @@ class LLMEngine:
                 )
         bs = config.block_size
         backend = build_backend(config.backend, cfg, bs, self.device, self.dtype, self.tp)
-        self.tokenizer = load_tokenizer(path) if path is not None else None
+        if config.tokenizer is not None:
+            self.tokenizer = load_tokenizer(config.tokenizer)
+        else:
+            self.tokenizer = load_tokenizer(path, required=False) if path is not None else None
 
         max_len_cap = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > max_len_cap:
@@ -62,7 +70,14 @@ class LLMEngine:
         self.workers = Workers(config, rope_len, self.tp.size) if self.tp.size > 1 else None
         try:
             self.model = build_model(
-                cfg, path, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init
+                cfg,
+                weights_path(path, config),
+                self.device,
+                self.dtype,
+                rope_len,
+                config.seed,
+                self.tp,
+                config.preset_init,
             )
             num_blocks = config.num_blocks or self._auto_num_blocks(backend, config.max_model_len or max_len_cap)
             if config.max_model_len is None:  # as long as the model allows and the cache holds
@@ -200,7 +215,12 @@ class LLMEngine:
             validate_request(token_ids, SamplingParams(), self.max_model_len, self.model_config.vocab_size, True)
         else:
             validate_request(
-                token_ids, params, self.max_model_len, self.model_config.vocab_size, self.tokenizer is not None
+                token_ids,
+                params,
+                self.max_model_len,
+                self.model_config.vocab_size,
+                self.tokenizer is not None,
+                self.config.max_logprobs,
             )
         if params.width > self.config.max_num_seqs:
             name = "beam_width" if isinstance(params, BeamSearchParams) else "best_of"
@@ -215,7 +235,12 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Queue a request (sampling, or beam search with BeamSearchParams); raises ValueError
-        (and changes nothing) when it is invalid. `priority` needs scheduling_policy="priority"."""
+        (and changes nothing) when it is invalid. `priority` needs scheduling_policy="priority".
+        vLLM's positional order, add_request(request_id, prompt, params), is accepted too."""
+        if isinstance(request_id, (SamplingParams, BeamSearchParams)) and isinstance(prompt, str):
+            prompt, params, request_id = params, request_id, prompt
+        if params is not None and not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise TypeError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         self.validate_request(token_ids, params)
@@ -249,13 +274,20 @@ class LLMEngine:
             return None
         return torch.Generator(device=self.device).manual_seed(params.seed + index)
 
-    def abort_request(self, request_id: str) -> None:
-        group = self._requests.pop(request_id, None)
-        if group is None:
-            return
-        for seq in group.seqs:
-            if not seq.finished:
-                self.scheduler.finish(seq, "abort")
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort one request or several (vLLM v1 takes a list); unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            group = self._requests.pop(rid, None)
+            for seq in group.seqs if group is not None else []:
+                if not seq.finished:
+                    self.scheduler.finish(seq, "abort")
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer, or None for a preset without one."""
+        return self.tokenizer
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their sequences)."""

@@ -6,7 +6,17 @@ from pagedbench.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearc
 from pagedbench.config import EngineConfig
 from pagedbench.engine import LLMEngine
 from pagedbench.outputs import RequestOutput
+from pagedbench.requests import is_single_prompt
 from pagedbench.sampling_params import SamplingParams
+from pagedbench.tokenizer import chat_prompt
+
+# vLLM arguments that change nothing here, accepted so vLLM scripts run: the value each may take.
+NO_OP_ARGS = {
+    "trust_remote_code": (True, False),  # only the built-in Llama-family code runs, never a model's own
+    "disable_log_stats": (True, False),
+    "enable_chunked_prefill": (True,),  # prefills are always chunked (vLLM v1)
+    "tokenizer_mode": ("auto",),
+}
 
 
 class LLM:
@@ -18,6 +28,9 @@ class LLM:
 
         With tensor_parallel_size > 1 the engine starts worker processes (spawn): a script doing
         so needs the `if __name__ == "__main__":` guard; `shutdown()` (or exit) stops them."""
+        for name, allowed in NO_OP_ARGS.items():
+            if name in engine_args and engine_args.pop(name) not in allowed:
+                raise ValueError(f"{name} may only be {' or '.join(map(repr, allowed))} here")
         unknown = sorted(set(engine_args) - set(EngineConfig.names()))
         if unknown:
             raise TypeError(
@@ -25,6 +38,15 @@ class LLM:
             )
         self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for `engine`."""
+        return self.engine
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer, or None for a preset without one."""
+        return self.engine.tokenizer
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any."""
@@ -35,13 +57,15 @@ class LLM:
         prompts,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: list[int] | None = None,
+        priority: int | list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in input order. Every prompt is validated before
-        any is queued, so a bad one raises ValueError without starting the others."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Run prompts to completion; outputs in input order. A prompt is a str, {"prompt": str},
+        {"prompt_token_ids": [...]} or a list of token ids; `prompts` one of them or a list.
+        Every prompt is validated before any is queued, so a bad one raises ValueError without
+        starting the others."""
+        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
+        if isinstance(priority, int):
+            priority = [priority] * len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -56,11 +80,9 @@ class LLM:
         """Beam search per prompt (vLLM's API; Hugging Face's num_beams algorithm, see
         beam_search.py): each output holds beam_width sequences, best first, whose `tokens` are
         prompt + output."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        prompts = list(prompts)
         outputs = self._run(prompts, [params] * len(prompts), "beam search", use_tqdm)
         decode = self.engine.tokenizer
         results = []
@@ -73,6 +95,18 @@ class LLM:
                 sequences.append(BeamSearchSequence(tokens, c.cumulative_logprob, score, text, c.finish_reason))
             results.append(BeamSearchOutput(sequences))
         return results
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to a conversation (a list of {"role", "content"}
+        messages) or to each of a list of conversations, under the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [chat_prompt(self.engine.tokenizer, c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, params: list, desc: str, use_tqdm: bool, priority=None) -> list[RequestOutput]:
         """Validate every prompt, queue them all, step until they finish; outputs in input order."""

@@ -1,5 +1,6 @@
 """Build the model from a Hugging Face directory (config.json + safetensors) or a preset."""
 
+import logging
 from pathlib import Path
 
 import torch
@@ -8,11 +9,13 @@ from safetensors import SafetensorError, safe_open
 from pagedbench.config import ModelConfig
 from pagedbench.model import CausalLM
 from pagedbench.parallel import NO_TP, TPShard, full_shape, local_part
-from pagedbench.preset_init import decisive_weights
+from pagedbench.preset_init import decisive_reason, decisive_weights
 from pagedbench.presets import PRESETS
 
+logger = logging.getLogger(__name__)
 
-def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
+
+def resolve_model_config(model: str, need_weights: bool = True) -> tuple[ModelConfig, Path | None]:
     """(config, model directory or None for a preset)."""
     if model in PRESETS:
         return ModelConfig.from_dict(PRESETS[model]), None
@@ -21,9 +24,14 @@ def resolve_model_config(model: str) -> tuple[ModelConfig, Path | None]:
         raise FileNotFoundError(f"model {model!r} is neither a directory nor a preset ({', '.join(PRESETS)})")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {model!r} has no config.json")
-    if not list(path.glob("*.safetensors")):
+    if need_weights and not list(path.glob("*.safetensors")):
         raise ValueError(f"model directory {model!r} has no *.safetensors weights")
     return ModelConfig.from_dir(path), path
+
+
+def weights_path(path: Path | None, config) -> Path | None:
+    """Where build_model reads weights: None (random, as for a preset) under load_format="dummy"."""
+    return None if config.load_format == "dummy" else path
 
 
 def build_model(
@@ -36,8 +44,8 @@ def build_model(
     tp: TPShard = NO_TP,
     preset_init: str = "decisive",
 ) -> CausalLM:
-    """The model (this rank's shard of it), from `path`'s safetensors or random preset weights
-    (`preset_init`: "decisive", see preset_init.py, or "plain" N(0, 0.02))."""
+    """The model (this rank's shard of it), from `path`'s safetensors, or with `path` None random
+    weights (`preset_init`: "decisive", see preset_init.py, or "plain" N(0, 0.02))."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
     try:
@@ -45,6 +53,9 @@ def build_model(
             model = CausalLM(cfg, max_positions, tp)
     finally:
         torch.set_default_dtype(default_dtype)
+    if path is None and preset_init == "decisive" and (reason := decisive_reason(cfg, max_positions)):
+        logger.warning("random weights: plain init, not decisive: %s", reason)
+        preset_init = "plain"
     if path is None and preset_init == "decisive":
         _init_decisive(model, seed, max_positions)
     elif path is None:

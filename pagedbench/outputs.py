@@ -30,6 +30,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # sum of the model's logprobs of token_ids (logprobs, best_of, beams)
     logprobs: list[PositionLogprobs] | None = None  # one per token when SamplingParams.logprobs is set
 
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -51,6 +54,13 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # None first: nothing predicts it
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
+
+    def __getitem__(self, key: str):
+        """nano-vllm's output dict: output["text"] and output["token_ids"] of the first sample."""
+        if key in ("text", "token_ids"):
+            return getattr(self.outputs[0], key)
+        raise KeyError(key)
 
 
 def completions(group: SequenceGroup, decode: Callable[[list[int]], str] | None) -> list[CompletionOutput]:
@@ -104,4 +114,5 @@ def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | No
         finished,
         metrics,
         None if prompt_logprobs is None else [None, *prompt_logprobs],  # nothing predicts the first token
+        (group.seqs[0].num_cached_tokens or 0) if group.seqs else 0,
     )

@@ -51,6 +51,18 @@ def score_margin_per_unit(cfg: ModelConfig, max_len: int) -> float:
     return float(margin)
 
 
+MIN_MARGIN = 0.1  # below it q/k weights would have to be huge (fp16 overflow)
+
+
+def decisive_reason(cfg: ModelConfig, max_len: int) -> str | None:
+    """Why this model's RoPE cannot single out one lag per head (few frequencies alias over the
+    context, as at head_dim 16), or None."""
+    margin = score_margin_per_unit(cfg, max_len)
+    if margin < MIN_MARGIN:
+        return f"head_dim {cfg.head_dim}'s RoPE frequencies do not separate lags over {max_len} positions"
+    return None
+
+
 def lag_of_head(head: int) -> int:
     return 1 + head % MAX_LAG
 

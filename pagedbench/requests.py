@@ -2,11 +2,26 @@
 
 from pagedbench.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+def is_single_prompt(prompts) -> bool:
+    """A str, a prompt dict, or a list of token ids (nano-vllm's form) is one prompt; any other
+    iterable is a batch of them."""
+    return isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and bool(prompts) and all(_is_token(t) for t in prompts)
+    )
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def tokenize(prompt, tokenizer, model_name: str) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a str prompt or a {'prompt_token_ids': [...]} one."""
+    """(text or None, token ids) of a prompt in any of vLLM's forms: a str, {'prompt': str},
+    {'prompt_token_ids': [...]} (optionally with its 'prompt' text), or a list of token ids."""
+    if isinstance(prompt, (list, tuple)) and all(_is_token(t) for t in prompt):
+        return None, list(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+        prompt = prompt["prompt"]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(
@@ -15,14 +30,22 @@ def tokenize(prompt, tokenizer, model_name: str) -> tuple[str | None, list[int]]
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(_is_token(t) for t in ids):
             raise ValueError("prompt_token_ids must be a list of ints")
         return prompt.get("prompt"), list(ids)
-    raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+    raise ValueError(
+        "a prompt is a str, {'prompt': str}, {'prompt_token_ids': [...]} or a list of token ids, "
+        f"got {type(prompt).__name__}"
+    )
 
 
 def validate_request(
-    token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int, has_tokenizer: bool
+    token_ids: list[int],
+    params: SamplingParams,
+    max_model_len: int,
+    vocab_size: int,
+    has_tokenizer: bool,
+    max_logprobs: int = 20,
 ) -> None:
     """ValueError/TypeError naming what is wrong; nothing else happens."""
     params.validate()
@@ -41,8 +64,10 @@ def validate_request(
         )
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value is not None and value > MAX_LOGPROBS:
-            raise ValueError(f"{name}={value} is more than the {MAX_LOGPROBS} logprobs a request may ask for")
+        if value is not None and value > max_logprobs:
+            raise ValueError(
+                f"{name}={value} is more than the {max_logprobs} logprobs a request may ask for (max_logprobs)"
+            )
     outside = [t for t in (params.allowed_token_ids or []) + params.stop_token_ids if not 0 <= t < vocab_size]
     if outside:
         raise ValueError(

@@ -139,6 +139,8 @@ class Scheduler:
                 self._free_a_paused(out)
                 break
             self.block_manager.count_lookup(seq, hit)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hit
             self.waiting.remove(seq)
             self._start(seq, n, out, scheduled)
             budget -= n

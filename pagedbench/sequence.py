@@ -51,6 +51,7 @@ class Sequence:
     logprobs: list | None = None  # per output token: {token id: Logprob} (SamplingParams.logprobs)
     prompt_logprobs: list | None = None  # per prompt token after the first (SamplingParams.prompt_logprobs)
     paused: bool = False  # nothing to run until its request advances (a beam that reported its candidates)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

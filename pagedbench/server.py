@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pagedbench.async_engine import AsyncLLM, EngineFull
 from pagedbench.outputs import RequestOutput
 from pagedbench.sampling_params import SamplingParams
+from pagedbench.tokenizer import chat_prompt
 
 # Request fields passed to SamplingParams as they are (OpenAI's and vLLM's extensions).
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if not f.name.startswith("_")} - {"logprobs"}
@@ -110,11 +111,12 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
                 raise APIError(400, f"{name} is not supported", param=name)
         return body
 
-    def sampling_params(body: dict, logprobs: int | None) -> SamplingParams:
+    def sampling_params(body: dict, logprobs: int | None, default_max_tokens: int | None = 16) -> SamplingParams:
+        """max_tokens None: up to max_model_len, or the server's max_tokens limit."""
         kwargs = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
-        kwargs.setdefault("max_tokens", 16)
+        kwargs.setdefault("max_tokens", default_max_tokens)
         if kwargs["max_tokens"] is None:
-            kwargs["max_tokens"] = engine.max_model_len
+            kwargs["max_tokens"] = limits.max_tokens
         limit = limits.max_tokens or engine.max_model_len
         if isinstance(kwargs["max_tokens"], int) and kwargs["max_tokens"] > limit:
             raise APIError(400, f"max_tokens={kwargs['max_tokens']} is over the limit of {limit}", param="max_tokens")
@@ -182,21 +184,16 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(request: Request):
         body = await body_of(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list", param="messages")
-        tokenizer = engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 (a malformed message list)
-            raise APIError(400, f"messages could not be formatted: {e}", param="messages") from None
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            prompt = chat_prompt(engine.tokenizer, body.get("messages"))
+        except ValueError as e:
+            hint = "; use /v1/completions" if "template" in str(e) else ""
+            raise APIError(400, f"{e}{hint}", param="messages") from None
         if "max_completion_tokens" in body:
             body["max_tokens"] = body["max_completion_tokens"]
         top = _int_or_none(body.get("top_logprobs"), "top_logprobs")
-        params = sampling_params(body, (top or 0) if body.get("logprobs") else None)
+        # A chat reply may run to the end of the context (vLLM's default); a completion stops at 16.
+        params = sampling_params(body, (top or 0) if body.get("logprobs") else None, default_max_tokens=None)
         return await respond(request, body, [prompt], params, chat=True)
 
     async def respond(request, body, prompts, params, chat: bool):

@@ -1,14 +1,41 @@
 """Tokenizer loading and incremental detokenization."""
 
+import logging
 from pathlib import Path
 
+from pagedbench.backends.base import one_line
 from pagedbench.sequence import Sequence
 
+logger = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
-def load_tokenizer(path: Path):
+
+def load_tokenizer(path: Path, required: bool = True):
+    """The directory's Hugging Face tokenizer. A model directory need not have one (required
+    False): then None, and prompts must be token ids, as for a preset."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    if not required and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files: prompts must be token ids (or pass tokenizer=)", path)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path}: {one_line(e)}") from None
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> dict:
+    """The prompt of a conversation (OpenAI-style messages) under the tokenizer's chat template,
+    with the assistant's turn opened; ValueError when there is no template or the messages don't fit it."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 (a malformed message list)
+        raise ValueError(f"messages could not be formatted: {e}") from None
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def detokenize_incrementally(tokenizer, seq: Sequence, flush: bool = False) -> str:

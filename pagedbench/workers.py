@@ -70,7 +70,7 @@ def _free_port() -> int:
 def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     from pagedbench.device import resolve_device_dtype
-    from pagedbench.loader import build_model, resolve_model_config
+    from pagedbench.loader import build_model, resolve_model_config, weights_path
 
     try:
         config, tp = spec.config, TPShard(rank, spec.size)
@@ -80,9 +80,11 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             torch.cuda.set_device(device)
         else:  # the ranks share the CPU's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
-        cfg, path = resolve_model_config(config.model)
+        cfg, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
         backend = build_backend(config.backend, cfg, config.block_size, device, dtype, tp)
-        model = build_model(cfg, path, device, dtype, spec.rope_len, config.seed, tp, config.preset_init)
+        model = build_model(
+            cfg, weights_path(path, config), device, dtype, spec.rope_len, config.seed, tp, config.preset_init
+        )
         conn.send(("built",))
         _, (num_blocks, num_cpu_blocks) = conn.recv()
         init_group(device, rank, spec.size, spec.port)  # first: a failure after it cannot leave rank 0 waiting

@@ -2,6 +2,7 @@
 built once per test session; Hugging Face's own greedy outputs as the reference."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -98,6 +99,19 @@ def tiny_models(tmp_path_factory):
     """name -> (model directory, HF model in fp32)."""
     root = tmp_path_factory.mktemp("models")
     return {name: (str(root / name), build_hf_model(name, root / name)) for name in TINY_MODELS}
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_models, tmp_path_factory):
+    """The tiny llama with a chat template in its tokenizer config."""
+    path = tmp_path_factory.mktemp("chat") / "llama"
+    shutil.copytree(tiny_models["llama"][0], path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
+    return path
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens):

@@ -22,7 +22,6 @@ def engine(tiny_models):
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(temperature=-0.1), "temperature"),
-        (dict(top_k=0), "top_k"),
         (dict(top_k=-2), "top_k"),
         (dict(min_p=1.5), "min_p"),
     ],

@@ -8,7 +8,6 @@ import asyncio
 import http.client
 import json
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -26,7 +25,6 @@ openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
 
 KEY = "test-key"
-CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
 def free_port() -> int:
@@ -50,16 +48,6 @@ def start_server(model_dir, *extra):
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError("server did not come up")
-
-
-@pytest.fixture(scope="module")
-def chat_model(tiny_models, tmp_path_factory):
-    """The tiny llama with a chat template in its tokenizer config."""
-    path = tmp_path_factory.mktemp("chat") / "llama"
-    shutil.copytree(tiny_models["llama"][0], path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +289,18 @@ def test_bench_serve_against_our_server(server, tmp_path, capsys):
     assert (tmp_path / "bench-serve-online-latency-vs-throughput.png").stat().st_size > 0
     assert main([*args, "--request-rate", "0", "--out", str(tmp_path)]) == 2
     assert "--request-rate must be > 0" in capsys.readouterr().err
+
+
+def test_max_tokens_defaults_chat_to_the_context_and_completions_to_16(client, chat_model):
+    """vLLM's defaults: a chat reply may fill the context (max_model_len 512 here); a completion stops at 16."""
+    messages = [{"role": "user", "content": "hello world"}]
+    chat = client.chat.completions.create(
+        model=str(chat_model), messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 512
+    assert chat.choices[0].finish_reason == "length"
+    done = client.completions.create(model=str(chat_model), prompt="hi", temperature=0, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 16
 
 
 def test_streamed_text_never_leaks_a_stop_string(client, chat_model):

@@ -1,0 +1,117 @@
+"""Code written for vLLM (or nano-vllm) runs unchanged: prompt forms, engine calls, arguments
+and output fields with vLLM's names."""
+
+import shutil
+
+import pytest
+
+from pagedbench import LLM, SamplingParams
+from tests.conftest import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model):
+    return LLM(str(chat_model), device="cpu", dtype="float32")
+
+
+def test_every_prompt_form_gives_the_same_tokens(llm, tiny_models):
+    text = "the quick brown fox"
+    ids = llm.get_tokenizer().encode(text)
+    expected = hf_greedy(tiny_models["llama"][1], ids, 5)
+    forms = [text, {"prompt": text}, {"prompt_token_ids": ids}, ids]
+    for form in forms:  # each alone, as one prompt
+        (out,) = llm.generate(form, GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected and out.prompt_token_ids == ids
+    outs = llm.generate(forms + [list(ids)], GREEDY, use_tqdm=False)  # nano-vllm passes lists of id lists
+    assert [o["token_ids"] for o in outs] == [expected] * 5  # nano-vllm's output dict keys
+    assert outs[0]["text"] == outs[0].outputs[0].text and outs[0].prompt == text and outs[3].prompt is None
+    with pytest.raises(KeyError):
+        outs[0]["logprobs"]
+
+
+def test_output_fields(llm):
+    prompt = {"prompt_token_ids": list(range(3, 3 + 40))}
+    first, second = (llm.generate(prompt, GREEDY, use_tqdm=False)[0] for _ in range(2))
+    assert first.outputs[0].finished() and first.outputs[0].finish_reason == "length"
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 32  # two full 16-token pages from the prefix cache (never the last token)
+
+
+def test_engine_calls_in_vllm_order(llm):
+    engine = llm.llm_engine
+    assert engine is llm.engine and engine.get_tokenizer() is llm.get_tokenizer()
+    engine.add_request("a", "the lazy dog", GREEDY)  # vLLM: add_request(request_id, prompt, params)
+    engine.add_request("b", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    engine.add_request("c", [8, 9], GREEDY)
+    assert engine.get_num_unfinished_requests() == 3
+    engine.step()
+    engine.abort_request(["a", "c"])  # vLLM v1 takes a list
+    assert engine.get_num_unfinished_requests() == 1
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["b"]
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        engine.add_request("d", "x", "not params")
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    text = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    expected = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    one = llm.chat(messages, GREEDY, use_tqdm=False)
+    two = llm.chat([messages, messages], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in one + two] == [expected] * 3 and one[0].prompt == text
+
+
+def test_chat_without_a_template_is_a_clear_error(tiny_models):
+    llm = LLM(tiny_models["llama"][0], device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}])
+
+
+def test_vllm_engine_arguments(tiny_models, tmp_path):
+    path = tiny_models["llama"][0]
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    base = LLM(path, device="cpu", dtype="float32").generate(prompt, GREEDY, use_tqdm=False)[0]
+    same = LLM(
+        path,
+        device="cpu",
+        dtype="float",
+        trust_remote_code=True,
+        disable_log_stats=True,
+        enable_chunked_prefill=True,
+        load_format="auto",
+        seed=None,
+    )
+    assert same.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == base.outputs[0].token_ids
+    assert LLM(path, device="cpu", dtype="half").engine.dtype.itemsize == 2
+    with pytest.raises(ValueError, match="enable_chunked_prefill may only be True"):
+        LLM(path, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="more than the 2 logprobs"):
+        LLM(path, device="cpu", max_logprobs=2).generate(prompt, SamplingParams(logprobs=3), use_tqdm=False)
+
+    # load_format="dummy": the directory's shapes and tokenizer with random weights, no weight files needed.
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(bare))
+    dummy = LLM(str(bare), device="cpu", load_format="dummy")
+    out = dummy.generate("the quick brown fox", GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].token_ids != base.outputs[0].token_ids
+
+    # tokenizer=: a tokenizer from another directory
+    weights_only = tmp_path / "weights"
+    shutil.copytree(path, weights_only, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    assert LLM(str(weights_only), device="cpu").get_tokenizer() is None
+    borrowed = LLM(str(weights_only), device="cpu", dtype="float32", tokenizer=path)
+    assert borrowed.generate("the quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0].text
+
+
+def test_a_single_priority_applies_to_every_prompt(tiny_models):
+    llm = LLM(tiny_models["llama"][0], device="cpu", scheduling_policy="priority")
+    outs = llm.generate([[5, 6], [7, 8]], GREEDY, use_tqdm=False, priority=3)
+    assert len(outs) == 2 and all(o.finished for o in outs)
