@@ -418,8 +418,8 @@ class LLMEngine:
             entry = {}
             if top is not None:
                 for rank, (tid, lp) in enumerate(zip(top[0][k][: seq.params.logprobs], top[1][k]), 1):
-                    entry[tid] = Logprob(lp, rank, self._token_text(tid))
-            entry[tokens[row]] = Logprob(picked[k], ranks[k], self._token_text(tokens[row]))
+                    entry[tid] = Logprob(lp, rank, self._token_text(tid, seq))
+            entry[tokens[row]] = Logprob(picked[k], ranks[k], self._token_text(tokens[row], seq))
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.append(entry)
@@ -446,12 +446,17 @@ class LLMEngine:
                 entry = {}
                 if top_ids is not None:
                     for rank, (tid, lp) in enumerate(zip(top_ids[j], top_lps[j]), 1):
-                        entry[tid] = Logprob(lp, rank, self._token_text(tid))
-                entry[token] = Logprob(picked[j], ranks[j], self._token_text(token))
+                        entry[tid] = Logprob(lp, rank, self._token_text(tid, seq))
+                entry[token] = Logprob(picked[j], ranks[j], self._token_text(token, seq))
                 seq.prompt_logprobs.append(entry)
 
-    def _token_text(self, token: int) -> str | None:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+    def _detokenizer(self, seq: Sequence):
+        """The tokenizer, unless there is none or the request asked for token ids only."""
+        return self.tokenizer if getattr(seq.params, "detokenize", True) else None
+
+    def _token_text(self, token: int, seq: Sequence) -> str | None:
+        tokenizer = self._detokenizer(seq)
+        return tokenizer.decode([token]) if tokenizer is not None else None
 
     def _advance_beams(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
         """Report each beam's best continuations; a request whose live beams have all reported
@@ -494,12 +499,13 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
-        new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
+        tokenizer = self._detokenizer(seq)
+        new_text = detokenize_incrementally(tokenizer, seq) if tokenizer is not None else ""
         stop = stop_check(seq, token, new_text, self.model_config.eos_token_ids, self.max_model_len)
         if stop is not None:
             self.scheduler.finish(seq, *stop)
-            if self.tokenizer is not None and not isinstance(seq.stop_reason, str):
-                detokenize_incrementally(self.tokenizer, seq, flush=True)  # text held back for a partial character
+            if tokenizer is not None and not isinstance(seq.stop_reason, str):
+                detokenize_incrementally(tokenizer, seq, flush=True)  # text held back for a partial character
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -68,8 +68,10 @@ def validate_request(
             raise ValueError(
                 f"{name}={value} is more than the {max_logprobs} logprobs a request may ask for (max_logprobs)"
             )
-    outside = [t for t in (params.allowed_token_ids or []) + params.stop_token_ids if not 0 <= t < vocab_size]
+    listed = (params.allowed_token_ids or []) + params.stop_token_ids + list(params.logit_bias or {})
+    outside = [t for t in listed if not 0 <= t < vocab_size]
     if outside:
         raise ValueError(
-            f"allowed_token_ids/stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+            f"allowed_token_ids/stop_token_ids/logit_bias: token id {outside[0]} is outside the vocabulary "
+            f"[0, {vocab_size})"
         )

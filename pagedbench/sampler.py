@@ -1,5 +1,5 @@
 """Batched sampling on the device, in vLLM v1's order: raw logprobs; allowed tokens, bad words,
-min_tokens and logits processors; repetition/frequency/presence penalties; greedy argmax or
+min_tokens, logit bias and logits processors; repetition/frequency/presence penalties; greedy argmax or
 temperature, top-k, top-p, min-p and a draw.
 
 A random row draws one uniform number and takes the token where it falls in the row's
@@ -45,6 +45,7 @@ class SamplingBatch:
     any_greedy: bool
     generators: list[torch.Generator | None]
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [A], mask [A, V]) allowed_token_ids
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, tokens, fp32 values) logit_bias
     logprob_rows: list[int] | None = None  # rows whose sampled token's logprob is needed
     logprob_index: torch.Tensor | None = None  # the same rows on the device
     num_logprobs: int = 0  # top logprobs returned per row in logprob_rows (the widest request's)
@@ -110,6 +111,10 @@ class SamplingBatch:
             for j, i in enumerate(allowed):
                 mask[j, ps[i].allowed_token_ids] = True
             batch.allowed = (col(allowed, np.int64), to_device(mask, device))
+        biased = [(i, t, b) for i, p in enumerate(ps) for t, b in (p.logit_bias or {}).items()]
+        if biased:
+            rows, tokens, values = zip(*biased)
+            batch.bias = (col(rows, np.int64), col(tokens, np.int64), col(values, np.float32))
         wanted = [i for i, p in enumerate(ps) if p.logprobs is not None or p.best_of > 1]
         if wanted:
             batch.logprob_rows = wanted
@@ -275,8 +280,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Allowed tokens, bans, logits processors and penalties (a new tensor only where a row uses one)."""
-    if batch.allowed is None and batch.banned is None and batch.processors is None and batch.penalties is None:
+    """Allowed tokens, bans, logit biases, logits processors and penalties (a new tensor only where
+    a row uses one)."""
+    if all(x is None for x in (batch.allowed, batch.banned, batch.bias, batch.processors, batch.penalties)):
         return logits
     logits = logits.clone()
     if batch.allowed is not None:
@@ -284,6 +290,9 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
     if batch.banned is not None:
         logits[batch.banned] = float("-inf")
+    if batch.bias is not None:
+        rows, tokens, values = batch.bias
+        logits.index_put_((rows, tokens), values, accumulate=True)
     for fn, rows, output_token_ids in batch.processors or ():
         logits[rows] = fn(output_token_ids, logits[rows])
     if batch.penalties is not None:

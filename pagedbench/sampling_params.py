@@ -1,3 +1,4 @@
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ class SamplingParams:
     Sample i draws from seed + i when a seed is given, so sample 0 is the n=1 request's.
 
     Logits go through, in vLLM v1's order: allowed_token_ids, bad_words, min_tokens (EOS and
-    stop ids banned until then), logits_processors, then the repetition, frequency and presence
+    stop ids banned until then), logit_bias (added), logits_processors, then the repetition, frequency and presence
     penalties, then temperature, top-k, top-p, min-p and sampling (greedy takes the argmax of the
     processed logits). logprobs and prompt_logprobs are the model's raw log-probabilities, taken
     before all of that (vLLM v1's default "raw_logprobs").
@@ -45,7 +46,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logits_processors: list[Callable] | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, clamped to [-100, 100])
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (text "", no stop strings)
     _bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized by the engine
 
     def __post_init__(self):
@@ -99,6 +102,8 @@ class SamplingParams:
             raise TypeError("stop must be a str or a list of str")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise TypeError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -123,7 +128,15 @@ class SamplingParams:
             raise TypeError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
         if self.logits_processors is not None and not all(callable(f) for f in self.logits_processors):
             raise TypeError("logits_processors must be callables (output_token_ids, logits) -> logits")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or not _is_number(bias) or not math.isfinite(bias):
+                    raise TypeError(f"logit_bias must map int token ids to finite numbers, got {token!r}: {bias!r}")
+                if not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
@@ -131,6 +144,10 @@ class SamplingParams:
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
             if not 0 <= self.seed <= MAX_SEED - self.best_of + 1:
                 raise ValueError(f"seed must be in [0, 2**63 - {self.best_of}], got {self.seed}")
+
+    def clone(self) -> "SamplingParams":
+        """A copy whose lists and dicts are its own (logits processors are shared)."""
+        return dataclasses.replace(self, logit_bias=None if self.logit_bias is None else dict(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,7 @@ from pagedbench.tokenizer import chat_prompt
 
 # Request fields passed to SamplingParams as they are (OpenAI's and vLLM's extensions).
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if not f.name.startswith("_")} - {"logprobs"}
-UNSUPPORTED = {"suffix": None, "echo": False, "logit_bias": None, "tools": None, "functions": None}
+UNSUPPORTED = {"suffix": None, "echo": False, "tools": None, "functions": None}
 
 
 @dataclass(slots=True)
@@ -115,6 +115,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
         """max_tokens None: up to max_model_len, or the server's max_tokens limit."""
         kwargs = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
         kwargs.setdefault("max_tokens", default_max_tokens)
+        if isinstance(kwargs.get("logit_bias"), dict):  # JSON object keys are strings
+            try:
+                kwargs["logit_bias"] = {int(k): v for k, v in kwargs["logit_bias"].items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         if kwargs["max_tokens"] is None:
             kwargs["max_tokens"] = limits.max_tokens
         limit = limits.max_tokens or engine.max_model_len
@@ -173,6 +178,35 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
         finally:  # a client gone, or done: cancelling a pump closes its generator, which aborts the request
             for task in tasks:
                 task.cancel()
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(request: Request):
+        """vLLM's: {"prompt": str} or {"messages": [...]} -> its token ids."""
+        body = await body_of(request)
+        prompt = body.get("prompt")
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if "messages" in body:
+            try:
+                ids = chat_prompt(engine.tokenizer, body["messages"])["prompt_token_ids"]
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+        elif isinstance(prompt, str):
+            ids = engine.tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
+        else:
+            raise APIError(400, "prompt must be a string (or give messages)", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(request: Request):
+        """vLLM's: {"tokens": [...]} -> {"prompt": their text}."""
+        body = await body_of(request)
+        tokens = body.get("tokens")
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise APIError(400, "tokens must be a list of token ids", param="tokens")
+        return {"prompt": engine.tokenizer.decode(tokens)}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request):
@@ -244,12 +278,14 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
                             )
                         sent[key] = end
                         reason = c.finish_reason if out.finished else None
-                        new_tokens = len(c.token_ids) > tokens_sent.get(key, 0)
+                        done_tokens = tokens_sent.get(key, 0)
+                        new_tokens = len(c.token_ids) > done_tokens
                         tokens_sent[key] = len(c.token_ids)
                         if new_tokens or reason:  # a chunk per token, as vLLM (text may lag a partial character)
                             piece = {"content": delta} if chat else {"text": delta}
                             choice = {"index": index, "delta": piece} if chat else {"index": index, **piece}
-                            choices.append(choice | {"logprobs": None, "finish_reason": reason})
+                            logprobs = _logprobs(c, chat, params.logprobs or 0, done_tokens)  # the new tokens'
+                            choices.append(choice | {"logprobs": logprobs, "finish_reason": reason})
                     if out.finished:
                         finals[i] = out
                     if choices:
@@ -338,28 +374,33 @@ def _usage(outputs) -> dict:
 
 def _choice(index: int, c, chat: bool, top_k: int) -> dict:
     common = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    logprobs = _logprobs(c, chat, top_k)
     if chat:
-        return common | {"message": {"role": "assistant", "content": c.text}, "logprobs": _chat_logprobs(c, top_k)}
-    return common | {"text": c.text, "logprobs": _completion_logprobs(c)}
+        return common | {"message": {"role": "assistant", "content": c.text}, "logprobs": logprobs}
+    return common | {"text": c.text, "logprobs": logprobs}
 
 
-def _completion_logprobs(c) -> dict | None:
+def _logprobs(c, chat: bool, top_k: int, start: int = 0) -> dict | None:
+    """OpenAI's logprobs object for c's tokens from `start` on (a stream's new tokens), or None."""
     if c.logprobs is None:
         return None
-    tokens = [entry[t].decoded_token for entry, t in zip(c.logprobs, c.token_ids)]
+    entries, token_ids = c.logprobs[start:], c.token_ids[start:]
+    return _chat_logprobs(entries, token_ids, top_k) if chat else _completion_logprobs(entries, token_ids)
+
+
+def _completion_logprobs(entries: list[dict], token_ids: list[int]) -> dict:
+    tokens = [entry[t].decoded_token for entry, t in zip(entries, token_ids)]
     return {
         "tokens": tokens,
-        "token_logprobs": [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)],
-        "top_logprobs": [{lp.decoded_token: lp.logprob for lp in entry.values()} for entry in c.logprobs],
+        "token_logprobs": [entry[t].logprob for entry, t in zip(entries, token_ids)],
+        "top_logprobs": [{lp.decoded_token: lp.logprob for lp in entry.values()} for entry in entries],
         "text_offset": [sum(len(x or "") for x in tokens[:k]) for k in range(len(tokens))],
     }
 
 
-def _chat_logprobs(c, top_k: int) -> dict | None:
-    if c.logprobs is None:
-        return None
+def _chat_logprobs(entries: list[dict], token_ids: list[int], top_k: int) -> dict:
     content = []
-    for entry, t in zip(c.logprobs, c.token_ids):
+    for entry, t in zip(entries, token_ids):
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)
         top = [{"token": lp.decoded_token, "logprob": lp.logprob} for lp in ranked if lp.rank <= top_k]
         content.append({"token": entry[t].decoded_token, "logprob": entry[t].logprob, "top_logprobs": top})

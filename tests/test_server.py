@@ -303,6 +303,41 @@ def test_max_tokens_defaults_chat_to_the_context_and_completions_to_16(client, c
     assert done.usage.completion_tokens == 16
 
 
+def test_streamed_logprobs_and_logit_bias(client, chat_model):
+    """Each streamed chunk carries its new tokens' logprobs; together they are the whole reply's."""
+    messages = [{"role": "user", "content": "hello"}]
+    kwargs = dict(model=str(chat_model), messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.content]
+    expected = whole.choices[0].logprobs.content  # the second run reads its prompt from the prefix cache: ~1 ulp
+    assert [t.token for t in streamed] == [t.token for t in expected]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in expected], abs=1e-5)
+    assert len(streamed) == 6 and all(len(t.top_logprobs) == 2 for t in streamed)
+    biased = client.completions.create(
+        model=str(chat_model), prompt=[5, 6, 7], max_tokens=4, temperature=0, logit_bias={"42": 100}
+    )
+    from transformers import AutoTokenizer
+
+    assert biased.choices[0].text == AutoTokenizer.from_pretrained(str(chat_model)).decode([42] * 4)
+
+
+def test_tokenize_and_detokenize(server, chat_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chat_model))
+    status, body = post(server, "/tokenize", json.dumps({"prompt": "the quick brown fox"}).encode())
+    assert (
+        status == 200 and body["tokens"] == tok.encode("the quick brown fox") and body["count"] == len(body["tokens"])
+    )
+    status, chat = post(server, "/tokenize", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert status == 200 and tok.decode(chat["tokens"]).endswith("assistant:")
+    status, text = post(server, "/detokenize", json.dumps({"tokens": body["tokens"]}).encode())
+    assert status == 200 and text["prompt"] == tok.decode(body["tokens"])
+    assert post(server, "/detokenize", b'{"tokens": "x"}')[0] == 400
+    assert post(server, "/tokenize", b'{"prompt": 5}')[0] == 400
+
+
 def test_streamed_text_never_leaks_a_stop_string(client, chat_model):
     base = client.completions.create(model=str(chat_model), prompt="the lazy dog", max_tokens=16, temperature=0)
     text = base.choices[0].text

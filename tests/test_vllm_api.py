@@ -115,3 +115,33 @@ def test_a_single_priority_applies_to_every_prompt(tiny_models):
     llm = LLM(tiny_models["llama"][0], device="cpu", scheduling_policy="priority")
     outs = llm.generate([[5, 6], [7, 8]], GREEDY, use_tqdm=False, priority=3)
     assert len(outs) == 2 and all(o.finished for o in outs)
+
+
+def test_logit_bias_steers_every_step(llm):
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    favoured = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={42: 100})
+    assert llm.generate(prompt, favoured, use_tqdm=False)[0].outputs[0].token_ids == [42] * 6
+    free = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    banned = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={free[0]: -100})
+    assert llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0].token_ids[0] != free[0]
+    with pytest.raises(ValueError, match="in \\[-100, 100\\]"):
+        SamplingParams(logit_bias={1: 101})
+    with pytest.raises(ValueError, match="logit_bias: token id 10000 is outside"):
+        llm.generate(prompt, SamplingParams(logit_bias={10000: 1.0}), use_tqdm=False)
+
+
+def test_detokenize_false_returns_token_ids_only(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, detokenize=False)
+    out = llm.generate("the quick brown fox", params, use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and len(out.token_ids) == 4
+    assert all(lp.decoded_token is None for entry in out.logprobs for lp in entry.values())
+    with pytest.raises(ValueError, match="stop strings need detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_clone_is_independent():
+    params = SamplingParams(stop=["a"], logit_bias={1: 2.0}, seed=3)
+    copy = params.clone()
+    copy.stop.append("b")
+    copy.logit_bias[5] = 1.0
+    assert params.stop == ["a"] and params.logit_bias == {1: 2.0} and copy.seed == 3
