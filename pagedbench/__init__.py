@@ -4,13 +4,17 @@ from pagedbench.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearc
 from pagedbench.config import EngineConfig
 from pagedbench.engine import LLMEngine
 from pagedbench.llm import LLM
-from pagedbench.outputs import CompletionOutput, RequestOutput
+from pagedbench.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedbench.sampling_params import SamplingParams
+
+EngineArgs = EngineConfig  # vLLM's name: LLMEngine.from_engine_args(EngineArgs(model=...))
 
 __all__ = [
     "LLM",
     "LLMEngine",
     "EngineConfig",
+    "EngineArgs",
+    "Logprob",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",

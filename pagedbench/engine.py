@@ -119,6 +119,11 @@ class LLMEngine:
         self._sampling_batch: SamplingBatch | None = None  # last step's, reused while its sequences run on
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine_args(cls, args: EngineConfig) -> "LLMEngine":
+        """vLLM's constructor name (EngineArgs is EngineConfig here)."""
+        return cls(args)
+
     @property
     def backend(self):
         return self.runner.backend

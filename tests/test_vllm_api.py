@@ -145,3 +145,13 @@ def test_clone_is_independent():
     copy.stop.append("b")
     copy.logit_bias[5] = 1.0
     assert params.stop == ["a"] and params.logit_bias == {1: 2.0} and copy.seed == 3
+
+
+def test_engine_from_engine_args(tiny_models):
+    from pagedbench import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_models["llama"][0], device="cpu"))
+    rid = engine.add_request("x", [5, 6, 7], GREEDY)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[0].request_id == rid == "x" and len(outs[0].outputs[0].token_ids) == 5
