@@ -162,7 +162,7 @@ def test_a_worker_error_reaches_the_user_as_its_message(tiny_models, monkeypatch
     import pagedbench.engine
 
     real = resolve_model_config(tiny_models["llama"][0])
-    monkeypatch.setattr(pagedbench.engine, "resolve_model_config", lambda model: real)
+    monkeypatch.setattr(pagedbench.engine, "resolve_model_config", lambda model, **kwargs: real)
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"tensor-parallel rank 1: .*model '/nonexistent/model' is neither"):
         LLM("/nonexistent/model", backend="sdpa", tensor_parallel_size=2, num_blocks=64)
