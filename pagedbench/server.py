@@ -242,7 +242,10 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
             choices, usage = [], _usage(finals.values())
             for i in sorted(finals):
                 for c in finals[i].outputs:
-                    choices.append(_choice(len(choices), c, chat, params.logprobs or 0))
+                    choice = _choice(len(choices), c, chat, params.logprobs or 0)
+                    if finals[i].prompt_logprobs is not None:  # vLLM's extra: per prompt token, None first
+                        choice["prompt_logprobs"] = [_prompt_position(p) for p in finals[i].prompt_logprobs]
+                    choices.append(choice)
             return {
                 "id": rid,
                 "object": kind,
@@ -378,6 +381,15 @@ def _choice(index: int, c, chat: bool, top_k: int) -> dict:
     if chat:
         return common | {"message": {"role": "assistant", "content": c.text}, "logprobs": logprobs}
     return common | {"text": c.text, "logprobs": logprobs}
+
+
+def _prompt_position(entry: dict | None) -> dict | None:
+    """vLLM's prompt_logprobs entry: token id -> {logprob, rank, decoded_token}."""
+    if entry is None:
+        return None
+    return {
+        str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in entry.items()
+    }
 
 
 def _logprobs(c, chat: bool, top_k: int, start: int = 0) -> dict | None:

@@ -322,6 +322,14 @@ def test_streamed_logprobs_and_logit_bias(client, chat_model):
     assert biased.choices[0].text == AutoTokenizer.from_pretrained(str(chat_model)).decode([42] * 4)
 
 
+def test_prompt_logprobs_in_a_completion(server):
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    status, out = post(server, "/v1/completions", json.dumps(body).encode())
+    positions = out["choices"][0]["prompt_logprobs"]
+    assert status == 200 and positions[0] is None and len(positions) == 4
+    assert all(str(t) in p and p[str(t)]["logprob"] <= 0 for t, p in zip([6, 7, 8], positions[1:]))
+
+
 def test_tokenize_and_detokenize(server, chat_model):
     from transformers import AutoTokenizer
 
