@@ -24,6 +24,9 @@ class EngineDead(Exception):
     """The step loop stopped on an error; no request can complete."""
 
 
+_ABORTED = object()  # put on a stream by abort(): the generator ends
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, max_pending: int | None = None):
         self.engine = engine
@@ -53,28 +56,32 @@ class AsyncLLM:
             self._loop_task = None
 
     async def generate(
-        self, prompt, params: SamplingParams, request_id: str | None = None
+        self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output each step it progresses, the last one finished. Raises
-        ValueError/TypeError (bad request, nothing queued), EngineFull or EngineDead."""
+        """Yield the request's output each step it progresses, the last one finished (or stop
+        quietly after `abort`). Raises ValueError/TypeError (bad request, nothing queued),
+        EngineFull or EngineDead."""
         if self.error is not None:
             raise EngineDead(f"the engine stopped: {self.error}")
         if len(self._streams) >= self.max_pending:
             raise EngineFull(f"{len(self._streams)} requests in flight, the limit is {self.max_pending}")
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate_request(token_ids, params)
+        self.engine.validate_priority(priority)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams or request_id in self.engine._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._adds.append(({"prompt": text, "prompt_token_ids": token_ids}, params, request_id))
+        self._adds.append(({"prompt": text, "prompt_token_ids": token_ids}, params, request_id, priority))
         self._wake.set()
         self.start()
         finished = False
         try:
             while not finished:
                 item = await stream.get()
+                if item is _ABORTED:
+                    return
                 if isinstance(item, (ValueError, TypeError)):
                     raise item
                 if isinstance(item, BaseException):
@@ -86,6 +93,15 @@ class AsyncLLM:
             if not finished:  # cancelled or abandoned: free its blocks before the next step
                 self._aborts.append(request_id)
                 self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (vLLM's AsyncLLM.abort): its generator ends, its blocks are freed
+        before the next step. Unknown or finished ids are ignored."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(_ABORTED)
+            self._aborts.append(request_id)
+            self._wake.set()
 
     async def _run(self) -> None:
         engine = self.engine
@@ -112,10 +128,10 @@ class AsyncLLM:
 
     def _apply_commands(self) -> None:
         adds, self._adds = self._adds, []
-        for prompt, params, request_id in adds:
+        for prompt, params, request_id, priority in adds:
             if request_id in self._streams:  # not cancelled meanwhile
                 try:
-                    self.engine.add_request(prompt, params, request_id=request_id)
+                    self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
                 except (ValueError, TypeError) as e:  # validated already; never let one request stop the loop
                     self._streams[request_id].put_nowait(e)
         aborts, self._aborts = self._aborts, []

@@ -341,8 +341,9 @@ def cmd_bench_serve(args) -> None:
     from pagedbench.loader import resolve_model_config
     from pagedbench.report import markdown, plot_rate_sweep
 
-    rates, slos = parse_rates(args.request_rate), parse_slos(args.goodput)
     scenario = load_scenario(args.scenario).scaled(args.scale)
+    default_rate = f"{scenario.request_rate:g}" if scenario.arrival == "poisson" else "inf"
+    rates, slos = parse_rates(args.request_rate or default_rate), parse_slos(args.goodput)
     if args.num_prompts is not None:
         scenario = dataclasses.replace(scenario, num_prompts=args.num_prompts)
     url = args.base_url.rstrip("/")
@@ -538,7 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--scenario", default="online", help="built-in name or TOML file (its requests and lengths)")
     bs.add_argument("--scale", type=float, default=1.0)
     bs.add_argument("--num-prompts", type=int, default=None)
-    bs.add_argument("--request-rate", default="inf", help="requests/s, Poisson arrivals; comma-separated for a sweep")
+    bs.add_argument(
+        "--request-rate",
+        default=None,
+        help="requests/s, Poisson arrivals; comma-separated for a sweep (default: the scenario's rate, else inf)",
+    )
     bs.add_argument("--max-concurrency", type=int, default=None)
     bs.add_argument("--model", default=None, help="the model name the server knows (default: its first)")
     bs.add_argument("--api-key", default=None)

@@ -28,6 +28,10 @@ class LLM:
 
         With tensor_parallel_size > 1 the engine starts worker processes (spawn): a script doing
         so needs the `if __name__ == "__main__":` guard; `shutdown()` (or exit) stops them."""
+        if "policy" in engine_args:  # a short name for scheduling_policy
+            policy = engine_args.pop("policy")
+            if engine_args.setdefault("scheduling_policy", policy) != policy:
+                raise ValueError("policy and scheduling_policy disagree; give one")
         for name, allowed in NO_OP_ARGS.items():
             if name in engine_args and engine_args.pop(name) not in allowed:
                 raise ValueError(f"{name} may only be {' or '.join(map(repr, allowed))} here")
@@ -129,6 +133,10 @@ class LLM:
                     elif out.finished:
                         self._other_outputs.append(out)
         return [results[i] for i in ids]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache); blocks in use stay."""
+        self.engine.reset_prefix_cache()
 
     def take_other_outputs(self) -> list[RequestOutput]:
         """Finished outputs of requests added straight to `self.engine` that a `generate` call

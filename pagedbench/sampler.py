@@ -1,6 +1,6 @@
-"""Batched sampling on the device, in vLLM v1's order: raw logprobs; allowed tokens, bad words,
-min_tokens, logit bias and logits processors; repetition/frequency/presence penalties; greedy argmax or
-temperature, top-k, top-p, min-p and a draw.
+"""Batched sampling on the device: raw logprobs; allowed tokens, logit bias, logits processors,
+then the bans of bad words and min_tokens (so no processor undoes them); repetition/frequency/
+presence penalties; greedy argmax or temperature, top-k, top-p, min-p and a draw.
 
 A random row draws one uniform number and takes the token where it falls in the row's
 cumulative distribution (inverse-CDF sampling: one number per row, not one per vocabulary
@@ -280,21 +280,21 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Allowed tokens, bans, logit biases, logits processors and penalties (a new tensor only where
-    a row uses one)."""
+    """Allowed tokens, logit biases, logits processors, bans (min_tokens, bad words) and penalties
+    (a new tensor only where a row uses one)."""
     if all(x is None for x in (batch.allowed, batch.banned, batch.bias, batch.processors, batch.penalties)):
         return logits
     logits = logits.clone()
     if batch.allowed is not None:
         rows, mask = batch.allowed
         logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
-    if batch.banned is not None:
-        logits[batch.banned] = float("-inf")
     if batch.bias is not None:
         rows, tokens, values = batch.bias
         logits.index_put_((rows, tokens), values, accumulate=True)
     for fn, rows, output_token_ids in batch.processors or ():
         logits[rows] = fn(output_token_ids, logits[rows])
+    if batch.banned is not None:  # after the user's processors, which cannot undo min_tokens or bad words
+        logits[batch.banned] = float("-inf")
     if batch.penalties is not None:
         logits[batch.penalties.rows] = apply_penalties(logits[batch.penalties.rows], batch.penalties)
     return logits

@@ -16,10 +16,11 @@ class SamplingParams:
     prefill and sharing its pages, and the n with the highest cumulative logprob returned.
     Sample i draws from seed + i when a seed is given, so sample 0 is the n=1 request's.
 
-    Logits go through, in vLLM v1's order: allowed_token_ids, bad_words, min_tokens (EOS and
-    stop ids banned until then), logit_bias (added), logits_processors, then the repetition, frequency and presence
-    penalties, then temperature, top-k, top-p, min-p and sampling (greedy takes the argmax of the
-    processed logits). logprobs and prompt_logprobs are the model's raw log-probabilities, taken
+    Logits go through: allowed_token_ids, logit_bias (added), logits_processors, then bad_words
+    and min_tokens (EOS and stop ids banned until then; after the processors, which cannot undo
+    them), then the repetition, frequency and presence penalties, then temperature, top-k, top-p,
+    min-p and sampling (greedy takes the argmax of the processed logits). logprobs and
+    prompt_logprobs are the model's raw log-probabilities, taken
     before all of that (vLLM v1's default "raw_logprobs").
 
     A logits processor is a callable (output_token_ids: list[list[int]], logits: Tensor[b, V])

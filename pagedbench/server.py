@@ -42,6 +42,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     limits = limits or ServerLimits()
     engine = llm.engine
@@ -62,6 +63,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e):
         return JSONResponse(error_body(400, str(e), "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):  # unknown route (404), wrong method (405): OpenAI's JSON too
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(e.status_code, str(e.detail), kind), e.status_code, headers=e.headers)
 
     def authorize(request: Request) -> None:
         """/v1/* needs the API key when one is set. (A dependency, not an HTTP middleware: that
@@ -132,10 +138,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
 
-    async def run(prompts: list, params: SamplingParams):
+    async def run(prompts: list, params: SamplingParams, priority: int = 0):
         """One engine request per prompt, all validated before any is queued; yields
         (prompt index, RequestOutput) as they progress."""
         try:
+            engine.validate_priority(priority)
             for prompt in prompts:
                 engine.validate_request(engine.tokenize(prompt)[1], params)
         except (ValueError, TypeError) as e:
@@ -151,7 +158,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
 
         async def pump(i, prompt):
             try:
-                async for out in llm.generate(prompt, params, f"{base}-{i}"):
+                async for out in llm.generate(prompt, params, f"{base}-{i}", priority):
                     queue.put_nowait((i, out))
             except Exception as e:  # noqa: BLE001 (handed to the consumer)
                 queue.put_nowait((i, e))
@@ -235,7 +242,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
         created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.get("stream") and params.best_of != params.n:
             raise APIError(400, "best_of != n cannot be streamed (the best samples are known only at the end)")
-        stream = run(prompts, params)
+        stream = run(prompts, params, body.get("priority", 0))  # vLLM's extra: with --scheduling-policy priority
         first = await anext(stream)  # errors before the first output are plain JSON errors
         if not body.get("stream"):
             finals = await _collect(first, stream, request)
@@ -291,13 +298,13 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
                             choices.append(choice | {"logprobs": logprobs, "finish_reason": reason})
                     if out.finished:
                         finals[i] = out
-                    if choices:
+                    for choice in choices:  # one choice per chunk, as vLLM and OpenAI send them
                         chunk = {
                             "id": rid,
                             "object": chunk_kind,
                             "created": created,
                             "model": model_name,
-                            "choices": choices,
+                            "choices": [choice],
                         }
                         yield f"data: {json.dumps(chunk)}\n\n"
                 if include_usage:

@@ -122,8 +122,19 @@ def test_openai_client_completes_streams_and_chats(client, chat_model, server):
     )
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == expected_chat[0].outputs[0].text
-    streamed = list(client.chat.completions.create(model=str(chat_model), messages=messages, max_tokens=8, stream=True))
-    assert streamed[0].choices[0].delta.role == "assistant" and streamed[-1].choices[0].finish_reason is not None
+    streamed = list(
+        client.chat.completions.create(
+            model=str(chat_model),
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert streamed[0].choices[0].delta.role == "assistant" and streamed[-1].choices[0].finish_reason == "length"
+    assert all(len(c.choices) == 1 for c in streamed)  # a client reading choices[0] misses nothing
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
 
     samples = client.completions.create(
         model=str(chat_model), prompt=prompt, max_tokens=6, n=3, seed=1, temperature=1.0
@@ -183,6 +194,35 @@ def test_auth_size_and_json_errors(server):
     assert post(server, "/v1/completions", b"{not json")[0] == 400
     assert post_announcing(server, "/v1/completions", 2 << 20) == 413
     assert post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')[0] == 200  # still serving
+    status, body = post(server, "/v1/nowhere", b"{}")
+    assert status == 404 and body["error"]["code"] == 404  # OpenAI's error JSON for any route
+    status, body = post(server, "/v1/completions", b'{"prompt": "hi", "priority": 3}')
+    assert status == 400 and "scheduling_policy" in body["error"]["message"]  # this server is fcfs
+
+
+def test_async_abort_ends_the_stream_and_frees_blocks(tiny_models):
+    from pagedbench.async_engine import AsyncLLM
+
+    llm = LLM(tiny_models["llama"][0], device="cpu", dtype="float32", scheduling_policy="priority")
+    engine = AsyncLLM(llm.engine)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        seen = []
+        async for out in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "a", priority=1):
+            seen.append(len(out.outputs[0].token_ids))
+            if len(seen) == 3:
+                engine.abort("a")
+        for _ in range(100):  # the abort lands before the next step
+            if llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks:
+                break
+            await asyncio.sleep(0.01)
+        await engine.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] < 200 and len(seen) <= 4
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_back_pressure_is_429(chat_model):

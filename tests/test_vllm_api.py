@@ -155,3 +155,25 @@ def test_engine_from_engine_args(tiny_models):
     while engine.has_unfinished_requests():
         outs = engine.step()
     assert outs[0].request_id == rid == "x" and len(outs[0].outputs[0].token_ids) == 5
+
+
+def test_min_tokens_holds_against_a_logits_processor(llm):
+    def force_eos(output_token_ids, logits):
+        logits[:, 2] = 1e9
+        return logits
+
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logits_processors=[force_eos])
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0]
+    assert 2 not in out.token_ids[:3] and out.token_ids[3] == 2 and out.finish_reason == "stop"
+
+
+def test_policy_alias_and_reset_prefix_cache(tiny_models):
+    llm = LLM(tiny_models["llama"][0], device="cpu", policy="priority")
+    assert llm.engine.config.scheduling_policy == "priority"
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
+    llm.reset_prefix_cache()
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    with pytest.raises(ValueError, match="disagree"):
+        LLM(tiny_models["llama"][0], policy="priority", scheduling_policy="fcfs")
