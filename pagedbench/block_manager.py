@@ -236,11 +236,15 @@ class BlockManager:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += hit
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register `seq`'s blocks whose tokens are now all computed (content no other block holds)."""
+    def cache_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register `seq`'s full blocks up to `num_tokens` (default: its computed tokens) whose
+        content no other block holds. The scheduler registers an admitted prompt's blocks as it
+        schedules them (vLLM v1): a request admitted later in the same step shares them, since
+        every layer writes the step's K/V before any attention reads the cache."""
         if not self.enable_prefix_caching:
             return
-        for index in range(len(seq.block_keys), seq.num_computed_tokens // self.block_size):
+        upto = seq.num_computed_tokens if num_tokens is None else num_tokens
+        for index in range(len(seq.block_keys), upto // self.block_size):
             key = self._key(seq, index)
             seq.block_keys.append(key)
             block = seq.block_table[index]

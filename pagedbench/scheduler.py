@@ -143,6 +143,9 @@ class Scheduler:
                 seq.num_cached_tokens = hit
             self.waiting.remove(seq)
             self._start(seq, n, out, scheduled)
+            # Nothing admitted in this loop is preempted before the step runs, so its pages
+            # may be shared at once by the next admissions.
+            self.block_manager.cache_computed_blocks(seq, seq.num_computed_tokens + n)
             budget -= n
             reserved += self._width(seq)
         # Decodes first in the batch (a one-token prefill chunk is a decode to attention).

@@ -34,6 +34,21 @@ def test_cached_prefixes_change_nothing_but_the_work(tiny_models, backend, setup
     assert bm.num_free_blocks == bm.num_blocks  # everything finished: all blocks free (some evictable)
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
+@pytest.mark.parametrize("setup", [{}, {"num_blocks": 14, "max_num_batched_tokens": 40}], ids=["roomy", "pressure"])
+def test_requests_admitted_together_share_the_prefix_in_that_step(tiny_models, backend, setup):
+    """As in vLLM v1, an admitted prompt's pages are registered when scheduled: the requests
+    admitted after it in the same step read them (written earlier in every layer) — same tokens."""
+    path, hf = tiny_models["llama"]
+    llm = LLM(path, backend=backend, dtype="float32", device="cpu", **setup)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in PROMPTS]
+    hits = [o.num_cached_tokens for o in outs]
+    assert hits[0] == 0 and sum(hits[1:]) >= 32, hits  # later requests found the first one's pages
+    if not setup:
+        assert hits == [0, 32, 32, 32] and llm.engine.stats.steps == 10  # all four prefilled in one step
+
+
 def test_concurrent_requests_read_one_page(tiny_models):
     """Requests admitted after the prefix is computed share its pages while they run."""
     path, _ = tiny_models["llama"]
