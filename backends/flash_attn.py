@@ -283,6 +283,15 @@ class StepBuffers:
         )
 
 
+def _accepts(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes keyword `name` (by name or through **kwargs); True when it cannot be told."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def fa4_num_splits(capability: tuple[int, int]) -> int:
     """FA4 splits KV only on Blackwell (on Hopper a split asserts); 0 asks for its heuristic,
     which splits when a step has fewer query tiles than the GPU has SMs (small decode batches)."""
@@ -331,6 +340,8 @@ class FlashAttnBackend(AttentionBackend):
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (9, 0)
         self.fa4_num_splits = fa4_num_splits(capability)
         self._fa4_announced = False
+        # max_seqlen_k only where the installed FA4 names it (it sizes the split-KV scheduling).
+        self._fa4_max_seqlen_k = found.kind == "fa4" and _accepts(self.impl.api.flash_attn_varlen_func, "max_seqlen_k")
 
     def prepare(self, meta: AttentionMetadata) -> FlashAttnState:
         return self.buffers.fill(meta)
@@ -368,12 +379,12 @@ class FlashAttnBackend(AttentionBackend):
             v_cache,
             cu_seqlens_q=s.cu_seqlens_q,
             max_seqlen_q=s.max_query_len,
-            max_seqlen_k=s.max_seq_len,
             seqused_k=s.seq_lens,
             page_table=s.block_table,
             softmax_scale=self.scale,
             causal=True,
             num_splits=self.fa4_num_splits,
+            **({"max_seqlen_k": s.max_seq_len} if self._fa4_max_seqlen_k else {}),
         )
         if before is not None and _fa4_compiled_kernels(self.impl.api) != before:
             seconds = time.perf_counter() - start

@@ -123,9 +123,9 @@ def keep_partial(log):
     try:
         yield
     except KeyboardInterrupt:
-        paths = [log.path] + (
-            render(tidy(list(log), log.kind, log.command), log.path.parent, log.path.stem) if len(log) else []
-        )
+        if not len(log):
+            raise Interrupted("interrupted before any row was complete; nothing written") from None
+        paths = [log.path, *render(tidy(list(log), log.kind, log.command), log.path.parent, log.path.stem)]
         raise Interrupted(f"interrupted after {len(log)} rows; kept: {', '.join(map(str, paths))}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -339,7 +339,7 @@ def cmd_bench_serve(args) -> None:
 
     from pagedbench.bench_serve import parse_rates, parse_slos, replay, summarize
     from pagedbench.loader import resolve_model_config
-    from pagedbench.report import markdown, plot_rate_sweep
+    from pagedbench.report import BENCH_SERVE_COLUMNS, bench_serve_table, markdown, plot_rate_sweep
 
     scenario = load_scenario(args.scenario).scaled(args.scale)
     default_rate = f"{scenario.request_rate:g}" if scenario.arrival == "poisson" else "inf"
@@ -347,14 +347,16 @@ def cmd_bench_serve(args) -> None:
     if args.num_prompts is not None:
         scenario = dataclasses.replace(scenario, num_prompts=args.num_prompts)
     url = args.base_url.rstrip("/")
-    model = args.model
-    if model is None:
-        try:
-            headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-            with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=headers), timeout=10) as r:
-                model = _json.loads(r.read())["data"][0]["id"]
-        except OSError as e:
-            raise ValueError(f"cannot reach {url}/v1/models: {e}") from None
+    try:
+        headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=headers), timeout=10) as r:
+            card = _json.loads(r.read())["data"][0]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        if args.model is None:
+            raise ValueError(f"cannot read {url}/v1/models (or pass --model): {e}") from None
+        card = {}
+    model = args.model or card["id"]
+    backend = args.label or card.get("backend") or url  # pagedbench serve names its backend
     try:
         vocab = resolve_model_config(model)[0].vocab_size
     except (ValueError, FileNotFoundError, OSError):
@@ -371,6 +373,9 @@ def cmd_bench_serve(args) -> None:
             print(f"pagedbench: {len(failures)} of {len(results)} requests failed, e.g. {failures[0]}", file=sys.stderr)
         rows.append(
             {
+                "kind": "bench-serve",
+                "timestamp": pd.Timestamp.now(tz="UTC").isoformat(timespec="seconds"),
+                "backend": backend,
                 "base_url": url,
                 "model": model,
                 "scenario": scenario.name,
@@ -386,12 +391,10 @@ def cmd_bench_serve(args) -> None:
         print(
             f"rate {rate:g}/s: {row['output_throughput']:.1f} output tok/s, median TTFT {row['median_ttft_ms']:.1f} ms"
         )
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(rows).reindex(columns=BENCH_SERVE_COLUMNS)
     stem = Path(args.out) / f"bench-serve-{scenario.name}"
     df.to_csv(stem.with_suffix(".csv"), index=False)
-    columns = ["request_rate", "completed", "failed", "request_throughput", "output_throughput", "goodput"]
-    columns += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")]
-    table = markdown(df[columns].round(2))
+    table = markdown(bench_serve_table(df))
     stem.with_suffix(".md").write_text(f"# bench-serve: {scenario.name} against {url} ({model})\n\n{table}\n")
     plot_rate_sweep(df, Path(f"{stem}-latency-vs-throughput.png"))
     print(table)
@@ -501,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.set_defaults(func=cmd_check, full=False)
 
     rep = sub.add_parser("report", help="re-render markdown and plots from CSVs (merging runs and machines)")
-    rep.add_argument("csv", nargs="+", help="CSV files written by run, compare or kernels")
+    rep.add_argument("csv", nargs="+", help="CSV files written by run, compare, kernels, check or bench-serve")
     rep.add_argument("--out", default="reports")
     rep.add_argument("--name", default="report", help="file name stem of the markdown and PNGs")
     rep.set_defaults(func=cmd_report)
@@ -546,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bs.add_argument("--max-concurrency", type=int, default=None)
     bs.add_argument("--model", default=None, help="the model name the server knows (default: its first)")
+    bs.add_argument("--label", default=None, help="the backend column (default: the server's backend, else its URL)")
     bs.add_argument("--api-key", default=None)
     bs.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:500,tpot:50")
     bs.add_argument("--out", default="reports")

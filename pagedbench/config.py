@@ -133,7 +133,9 @@ class EngineConfig:
     max_num_seqs: int = setting(256, "sequences running at once", minimum=1)
     max_num_batched_tokens: int = setting(2048, "tokens per engine step", minimum=1)
     max_model_len: int | None = setting(None, "longest sequence (default: the model's, capped by the cache)", minimum=1)
-    seed: int | None = setting(0, "seed of the sampler and of random weights (None: a fresh one)", minimum=0)
+    seed: int | None = setting(
+        0, "seed of the sampler and of random weights (None: a fresh one)", minimum=0, maximum=2**63 - 1
+    )
     preset_init: str = setting(
         "decisive",
         "a preset's random weights: decisive (one-hot attention heads, so every correct backend's greedy tokens "

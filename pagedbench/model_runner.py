@@ -1,12 +1,13 @@
 """Owns the model, the paged KV cache and the backend; turns a SchedulerOutput into one
 flat token batch plus its AttentionMetadata, built once per step."""
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata, one_line
 from pagedbench.backends.registry import resolve
 from pagedbench.config import ModelConfig
 from pagedbench.model import AttentionContext, CausalLM
@@ -61,16 +62,14 @@ class ModelRunner:
         self.pad_block = num_blocks
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
-        self.kv_cache = torch.zeros(
-            cfg.num_layers,
-            2,
-            self.num_cache_blocks,
-            block_size,
-            backend.num_kv_heads,
-            cfg.head_dim,
-            device=device,
-            dtype=dtype,
-        )
+        shape = (cfg.num_layers, 2, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
+        try:
+            self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            gib = math.prod(shape) * dtype.itemsize / 2**30
+            raise ValueError(
+                f"cannot allocate a KV cache of {num_blocks} blocks ({gib:.1f} GiB) on {device}: {one_line(e)}"
+            ) from None
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         # Swap space: the same layout in (pinned, on CUDA) CPU memory.
         self.cpu_kv_cache = torch.zeros(

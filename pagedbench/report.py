@@ -138,12 +138,37 @@ CHECK_COLUMNS = ENVIRONMENT + [
     "tolerance",
     "top1_agreement",
 ]
+SERVE_LATENCIES = [
+    f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")
+]
+BENCH_SERVE_COLUMNS = [  # one row per (server, request rate) of `pagedbench bench-serve`
+    "kind",
+    "timestamp",
+    "backend",  # --label, or what the server's /v1/models card says, or its URL
+    "base_url",
+    "model",
+    "scenario",
+    "scale",
+    "num_prompts",
+    "request_rate",
+    "max_concurrency",
+    "slos_ms",
+    "completed",
+    "failed",
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    *SERVE_LATENCIES,
+    "goodput",
+]
 SCHEMAS = {
     "serving": SERVING_COLUMNS,
     "requests": REQUEST_COLUMNS,
     "kv": KV_COLUMNS,
     "kernels": KERNEL_COLUMNS,
     "check": CHECK_COLUMNS,
+    "bench-serve": BENCH_SERVE_COLUMNS,
 }
 
 
@@ -211,6 +236,8 @@ def load_csvs(paths: list[str]) -> pd.DataFrame:
         if not p.is_file():
             raise FileNotFoundError(f"no such CSV: {p}")
         frame = pd.read_csv(p)
+        if "kind" not in frame and {"base_url", "request_rate"} <= set(frame):  # bench-serve before its kind column
+            frame = frame.assign(kind="bench-serve", backend=frame["base_url"])
         if "kind" not in frame or not set(frame["kind"]) <= set(SCHEMAS):
             raise ValueError(f"{p} is not a pagedbench CSV (no 'kind' column of {', '.join(SCHEMAS)})")
         frames.append(frame)
@@ -239,6 +266,11 @@ def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
         paths.append(plot_kernel_bandwidth(kinds["kernels"], out_dir / f"{stem}-bandwidth.png"))
     if "check" in kinds:
         sections.append(_check_section(kinds["check"]))
+    if "bench-serve" in kinds:
+        sections.append(
+            "## Online serving (bench-serve)\n\n" + markdown(bench_serve_table(kinds["bench-serve"])) + "\n"
+        )
+        paths.append(plot_rate_sweep(kinds["bench-serve"], out_dir / f"{stem}-latency-vs-throughput.png"))
     sections += [f"![{p.stem}]({p.name})\n" for p in paths]
     md = out_dir / f"{stem}.md"
     md.write_text("\n".join(sections))
@@ -258,6 +290,11 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     groups = ok.groupby(keys, sort=False, dropna=False)
     med = groups[list(numeric)].median().reset_index()
     med["runs"] = groups.size().values
+    # vs best over the rows shown (a merged report compares across the CSVs it read)
+    peers = [k for k in keys if k != "backend"]
+    med["throughput_vs_best"] = med["output_throughput"] / med.groupby(peers, dropna=False)[
+        "output_throughput"
+    ].transform("max")
     return pd.DataFrame(
         {
             "backend": med["backend"],
@@ -398,7 +435,8 @@ def _serving_section(serving: pd.DataFrame) -> str:
     if (serving["status"] == "ok").any():
         parts.append(markdown(serving_summary(serving)) + "\n")
         ok = serving[serving["status"] == "ok"]
-        split = ok.groupby(["device_name", "backend"], sort=False)[TIME_COLUMNS].sum()
+        keys = ["device_name", "scenario", "scale", "model", "backend"]  # never pooled across workloads
+        split = ok.groupby(keys, sort=False, dropna=False)[TIME_COLUMNS].sum()
         split = (100 * split.div(split.sum(axis=1), axis=0)).round(1)
         split.columns = [c.removeprefix("time_").removesuffix("_s") + " %" for c in split.columns]
         parts.append("Share of engine step time:\n\n" + markdown(split.reset_index()) + "\n")
@@ -434,6 +472,12 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
             "tile eff.": _column(ok, "tile_efficiency").round(3),
         }
     )
+
+
+def bench_serve_table(df: pd.DataFrame) -> pd.DataFrame:
+    """bench-serve rows as printed: server, rate, throughput, goodput and latency statistics."""
+    columns = ["backend", "request_rate", "completed", "failed", "request_throughput", "output_throughput", "goodput"]
+    return df[columns + SERVE_LATENCIES].round(2)
 
 
 def _kernel_section(kernels: pd.DataFrame) -> str:
@@ -545,18 +589,19 @@ def plot_kv_timeline(kv: pd.DataFrame, path: Path) -> Path:
 
 def plot_rate_sweep(df: pd.DataFrame, path: Path) -> Path:
     """bench-serve: median and p99 TTFT and TPOT against output throughput, one point per
-    request rate, one line per server (base URL and model)."""
+    request rate, one line per backend (server)."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for (_url, model), group in df.groupby(["base_url", "model"], sort=False):
+    for backend, group in df.groupby("backend", sort=False, dropna=False):
+        group = group.sort_values("output_throughput")
         for ax, metric in zip(axes, ("ttft", "tpot")):
             for stat, style in (("median", "-o"), ("p99", "--x")):
-                ax.plot(group["output_throughput"], group[f"{stat}_{metric}_ms"], style, label=f"{model} {stat}")
+                ax.plot(group["output_throughput"], group[f"{stat}_{metric}_ms"], style, label=f"{backend} {stat}")
     for ax, name in zip(axes, ("TTFT", "TPOT")):
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(f"{name} (ms)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
-    rates = ", ".join(str(r) for r in df["request_rate"])
+    rates = ", ".join(dict.fromkeys(str(r) for r in df["request_rate"]))
     fig.suptitle(f"Latency against throughput, request rates {rates}/s ({df['scenario'].iloc[0]})", fontsize="medium")
     return _save(fig, path)
 
@@ -572,11 +617,11 @@ def plot_kernel_bandwidth(kernels: pd.DataFrame, path: Path) -> Path:
         label = (
             _labels(rows)
             + " bs"
-            + rows["block_size"].astype(str)
+            + rows["block_size"].astype("Int64").astype(str)
             + " h"
-            + rows["num_heads"].astype(str)
+            + rows["num_heads"].astype("Int64").astype(str)
             + "/"
-            + rows["num_kv_heads"].astype(str)
+            + rows["num_kv_heads"].astype("Int64").astype(str)
         )
         for name, group in rows.groupby(label, sort=False):
             group = group.sort_values("context_len")

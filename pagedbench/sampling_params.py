@@ -30,7 +30,7 @@ class SamplingParams:
     best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 or 0 (vLLM's newer default): every token
+    top_k: int = -1  # -1: every token
     min_p: float = 0.0
     max_tokens: int | None = 16  # None: until max_model_len, as in vLLM
     stop: str | list[str] | None = None
@@ -93,8 +93,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:

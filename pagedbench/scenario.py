@@ -88,6 +88,8 @@ class Scenario:
             lengths = getattr(self, field)
             if not 1 <= lengths.min <= lengths.max:
                 self._fail(field, f"needs 1 <= min <= max, got min={lengths.min} max={lengths.max}")
+        if not 0 <= self.seed <= 2**63 - 1:  # a torch generator's seed is a signed 64-bit value
+            self._fail("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
         if self.shared_prefix_len < 0:
             self._fail("shared_prefix_len", f"must be >= 0, got {self.shared_prefix_len}")
         if self.arrival not in ARRIVALS:

@@ -179,7 +179,7 @@ def test_the_invariant_workloads_add_up_to_10k_operations():
 def test_preemption_frees_newest_first_and_recomputes():
     bm = BlockManager(num_blocks=4, block_size=2)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
-    old, new = (Sequence(str(i), None, [1, 2, 3, 4], SamplingParams()) for i in range(2))
+    old, new = (Sequence(str(i), None, [1 + i, 2, 3, 4], SamplingParams()) for i in range(2))  # no shared prefix
     new.arrival_time = old.arrival_time + 1
     sched.add(old)
     sched.add(new)
@@ -192,6 +192,18 @@ def test_preemption_frees_newest_first_and_recomputes():
     assert out.seqs == [old] and out.num_preempted == 1
     assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and not new.block_table
     assert list(sched.waiting) == [new] and new.num_preemptions == 1
+
+
+def test_a_prefix_is_shared_by_requests_admitted_in_the_same_step():
+    """vLLM v1's rule: an admitted prompt's full pages are registered as they are scheduled."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    first, second = (Sequence(str(i), None, [1, 2, 3, 4, 5 + i], SamplingParams()) for i in range(2))
+    sched.add(first)
+    sched.add(second)
+    out = sched.schedule()
+    assert dict(zip(out.seqs, out.num_tokens)) == {first: 5, second: 1}  # second computes its last token only
+    assert second.block_table[:2] == first.block_table[:2] and bm.num_shared_blocks == 2 and bm.prefix_hits == 4
 
 
 def test_double_free_is_caught():

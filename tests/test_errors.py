@@ -20,6 +20,7 @@ def engine(tiny_models):
     [
         (dict(max_tokens=0), "max_tokens"),
         (dict(top_p=0.0), "top_p"),
+        (dict(top_k=0), "top_k"),
         (dict(top_p=1.5), "top_p"),
         (dict(temperature=-0.1), "temperature"),
         (dict(top_k=-2), "top_k"),

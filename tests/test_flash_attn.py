@@ -790,3 +790,16 @@ def test_kernels_match_reference_on_cuda(block_size, dtype, head_dim, phase, hea
             rtol=tol,
             msg=lambda m, spec=spec: f"flash-attn ({FlashAttnBackend.provider()}) on {spec}: {m}",
         )
+
+
+def test_fa4_gets_max_seqlen_k_only_where_its_signature_names_it():
+    from pagedbench.backends.flash_attn import _accepts
+
+    def narrow(q, k, v, cu_seqlens_q=None, max_seqlen_q=None, seqused_k=None, page_table=None):
+        pass
+
+    def wide(q, k, v, max_seqlen_k=None):
+        pass
+
+    assert not _accepts(narrow, "max_seqlen_k") and _accepts(wide, "max_seqlen_k")
+    assert _accepts(lambda *a, **kw: None, "max_seqlen_k")

@@ -31,11 +31,6 @@ def test_a_temperature_under_1e_5_is_greedy():
     assert set(sample_many(LOGITS * 1e3, SP(temperature=1e-7, top_k=3)).tolist()) == {0}
 
 
-def test_top_k_0_and_minus_1_both_disable_top_k():
-    assert set(sample_many(LOGITS, SP(top_k=0)).tolist()) == set(sample_many(LOGITS, SP(top_k=-1)).tolist())
-    assert len(set(sample_many(LOGITS, SP(top_k=0)).tolist())) >= 4
-
-
 def test_top_k_top_p_min_p_restrict_support():
     assert set(sample_many(LOGITS, SP(top_k=2)).tolist()) == {0, 1}
     probs = LOGITS.softmax(-1)  # 0.46, 0.28, 0.17, ...: top_p 0.7 keeps tokens 0 and 1 (0.46 < 0.7 <= 0.74)

@@ -315,6 +315,20 @@ def test_a_disconnect_aborts_the_request_at_once(server):
     assert 2 <= generated < 100, f"{generated} tokens generated for a request cut after two chunks"
 
 
+def test_metrics_count_requests_not_samples(server):
+    before = wait_idle(server)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "n": 2, "temperature": 1.0, "ignore_eos": True}
+    assert post(server, "/v1/completions", json.dumps(body).encode())[0] == 200
+    m = wait_idle(server)
+
+    def grew(name):
+        return m.get(name, 0) - before.get(name, 0)
+
+    assert grew('vllm:request_success_total{finished_reason="length"}') == 1  # one request with two samples
+    assert grew("vllm:time_per_output_token_seconds_count") == 1 and grew("vllm:inter_token_latency_seconds_count") == 4
+    assert grew("vllm:prefix_cache_queries_total") == 4 and "vllm:prefix_cache_hits_total" in m
+
+
 def test_bench_serve_against_our_server(server, tmp_path, capsys):
     from pagedbench.cli import main
 
@@ -327,6 +341,15 @@ def test_bench_serve_against_our_server(server, tmp_path, capsys):
     assert (df["failed"] == 0).all() and (df["median_ttft_ms"] > 0).all() and (df["p90_itl_ms"] > 0).all()
     assert (df["goodput"] == df["request_throughput"]).all()  # a 60 s TTFT SLO: every request meets it
     assert (tmp_path / "bench-serve-online-latency-vs-throughput.png").stat().st_size > 0
+    assert set(df["backend"]) == {"sdpa"} and set(df["kind"]) == {"bench-serve"}  # named by the server's card
+    # A second server (here: the same one, labelled) merges into one report, a line per backend.
+    other = tmp_path / "other"
+    assert main([*args, "--request-rate", "inf", "--label", "other", "--out", str(other)]) == 0
+    csvs = [str(tmp_path / "bench-serve-online.csv"), str(other / "bench-serve-online.csv")]
+    assert main(["report", *csvs, "--out", str(tmp_path / "merged"), "--name", "sweep"]) == 0
+    merged = (tmp_path / "merged" / "sweep.md").read_text()
+    assert "Online serving" in merged and "| other " in merged and "| sdpa " in merged
+    assert (tmp_path / "merged" / "sweep-latency-vs-throughput.png").stat().st_size > 0
     assert main([*args, "--request-rate", "0", "--out", str(tmp_path)]) == 2
     assert "--request-rate must be > 0" in capsys.readouterr().err
 
