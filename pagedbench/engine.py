@@ -29,7 +29,7 @@ from pagedbench.scheduler import Scheduler
 from pagedbench.sequence import Sequence, SequenceGroup
 from pagedbench.stats import STEP_PARTS, EngineStats
 from pagedbench.stopping import stop_check
-from pagedbench.tokenizer import bad_words_token_ids, detokenize_incrementally, load_tokenizer
+from pagedbench.tokenizer import bad_words_token_ids, detokenize_incrementally, load_tokenizer, preset_tokenizer
 from pagedbench.transfer import to_device, to_list
 from pagedbench.workers import ParallelRunner, Workers, rank_device
 
@@ -59,8 +59,10 @@ class LLMEngine:
         backend = build_backend(config.backend, cfg, bs, self.device, self.dtype, self.tp)
         if config.tokenizer is not None:
             self.tokenizer = load_tokenizer(config.tokenizer)
-        else:
-            self.tokenizer = load_tokenizer(path, required=False) if path is not None else None
+        elif path is not None:
+            self.tokenizer = load_tokenizer(path, required=False)
+        else:  # a preset: bytes as tokens
+            self.tokenizer = preset_tokenizer(cfg.vocab_size, cfg.eos_token_ids)
 
         max_len_cap = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > max_len_cap:

@@ -1,5 +1,5 @@
 """Built-in models: real architectures' shapes with random weights (speed does not depend
-on weight values). They take token-id prompts; there is no tokenizer."""
+on weight values). Their tokenizer is byte-level (tokenizer.preset_tokenizer): text prompts work."""
 
 PRESETS: dict[str, dict] = {
     "tiny-llama": {

@@ -25,7 +25,7 @@ def tokenize(prompt, tokenizer, model_name: str) -> tuple[str | None, list[int]]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(
-                f"model {model_name!r} is a preset without a tokenizer; pass {{'prompt_token_ids': [...]}} prompts"
+                f"model {model_name!r} has no tokenizer; pass {{'prompt_token_ids': [...]}} prompts (or tokenizer=)"
             )
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:

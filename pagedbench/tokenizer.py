@@ -24,6 +24,45 @@ def load_tokenizer(path: Path, required: bool = True):
         raise ValueError(f"cannot load a tokenizer from {path}: {one_line(e)}") from None
 
 
+EOS_TEXT = "<|endoftext|>"
+
+
+def preset_tokenizer(vocab_size: int, eos_token_ids: list[int]):
+    """A byte-level tokenizer for a preset (which has random weights and no tokenizer of its
+    own), so text prompts, stop strings and the server work on it: each UTF-8 byte of a text is
+    one token (ids: the first 256 not taken by EOS), EOS decodes as <|endoftext|> and every
+    other id as "<id>". Lengths in tokens are bytes, as with any byte-fallback vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
+    if vocab_size < 256 + len(eos):
+        return None
+    byte_ids = [i for i in range(256 + len(eos)) if i not in eos][:256]
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    for byte, char in enumerate(_byte_chars()):
+        del vocab[f"<{byte_ids[byte]}>"]
+        vocab[char] = byte_ids[byte]
+    for i in eos:
+        del vocab[f"<{i}>"]
+    if eos:
+        vocab[EOS_TEXT] = eos[0]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if eos:
+        tok.add_special_tokens([EOS_TEXT])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT if eos else None)
+
+
+def _byte_chars() -> list[str]:
+    """The byte-level alphabet in byte order: byte b is written as this printable character
+    (GPT-2's table: printable Latin-1 bytes stand for themselves, the rest are shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
 def chat_prompt(tokenizer, messages: list[dict]) -> dict:
     """The prompt of a conversation (OpenAI-style messages) under the tokenizer's chat template,
     with the assistant's turn opened; ValueError when there is no template or the messages don't fit it."""

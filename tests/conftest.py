@@ -114,6 +114,14 @@ def chat_model(tiny_models, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tokenizerless_model(tiny_models, tmp_path_factory):
+    """The tiny llama's directory without its tokenizer files (weights and config only)."""
+    path = tmp_path_factory.mktemp("bare") / "llama"
+    shutil.copytree(tiny_models["llama"][0], path, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    return str(path)
+
+
 def hf_greedy(model, prompt_ids, max_new_tokens):
     out = model.generate(
         torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0

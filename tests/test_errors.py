@@ -152,7 +152,7 @@ def test_generate_validates_every_prompt_before_starting(tiny_models):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
 
 
-def test_bad_engine_settings(tiny_models, tmp_path):
+def test_bad_engine_settings(tiny_models, tmp_path, tokenizerless_model):
     path = tiny_models["llama"][0]
     with pytest.raises(ValueError, match="unknown backend 'nope'; available: .*reference.*sdpa"):
         LLM(path, backend="nope")
@@ -169,8 +169,8 @@ def test_bad_engine_settings(tiny_models, tmp_path):
         LLM(path, num_blocks=4, block_size=16, max_model_len=128)
     with pytest.raises(ValueError, match="exceeds the model's limit"):
         LLM(path, max_model_len=10**6)
-    with pytest.raises(ValueError, match="preset without a tokenizer"):
-        LLM("tiny-llama", max_model_len=64).generate("hello", use_tqdm=False)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        LLM(tokenizerless_model, max_model_len=64).generate("hello", use_tqdm=False)
     with pytest.raises(ValueError, match="unknown dtype"):
         LLM(path, dtype="float8")
     with pytest.raises(ValueError, match="block_size"):

@@ -211,7 +211,7 @@ def test_bad_sampling_features_name_the_field(kwargs, error, message):
         SamplingParams(**kwargs)
 
 
-def test_engine_level_refusals(llm, tiny_models):
+def test_engine_level_refusals(llm, tiny_models, tokenizerless_model):
     good = {"prompt_token_ids": [5, 6]}
     for params, message in [
         (SamplingParams(logprobs=21), "logprobs=21 is more than the 20"),
@@ -219,9 +219,9 @@ def test_engine_level_refusals(llm, tiny_models):
     ]:
         with pytest.raises(ValueError, match=message):
             llm.generate([good, good], [SamplingParams(), params], use_tqdm=False)
-    preset = LLM("tiny-llama", device="cpu", num_blocks=8)
+    bare = LLM(tokenizerless_model, device="cpu", num_blocks=8)
     with pytest.raises(ValueError, match="bad_words need a tokenizer"):
-        preset.generate([good], SamplingParams(bad_words=["x"]), use_tqdm=False)
+        bare.generate([good], SamplingParams(bad_words=["x"]), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 

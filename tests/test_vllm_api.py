@@ -105,7 +105,7 @@ def test_vllm_engine_arguments(tiny_models, tmp_path):
 
     # tokenizer=: a tokenizer from another directory
     weights_only = tmp_path / "weights"
-    shutil.copytree(path, weights_only, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    shutil.copytree(path, weights_only, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
     assert LLM(str(weights_only), device="cpu").get_tokenizer() is None
     borrowed = LLM(str(weights_only), device="cpu", dtype="float32", tokenizer=path)
     assert borrowed.generate("the quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0].text
@@ -177,3 +177,17 @@ def test_policy_alias_and_reset_prefix_cache(tiny_models):
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
     with pytest.raises(ValueError, match="disagree"):
         LLM(tiny_models["llama"][0], policy="priority", scheduling_policy="fcfs")
+
+
+def test_presets_take_text_prompts_through_a_byte_tokenizer():
+    llm = LLM("tiny-llama", device="cpu")
+    text = "Hello, wörld!"
+    out = llm.generate(text, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(text) and len(out.prompt_token_ids) == len(text.encode())
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == text and llm.get_tokenizer().eos_token_id == 2
+    ids = {"prompt_token_ids": out.prompt_token_ids}
+    assert llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
+    tokens = out.outputs[0].token_ids
+    assert out.outputs[0].text == "".join(f"<{t}>" for t in tokens)  # random weights: ids past the bytes
+    stopped = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop=[f"<{tokens[1]}>"])
+    assert llm.generate(text, stopped, use_tqdm=False)[0].outputs[0].token_ids == tokens[:2]
