@@ -129,6 +129,7 @@ class Scenario:
             top_k=self.top_k,
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
+            detokenize=False,  # runs compare token ids: no text work in the step (vLLM's --disable-detokenize)
         )
 
     def scaled(self, factor: float) -> "Scenario":
