@@ -76,6 +76,7 @@ REQUEST_COLUMNS = [
     "dtype",
     "model",
     "backend",
+    "provider",
     "scenario",
     "scenario_hash",
     "scale",

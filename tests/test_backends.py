@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pagedbench.backends.registry import get_backend, list_backends, probe
 
 from pagedbench.attention_batch import attend_dense, place, random_attention_batch, random_problem
+from tests.helpers import backend_id
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -53,13 +54,9 @@ def ragged_batches(draw, block_size: int = 16) -> list[tuple[int, int]]:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(
-            n,
-            marks=pytest.mark.skipif(
-                bool(probe(get_backend(n), "cpu", torch.float32, 64, 16)[1]), reason=f"{n} does not run on cpu"
-            ),
-        )
+        pytest.param(n, id=backend_id(n), marks=[pytest.mark.skip(reason=f"{n} on cpu: {reason}")] if reason else [])
         for n in list_backends()
+        for reason in [probe(get_backend(n), "cpu", torch.float32, 64, 16)[1]]
     ],
 )
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
