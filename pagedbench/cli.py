@@ -52,9 +52,17 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="no CUDA graphs: every step eager (default: graphs where the backend allows them, on CUDA)",
     )
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineConfig)} | {
+        "num_blocks": "KV pages, the same for every backend",
+        "num_prompts": "requests",
+        "input_len": "every prompt this many tokens",
+        "output_len": "every output this many tokens",
+        "n": "samples per prompt (parallel sampling)",
+        "seed": "seed of the request set, the sampler and random weights",
+    }
     for flag in SCENARIO_OVERRIDES:
         if flag not in ("model", "enable_prefix_caching", "enforce_eager"):
-            overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
+            overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
 
 
 CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model says otherwise
