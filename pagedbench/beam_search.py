@@ -67,6 +67,7 @@ class BeamSearchSequence:
     score: float  # cum_logprob / generated_len ** length_penalty: what the beams are ranked by
     text: str | None = None
     finish_reason: str | None = None
+    stop_reason: int | None = None  # the EOS id that ended it, None at a length limit (vLLM's)
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class Hypothesis:
     cum_logprob: float
     score: float
     finish_reason: str
+    stop_reason: int | None = None
 
 
 @dataclass(slots=True)
@@ -139,7 +141,8 @@ class BeamSearch:
                 if position < k and self.can_improve:
                     score = cum / generated**p.length_penalty
                     reason = "stop" if eos else "length"
-                    self.finished.append(Hypothesis([*seq.output_token_ids, token], cum, score, reason))
+                    hypothesis = Hypothesis([*seq.output_token_ids, token], cum, score, reason, token if eos else None)
+                    self.finished.append(hypothesis)
             elif len(beams) < k:
                 beams.append(Continuation(seq, token, cum))
         self.finished = sorted(self.finished, key=lambda h: -h.score)[:k]

@@ -96,7 +96,8 @@ class LLM:
                 tokens = out.prompt_token_ids + c.token_ids
                 text = decode.decode(tokens, skip_special_tokens=True) if decode is not None else None
                 score = c.cumulative_logprob / len(c.token_ids) ** params.length_penalty
-                sequences.append(BeamSearchSequence(tokens, c.cumulative_logprob, score, text, c.finish_reason))
+                beam = BeamSearchSequence(tokens, c.cumulative_logprob, score, text, c.finish_reason, c.stop_reason)
+                sequences.append(beam)
             results.append(BeamSearchOutput(sequences))
         return results
 

@@ -73,7 +73,7 @@ def completions(group: SequenceGroup, decode: Callable[[list[int]], str] | None)
                 decode(h.output_token_ids) if decode else "",
                 h.output_token_ids,
                 h.finish_reason,
-                None,
+                h.stop_reason,
                 h.cum_logprob,
             )
             for i, h in enumerate(group.beam.finished if group.finished else [])

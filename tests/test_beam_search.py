@@ -69,6 +69,7 @@ def test_beam_search_matches_hf(tiny_models, prompts, backend, setup):
             scores = [s.score for s in out.sequences]
             assert scores == sorted(scores, reverse=True)
             ended_early += sum(s.finish_reason == "stop" for s in out.sequences)
+            assert all(s.stop_reason == (eos if s.finish_reason == "stop" else None) for s in out.sequences)
     assert ended_early > 0, "no beam ever ended on the end token: the EOS path went untested"
     bm = engine.block_manager
     assert engine.stats.block_copies > 0 and engine.stats.peak_shared_blocks > 0
