@@ -76,4 +76,5 @@ def test_tiny_preset_generates_from_token_ids():
     out = llm.generate(
         [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
     )[0]
-    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)  # the byte-level tokenizer
