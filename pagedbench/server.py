@@ -187,13 +187,16 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
             for task in tasks:
                 task.cancel()
 
+    async def tokenizer_body(request: Request) -> dict:
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return await body_of(request)
+
     @app.post("/tokenize", dependencies=[Depends(authorize)])
     async def tokenize(request: Request):
         """vLLM's: {"prompt": str} or {"messages": [...]} -> its token ids."""
-        body = await body_of(request)
+        body = await tokenizer_body(request)
         prompt = body.get("prompt")
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer")
         if "messages" in body:
             try:
                 ids = chat_prompt(engine.tokenizer, body["messages"])["prompt_token_ids"]
@@ -208,10 +211,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     @app.post("/detokenize", dependencies=[Depends(authorize)])
     async def detokenize(request: Request):
         """vLLM's: {"tokens": [...]} -> {"prompt": their text}."""
-        body = await body_of(request)
-        tokens = body.get("tokens")
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer")
+        tokens = (await tokenizer_body(request)).get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise APIError(400, "tokens must be a list of token ids", param="tokens")
         return {"prompt": engine.tokenizer.decode(tokens)}
