@@ -99,7 +99,7 @@ def test_test_collection_survives(planted):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "tests collected" in result.stdout and "ERROR" not in result.stdout
-    assert "test_backends.py::test_random_ragged_batches_match_the_oracle[broken]" in result.stdout
+    assert "test_backends.py::test_random_ragged_batches_match_the_oracle[broken" in result.stdout  # named, not lost
 
 
 def test_broken_backend_in_process(monkeypatch):
