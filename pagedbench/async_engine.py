@@ -98,7 +98,8 @@ class AsyncLLM:
         """Abort a request (vLLM's AsyncLLM.abort): its generator ends, its blocks are freed
         before the next step. Unknown or finished ids are ignored."""
         stream = self._streams.get(request_id)
-        if stream is not None:
+        pending = any(add[2] == request_id for add in self._adds)
+        if stream is not None and (pending or request_id in self.engine._requests):  # not finished already
             stream.put_nowait(_ABORTED)
             self._aborts.append(request_id)
             self._wake.set()

@@ -1,7 +1,9 @@
 """Physical KV blocks: reference counts, each sequence's block table, and the prefix cache.
 
 Prefix caching (as vLLM v1): a full block is registered under a key chaining its parent's key
-with its own token ids, once its K/V are computed. A new request's prompt looks its full blocks
+with its own token ids: a newly admitted prompt's blocks when the step that computes them is
+scheduled (so requests admitted after it in that step share them; a step that fails forgets
+the cache), other blocks once their K/V are computed. A new request's prompt looks its full blocks
 up in order and takes the hits (reference counted: several sequences read one page), so their
 tokens are never recomputed. A freed block that is registered stays in an LRU pool of evictable
 blocks, revived by a later hit and evicted (unregistered) only when a fresh block is needed.

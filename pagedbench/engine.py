@@ -26,7 +26,7 @@ from pagedbench.requests import tokenize, validate_request
 from pagedbench.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedbench.sampling_params import SamplingParams
 from pagedbench.scheduler import Scheduler
-from pagedbench.sequence import Sequence, SequenceGroup
+from pagedbench.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedbench.stats import STEP_PARTS, EngineStats
 from pagedbench.stopping import stop_check
 from pagedbench.tokenizer import bad_words_token_ids, detokenize_incrementally, load_tokenizer, preset_tokenizer
@@ -314,28 +314,11 @@ class LLMEngine:
         if sched.empty:
             return []
         t1 = time.perf_counter()
-        # Before the step writes anything: pages leaving for swap space, copy-on-write of shared
-        # pages it writes into, pages coming back from swap space (that order: each may reuse
-        # a block the one before read).
-        swap_out, swap_in = bm.take_swaps()
-        copies = bm.take_copies()
-        if swap_out:
-            self.runner.swap_out(swap_out)
-            st.swap_outs += 1
-        if copies:
-            self.runner.copy_blocks(copies)
-            st.block_copies += len(copies)
-        if swap_in:
-            self.runner.swap_in(swap_in)
-        inputs = self.runner.prepare(sched)
-        t2 = time.perf_counter()
-        state = self.backend.prepare(inputs.metadata)
-        t3 = time.perf_counter()
-        forward_start = self.timer.mark()
-        timer = self.timer if self.timer.enabled and inputs.graph is None else None
-        logits = self.runner.run(inputs, state, timer)
-        self.timer.span("forward" if inputs.graph is None else "forward_graph", forward_start)
-        t4 = time.perf_counter()
+        try:
+            inputs, logits, (t2, t3, t4) = self._run_model(sched)
+        except BaseException:
+            self._abandon(sched)
+            raise
         for seq, n in zip(sched.seqs, sched.num_tokens):
             st.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
         self.scheduler.computed(sched)
@@ -358,6 +341,43 @@ class LLMEngine:
         for group in progressed:
             group.token_times.append(t5)
         return [self._output(group) for group in progressed]
+
+    def _run_model(self, sched) -> tuple:
+        """The step's page moves, metadata and forward: (inputs, logits, (t2, t3, t4))."""
+        st, bm = self.stats, self.block_manager
+        # Before the step writes anything: pages leaving for swap space, copy-on-write of shared
+        # pages it writes into, pages coming back from swap space (that order: each may reuse
+        # a block the one before read).
+        swap_out, swap_in = bm.take_swaps()
+        copies = bm.take_copies()
+        if swap_out:
+            self.runner.swap_out(swap_out)
+            st.swap_outs += 1
+        if copies:
+            self.runner.copy_blocks(copies)
+            st.block_copies += len(copies)
+        if swap_in:
+            self.runner.swap_in(swap_in)
+        inputs = self.runner.prepare(sched)
+        t2 = time.perf_counter()
+        state = self.backend.prepare(inputs.metadata)
+        t3 = time.perf_counter()
+        forward_start = self.timer.mark()
+        timer = self.timer if self.timer.enabled and inputs.graph is None else None
+        logits = self.runner.run(inputs, state, timer)
+        self.timer.span("forward" if inputs.graph is None else "forward_graph", forward_start)
+        return inputs, logits, (t2, t3, time.perf_counter())
+
+    def _abandon(self, sched) -> None:
+        """A step that raised (an interrupt, out of memory, a worker) left K/V unwritten: forget
+        every cached prefix (pages registered for this step among them) and send the step's
+        sequences back to recompute, so nothing later reads what was never written."""
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.take_copies()  # moves planned for the abandoned step, if not yet taken
+        self.block_manager.take_swaps()
+        for seq in sched.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.scheduler.preempt(seq, swap=False)
 
     def _wasted_slots(self) -> int:
         """Internal fragmentation: slots of running sequences' last pages that hold no token yet

@@ -47,7 +47,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logits_processors: list[Callable] | None = None
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, clamped to [-100, 100])
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit; in [-100, 100], as OpenAI's
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (text "", no stop strings)
     _bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized by the engine

@@ -205,11 +205,11 @@ class Scheduler:
             self.preempt(worst)
             out.num_preempted += 1
 
-    def preempt(self, seq: Sequence) -> None:
-        """Swap `seq` out (swap mode, while swap space lasts), or free its blocks: it goes back
-        to the front of the queue and recomputes."""
+    def preempt(self, seq: Sequence, swap: bool = True) -> None:
+        """Swap `seq` out (swap mode, while swap space lasts, unless `swap` is False), or free its
+        blocks: it goes back to the front of the queue and recomputes."""
         self.running.remove(seq)
-        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
+        if swap and self.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
             self.block_manager.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
             seq.num_preemptions += 1

@@ -62,6 +62,7 @@ class Sequence:
         child = Sequence(self.request_id, self.prompt, self.prompt_token_ids, self.params, self.arrival_time)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
         child.block_keys = list(self.block_keys)
         child.status = self.status
         child.output_text, child.prefix_offset, child.read_offset = (

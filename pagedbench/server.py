@@ -11,6 +11,8 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from pagedbench.async_engine import AsyncLLM, EngineFull
 from pagedbench.outputs import RequestOutput
 from pagedbench.sampling_params import SamplingParams
@@ -212,8 +214,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     async def detokenize(request: Request):
         """vLLM's: {"tokens": [...]} -> {"prompt": their text}."""
         tokens = (await tokenizer_body(request)).get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise APIError(400, "tokens must be a list of token ids", param="tokens")
+        vocab = engine.model_config.vocab_size
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": engine.tokenizer.decode(tokens)}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -405,25 +410,36 @@ def _logprobs(c, chat: bool, top_k: int, start: int = 0) -> dict | None:
     if c.logprobs is None:
         return None
     entries, token_ids = c.logprobs[start:], c.token_ids[start:]
-    return _chat_logprobs(entries, token_ids, top_k) if chat else _completion_logprobs(entries, token_ids)
+    if chat:
+        return _chat_logprobs(entries, token_ids, top_k)
+    offset = sum(len(_token_text(entry, t)) for entry, t in zip(c.logprobs[:start], c.token_ids[:start]))
+    return _completion_logprobs(entries, token_ids, offset)
 
 
-def _completion_logprobs(entries: list[dict], token_ids: list[int]) -> dict:
-    tokens = [entry[t].decoded_token for entry, t in zip(entries, token_ids)]
+def _token_text(entry: dict, token: int) -> str:
+    """A logprob entry's token as text; vLLM's "token_id:N" where it was not decoded (detokenize=False)."""
+    text = entry[token].decoded_token
+    return text if text is not None else f"token_id:{token}"
+
+
+def _completion_logprobs(entries: list[dict], token_ids: list[int], offset: int = 0) -> dict:
+    """OpenAI's completion logprobs; text_offset counts from the start of the completion."""
+    tokens = [_token_text(entry, t) for entry, t in zip(entries, token_ids)]
+    starts = np.cumsum([offset, *map(len, tokens)])[:-1]
     return {
         "tokens": tokens,
         "token_logprobs": [entry[t].logprob for entry, t in zip(entries, token_ids)],
-        "top_logprobs": [{lp.decoded_token: lp.logprob for lp in entry.values()} for entry in entries],
-        "text_offset": [sum(len(x or "") for x in tokens[:k]) for k in range(len(tokens))],
+        "top_logprobs": [{_token_text(entry, t): lp.logprob for t, lp in entry.items()} for entry in entries],
+        "text_offset": [int(x) for x in starts],
     }
 
 
 def _chat_logprobs(entries: list[dict], token_ids: list[int], top_k: int) -> dict:
     content = []
     for entry, t in zip(entries, token_ids):
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
-        top = [{"token": lp.decoded_token, "logprob": lp.logprob} for lp in ranked if lp.rank <= top_k]
-        content.append({"token": entry[t].decoded_token, "logprob": entry[t].logprob, "top_logprobs": top})
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+        top = [{"token": _token_text(entry, i), "logprob": lp.logprob} for i, lp in ranked if lp.rank <= top_k]
+        content.append({"token": _token_text(entry, t), "logprob": entry[t].logprob, "top_logprobs": top})
     return {"content": content}
 
 

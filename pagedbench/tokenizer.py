@@ -30,8 +30,9 @@ EOS_TEXT = "<|endoftext|>"
 def preset_tokenizer(vocab_size: int, eos_token_ids: list[int]):
     """A byte-level tokenizer for a preset (which has random weights and no tokenizer of its
     own), so text prompts, stop strings and the server work on it: each UTF-8 byte of a text is
-    one token (ids: the first 256 not taken by EOS), EOS decodes as <|endoftext|> and every
-    other id as "<id>". Lengths in tokens are bytes, as with any byte-fallback vocabulary."""
+    one token (ids: the first 256 not taken by EOS), the first EOS decodes as <|endoftext|>
+    (others as <|eos_k|>) and every other id as "<id>". Lengths in tokens are bytes, as with any
+    byte-fallback vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -43,15 +44,15 @@ def preset_tokenizer(vocab_size: int, eos_token_ids: list[int]):
     for byte, char in enumerate(_byte_chars()):
         del vocab[f"<{byte_ids[byte]}>"]
         vocab[char] = byte_ids[byte]
-    for i in eos:
+    specials = [EOS_TEXT, *(f"<|eos_{k}|>" for k in range(1, len(eos)))]  # one per EOS id
+    for i, text in zip(eos, specials):
         del vocab[f"<{i}>"]
-    if eos:
-        vocab[EOS_TEXT] = eos[0]
+        vocab[text] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     if eos:
-        tok.add_special_tokens([EOS_TEXT])
+        tok.add_special_tokens(specials[: len(eos)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT if eos else None)
 
 

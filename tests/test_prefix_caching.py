@@ -129,3 +129,32 @@ def test_prefix_caching_off_never_registers():
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     run_prefill(sched, sequence(0, [1, 2, 3, 4, 5]))
     assert bm.num_cached_blocks == 0 and bm.match_prefix(sequence(1, [1, 2, 3, 4, 5])) == 0
+
+
+def test_a_step_that_raises_leaves_no_unwritten_page_in_the_cache(tiny_models, monkeypatch):
+    """Pages registered for a step that never ran must not be found by later requests."""
+    path, hf = tiny_models["llama"]
+    llm = LLM(path, backend="sdpa", dtype="float32", device="cpu")
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": PROMPTS[0]}, GREEDY, request_id="a")
+    run = engine.runner.run
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(engine.runner, "run", run)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.block_manager.num_cached_blocks == 0
+    engine.abort_request("a")
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 10)
+    engine.add_request({"prompt_token_ids": PROMPTS[1]}, GREEDY, request_id="b")  # an interrupted run resumes
+    monkeypatch.setattr(engine.runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.outputs[0].token_ids for o in finished] == [hf_greedy(hf, PROMPTS[1], 10)]

@@ -222,6 +222,19 @@ def test_async_abort_ends_the_stream_and_frees_blocks(tiny_models):
 
     seen = asyncio.run(main())
     assert seen[-1] < 200 and len(seen) <= 4
+
+    engine = AsyncLLM(llm.engine)  # asyncio objects belong to one event loop
+
+    async def reuse():  # aborting a finished request is a no-op, even when its id comes back
+        short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        first = [o async for o in engine.generate([5, 6], short, "y")]
+        engine.abort("y")
+        second = [o async for o in engine.generate([5, 6], short, "y")]
+        await engine.stop()
+        return first[-1], second[-1]
+
+    first, second = asyncio.run(asyncio.wait_for(reuse(), 30))
+    assert first.finished and second.finished and second.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
@@ -473,3 +486,17 @@ def test_duplicate_request_ids_are_refused(tiny_models):
 
     outs = asyncio.run(go())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 30
+
+
+def test_token_ids_stand_in_for_undecoded_logprob_tokens_and_offsets_run_on(client, chat_model, server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    status, out = post(server, "/v1/completions", json.dumps(body | {"detokenize": False}).encode())
+    logprobs = out["choices"][0]["logprobs"]
+    assert status == 200 and all(t.startswith("token_id:") for t in logprobs["tokens"])
+    assert all(len(top) >= 2 for top in logprobs["top_logprobs"])  # no collisions on a null key
+    kwargs = {k: v for k, v in body.items() if k != "ignore_eos"} | {"extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(model=str(chat_model), **kwargs)
+    streamed = client.completions.create(model=str(chat_model), **kwargs, stream=True)
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset and offsets == sorted(offsets) and offsets[-1] > 0
+    assert post(server, "/detokenize", b'{"tokens": [-1]}')[0] == 400
