@@ -514,6 +514,7 @@ class LLMEngine:
             else:
                 kept.add(id(c.parent))
                 beams.append(c.parent)
+        group.note_cached_tokens()
         for seq in group.seqs:
             if id(seq) not in kept:
                 self.scheduler.finish(seq, "pruned")

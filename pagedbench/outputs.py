@@ -106,6 +106,7 @@ def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | No
     first = group.seqs[0] if group.seqs and group.beam is None else None
     wanted = first is not None and first.params.prompt_logprobs is not None
     prompt_logprobs = (first.prompt_logprobs or []) if wanted else None
+    group.note_cached_tokens()
     return RequestOutput(
         group.request_id,
         group.prompt,
@@ -114,5 +115,5 @@ def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | No
         finished,
         metrics,
         None if prompt_logprobs is None else [None, *prompt_logprobs],  # nothing predicts the first token
-        (group.seqs[0].num_cached_tokens or 0) if group.seqs else 0,
+        group.num_cached_tokens,
     )

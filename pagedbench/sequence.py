@@ -121,6 +121,12 @@ class SequenceGroup:
     arrival_time: float
     beam: "BeamSearch | None" = None
     token_times: list[float] = field(default_factory=list)  # when a step gave it new tokens
+    num_cached_tokens: int = 0  # prompt tokens its first sequence found in the prefix cache
+
+    def note_cached_tokens(self) -> None:
+        """Keep the prefix-cache hit of its sequences (they may all be gone once beams end)."""
+        hits = [s.num_cached_tokens for s in self.seqs if s.num_cached_tokens is not None]
+        self.num_cached_tokens = max(hits, default=self.num_cached_tokens)
 
     @property
     def finished(self) -> bool:

@@ -191,3 +191,19 @@ def test_presets_take_text_prompts_through_a_byte_tokenizer():
     assert out.outputs[0].text == "".join(f"<{t}>" for t in tokens)  # random weights: ids past the bytes
     stopped = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop=[f"<{tokens[1]}>"])
     assert llm.generate(text, stopped, use_tqdm=False)[0].outputs[0].token_ids == tokens[:2]
+
+
+def test_num_cached_tokens_survives_forks(tiny_models):
+    from pagedbench import BeamSearchParams
+
+    llm = LLM(tiny_models["llama"][0], device="cpu", dtype="float32")
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    llm.generate(prompt, GREEDY, use_tqdm=False)  # caches two full pages
+    engine = llm.engine
+    sampled = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=3, ignore_eos=True)
+    for params in (sampled, BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)):
+        engine.add_request(prompt, params, request_id=type(params).__name__)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+        assert [o.num_cached_tokens for o in finished] == [32], type(params).__name__
