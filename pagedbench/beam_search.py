@@ -16,7 +16,7 @@ log-softmax leave the device.
 import math
 from dataclasses import dataclass, field
 
-from pagedbench.sampling_params import _is_int, _is_number
+from pagedbench.sampling_params import is_int, is_number
 from pagedbench.sequence import Sequence
 
 
@@ -37,13 +37,13 @@ class BeamSearchParams:
     def validate(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if not _is_int(value):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         for name in ("temperature", "length_penalty"):
             value = getattr(self, name)
-            if not _is_number(value):
+            if not is_number(value):
                 raise TypeError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")

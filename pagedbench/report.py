@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from pagedbench.bench_serve import PERCENTILES  # noqa: E402
 from pagedbench.metrics import LATENCIES, STATISTICS  # noqa: E402
 from pagedbench.scenario import ENGINE_FIELDS  # noqa: E402
 from pagedbench.stats import TIME_COLUMNS  # noqa: E402
@@ -139,9 +140,7 @@ CHECK_COLUMNS = ENVIRONMENT + [
     "tolerance",
     "top1_agreement",
 ]
-SERVE_LATENCIES = [
-    f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")
-]
+SERVE_LATENCIES = [f"{stat}_{name}_ms" for name in LATENCIES for stat in PERCENTILES]  # bench-serve's
 BENCH_SERVE_COLUMNS = [  # one row per (server, request rate) of `pagedbench bench-serve`
     "kind",
     "timestamp",

@@ -1,24 +1,20 @@
 """Turning a user's prompt into token ids, and refusing a request before anything is queued."""
 
-from pagedbench.sampling_params import SamplingParams
+from pagedbench.sampling_params import SamplingParams, is_int
 
 
 def is_single_prompt(prompts) -> bool:
     """A str, a prompt dict, or a list of token ids (nano-vllm's form) is one prompt; any other
     iterable is a batch of them."""
     return isinstance(prompts, (str, dict)) or (
-        isinstance(prompts, (list, tuple)) and bool(prompts) and all(_is_token(t) for t in prompts)
+        isinstance(prompts, (list, tuple)) and bool(prompts) and all(is_int(t) for t in prompts)
     )
-
-
-def _is_token(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def tokenize(prompt, tokenizer, model_name: str) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt in any of vLLM's forms: a str, {'prompt': str},
     {'prompt_token_ids': [...]} (optionally with its 'prompt' text), or a list of token ids."""
-    if isinstance(prompt, (list, tuple)) and all(_is_token(t) for t in prompt):
+    if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
         return None, list(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
         prompt = prompt["prompt"]
@@ -30,7 +26,7 @@ def tokenize(prompt, tokenizer, model_name: str) -> tuple[str | None, list[int]]
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, (list, tuple)) or not all(_is_token(t) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):
             raise ValueError("prompt_token_ids must be a list of ints")
         return prompt.get("prompt"), list(ids)
     raise ValueError(

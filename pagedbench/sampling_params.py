@@ -67,19 +67,19 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a list, got {type(value).__name__}")
             if value is not None:
                 setattr(self, name, list(value))
-        if self.best_of is None and _is_int(self.n):
+        if self.best_of is None and is_int(self.n):
             self.best_of = self.n
         self.validate()
 
     def validate(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
-            if not _is_number(value):
+            if not is_number(value):
                 raise TypeError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
         for name in ("n", "best_of", "top_k", "max_tokens", "min_tokens"):
-            if not _is_int(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
+            if not is_int(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
@@ -105,23 +105,23 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
-        if not all(_is_int(t) for t in self.stop_token_ids):
+        if not all(is_int(t) for t in self.stop_token_ids):
             raise TypeError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not _is_int(value):
+            if value is not None and not is_int(value):
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.allowed_token_ids is not None:
-            if not all(_is_int(t) for t in self.allowed_token_ids):
+            if not all(is_int(t) for t in self.allowed_token_ids):
                 raise TypeError(f"allowed_token_ids must be ints, got {self.allowed_token_ids!r}")
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
@@ -133,7 +133,7 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or not _is_number(bias) or not math.isfinite(bias):
+                if not is_int(token) or not is_number(bias) or not math.isfinite(bias):
                     raise TypeError(f"logit_bias must map int token ids to finite numbers, got {token!r}: {bias!r}")
                 if not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
@@ -141,7 +141,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
-            if not _is_int(self.seed):
+            if not is_int(self.seed):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
             if not 0 <= self.seed <= MAX_SEED - self.best_of + 1:
                 raise ValueError(f"seed must be in [0, 2**63 - {self.best_of}], got {self.seed}")
@@ -164,9 +164,9 @@ class SamplingParams:
         return self.best_of
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)

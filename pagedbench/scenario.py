@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedbench.block_manager import blocks_needed
-from pagedbench.sampling_params import SamplingParams
+from pagedbench.sampling_params import SamplingParams, is_int
 
 ARRIVALS = ("batch", "poisson")
 # Scenario fields that are engine settings, the same for every backend: flags override them,
@@ -98,7 +98,7 @@ class Scenario:
             self._fail("request_rate", "is required with arrival = 'poisson' and only then")
         if (self.num_blocks is None) == (self.kv_tokens is None):
             self._fail("num_blocks or kv_tokens", "is required, and only one of them (the KV budget)")
-        if _is_int(self.n) and self.n > self.max_num_seqs:
+        if is_int(self.n) and self.n > self.max_num_seqs:
             self._fail("n", f"must be <= max_num_seqs ({self.max_num_seqs}), got {self.n}")
         try:
             self.sampling_params(1)
@@ -246,26 +246,22 @@ def _typed(scenario: str, field: str, value):
     """`value` as the type `field` declares; a one-line error naming the field when it is not."""
     declared = _FIELDS[field].type
     if declared is LengthRange:
-        if _is_int(value):
+        if is_int(value):
             return LengthRange(value, value)
-        if isinstance(value, dict) and set(value) == {"min", "max"} and all(map(_is_int, value.values())):
+        if isinstance(value, dict) and set(value) == {"min", "max"} and all(map(is_int, value.values())):
             return LengthRange(value["min"], value["max"])
         _fail(scenario, field, f"must be an integer or {{min = ..., max = ...}} of integers, got {value!r}")
     kinds = [t for t in getattr(declared, "__args__", (declared,)) if t is not type(None)]
     kind = kinds[0]
     if (
         kind is int
-        and _is_int(value)
+        and is_int(value)
         or kind is bool
         and isinstance(value, bool)
         or kind is str
         and isinstance(value, str)
     ):
         return value
-    if kind is float and (_is_int(value) or isinstance(value, float)):
+    if kind is float and (is_int(value) or isinstance(value, float)):
         return float(value)
     _fail(scenario, field, f"must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -5,17 +5,16 @@ error (400/401/413/429/503) and never touches other requests; a client that disc
 mid-stream has its request aborted and its blocks freed before the next step."""
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 
-import numpy as np
-
 from pagedbench.async_engine import AsyncLLM, EngineFull
 from pagedbench.outputs import RequestOutput
-from pagedbench.sampling_params import SamplingParams
+from pagedbench.sampling_params import SamplingParams, is_int
 from pagedbench.tokenizer import chat_prompt
 
 # Request fields passed to SamplingParams as they are (OpenAI's and vLLM's extensions).
@@ -215,9 +214,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
         """vLLM's: {"tokens": [...]} -> {"prompt": their text}."""
         tokens = (await tokenizer_body(request)).get("tokens")
         vocab = engine.model_config.vocab_size
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
-        ):
+        if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
             raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": engine.tokenizer.decode(tokens)}
 
@@ -333,7 +330,7 @@ def completion_prompts(prompt) -> list:
     def one(p):
         if isinstance(p, str):
             return p
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if isinstance(p, list) and p and all(map(is_int, p)):
             return {"prompt_token_ids": p}
         raise APIError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
 
@@ -425,12 +422,12 @@ def _token_text(entry: dict, token: int) -> str:
 def _completion_logprobs(entries: list[dict], token_ids: list[int], offset: int = 0) -> dict:
     """OpenAI's completion logprobs; text_offset counts from the start of the completion."""
     tokens = [_token_text(entry, t) for entry, t in zip(entries, token_ids)]
-    starts = np.cumsum([offset, *map(len, tokens)])[:-1]
+    starts = list(itertools.accumulate(map(len, tokens), initial=offset))[: len(tokens)]
     return {
         "tokens": tokens,
         "token_logprobs": [entry[t].logprob for entry, t in zip(entries, token_ids)],
         "top_logprobs": [{_token_text(entry, t): lp.logprob for t, lp in entry.items()} for entry in entries],
-        "text_offset": [int(x) for x in starts],
+        "text_offset": starts,
     }
 
 

@@ -35,13 +35,14 @@ def preset_tokenizer(vocab_size: int, eos_token_ids: list[int]):
     byte-fallback vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
     if vocab_size < 256 + len(eos):
         return None
     byte_ids = [i for i in range(256 + len(eos)) if i not in eos][:256]
     vocab = {f"<{i}>": i for i in range(vocab_size)}
-    for byte, char in enumerate(_byte_chars()):
+    for byte, char in bytes_to_unicode().items():  # the byte-level alphabet: byte -> its character
         del vocab[f"<{byte_ids[byte]}>"]
         vocab[char] = byte_ids[byte]
     specials = [EOS_TEXT, *(f"<|eos_{k}|>" for k in range(1, len(eos)))]  # one per EOS id
@@ -54,14 +55,6 @@ def preset_tokenizer(vocab_size: int, eos_token_ids: list[int]):
     if eos:
         tok.add_special_tokens(specials[: len(eos)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT if eos else None)
-
-
-def _byte_chars() -> list[str]:
-    """The byte-level alphabet in byte order: byte b is written as this printable character
-    (GPT-2's table: printable Latin-1 bytes stand for themselves, the rest are shifted past 255)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> dict:
