@@ -37,7 +37,7 @@ from einops import rearrange
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from pagedbench.transfer import to_device
+from pagedbench.device.transfer import to_device
 
 logger = logging.getLogger(__name__)
 

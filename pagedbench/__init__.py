@@ -1,11 +1,12 @@
 """pagedbench: a vLLM-style inference engine whose only swappable part is the paged-attention backend."""
 
-from pagedbench.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+import importlib.metadata
+
 from pagedbench.config import EngineConfig
-from pagedbench.engine import LLMEngine
-from pagedbench.llm import LLM
-from pagedbench.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedbench.sampling_params import SamplingParams
+from pagedbench.engine.llm_engine import LLMEngine
+from pagedbench.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagedbench.entrypoints.llm import LLM
+from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams
 
 EngineArgs = EngineConfig  # vLLM's name: LLMEngine.from_engine_args(EngineArgs(model=...))
 
@@ -22,4 +23,4 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchSequence",
 ]
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("pagedbench")

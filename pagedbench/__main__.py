@@ -1,5 +1,5 @@
 import sys
 
-from pagedbench.cli import main
+from pagedbench.entrypoints.cli.main import main
 
 sys.exit(main())

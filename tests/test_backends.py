@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedbench.backends.registry import get_backend, list_backends, probe
 
-from pagedbench.attention_batch import attend_dense, place, random_attention_batch, random_problem
+from pagedbench.bench.problems import attend_dense, place, random_attention_batch, random_problem
 from tests.helpers import backend_id
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
@@ -106,7 +106,7 @@ def test_sdpa_cuda_path_repeats_kv_heads_for_gqa():
     for its query heads; on CPU it must equal the enable_gqa path."""
     from pagedbench.backends.sdpa import SDPABackend
 
-    from pagedbench.attention_batch import random_attention_batch
+    from pagedbench.bench.problems import random_attention_batch
 
     batch = random_attention_batch([(30, 1), (0, 20), (5, 7)], 8, 2, 16, 16)
     backend = SDPABackend(8, 2, 16, 0.25, 16, torch.device("cpu"), torch.float32)

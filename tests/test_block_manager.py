@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedbench.block_manager import BlockManager, blocks_needed
-from pagedbench.sampling_params import SamplingParams
-from pagedbench.scheduler import Scheduler, SchedulerOutput
-from pagedbench.sequence import Sequence, SequenceStatus
+from pagedbench.engine.block_manager import BlockManager, blocks_needed
+from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
+from pagedbench.engine.sequence import Sequence, SequenceStatus
+from pagedbench.sample.sampling_params import SamplingParams
 
 
 def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -> None:

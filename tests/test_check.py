@@ -10,9 +10,9 @@ import torch
 from pagedbench.backends import registry
 from pagedbench.backends.reference import ReferenceBackend
 
-from pagedbench import check
-from pagedbench.attention_batch import attend_dense, place, random_problem
-from pagedbench.cli import main
+from pagedbench.bench import check
+from pagedbench.bench.problems import attend_dense, place, random_problem
+from pagedbench.entrypoints.cli.main import main
 from tests.helpers import DEVICES
 
 DTYPES = {"cpu": [torch.float32, torch.bfloat16], "cuda": [torch.bfloat16, torch.float16, torch.float32]}

@@ -1,6 +1,6 @@
 """The `pagedbench` command end to end (small workloads)."""
 
-from pagedbench.cli import main
+from pagedbench.entrypoints.cli.main import main
 
 
 def test_run_prints_throughput_table(capsys):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pagedbench import LLM, EngineConfig
-from pagedbench.cli import build_parser
+from pagedbench.entrypoints.cli.main import build_parser
 
 
 def test_every_field_is_a_flag_with_its_type_and_choices():

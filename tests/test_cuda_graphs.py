@@ -10,10 +10,10 @@ import torch
 from pagedbench.backends.flash_attn import FlashAttnBackend
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets, graphable, pad_decode_plan
-from pagedbench.model_runner import plan_step
-from pagedbench.sequence import Sequence
-from pagedbench.transfer import counting
+from pagedbench.device.transfer import counting
+from pagedbench.engine.sequence import Sequence
+from pagedbench.worker.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets, graphable, pad_decode_plan
+from pagedbench.worker.step_plan import plan_step
 from tests.test_flash_attn import install_only
 
 CPU = torch.device("cpu")
@@ -175,33 +175,34 @@ def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilizati
     """What `_auto_num_blocks` reads, on a pretend GPU: memory figures and the profiled step."""
     from types import SimpleNamespace
 
-    from pagedbench import engine as engine_module
     from pagedbench.config import EngineConfig
-    from pagedbench.loader import resolve_model_config
-    from pagedbench.parallel import NO_TP
+    from pagedbench.engine import kv_budget
+    from pagedbench.engine.executor import Executor
+    from pagedbench.model.loader import resolve_model_config
+    from pagedbench.model.parallel import NO_TP
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * gib), int(total_gib * gib)))
-    monkeypatch.setattr(engine_module, "profile_activation_bytes", lambda *args: int(activation_gib * gib))
+    monkeypatch.setattr(kv_budget, "profile_activation_bytes", lambda *args: int(activation_gib * gib))
     config = EngineConfig(model="qwen3-0.6b", gpu_memory_utilization=utilization, max_num_seqs=256)
+    model_config = resolve_model_config("qwen3-0.6b")[0]
     fake = SimpleNamespace(
-        model_config=resolve_model_config("qwen3-0.6b")[0],
+        model_config=model_config,
         config=config,
         tp=NO_TP,
         device=torch.device("cuda"),
         dtype=torch.bfloat16,
-        model=None,
+        model=SimpleNamespace(config=model_config),
         _graph_off_reason=lambda backend: None if graphs else "enforce_eager",
     )
-    fake._cuda_kv_budget = functools.partial(engine_module.LLMEngine._cuda_kv_budget, fake)
     backend = SimpleNamespace(cuda_graph_powers_of_two=False)
-    return lambda: engine_module.LLMEngine._auto_num_blocks(fake, backend, 4096)
+    return lambda: Executor._auto_num_blocks(fake, backend, 4096)
 
 
 def test_kv_cache_gets_what_utilization_leaves_after_weights_and_activations(monkeypatch):
     """vLLM's rule: utilization x total, less memory in use (weights...) and the profiled peak."""
-    from pagedbench.loader import resolve_model_config
-    from pagedbench.model_runner import kv_bytes_per_block
+    from pagedbench.model.loader import resolve_model_config
+    from pagedbench.worker.model_runner import kv_bytes_per_block
 
     per_block = kv_bytes_per_block(resolve_model_config("qwen3-0.6b")[0], 16, torch.bfloat16)
     blocks = fake_cuda_engine(monkeypatch, total_gib=80, free_gib=78, activation_gib=3)()
@@ -225,21 +226,21 @@ def test_engine_runs_eagerly_when_its_graphs_fail(monkeypatch):
     and the reports saying why (checked at start-up, before anything is measured)."""
     from pagedbench.backends.sdpa import SDPABackend
 
-    from pagedbench import engine as engine_module
+    from pagedbench.engine import executor as executor_module
 
     llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_num_seqs=4)
-    engine = llm.engine
+    engine = llm.engine.executor
     monkeypatch.setattr(engine, "device", torch.device("cuda"))  # as if on a GPU
     monkeypatch.setattr(SDPABackend, "cuda_graph_reason", None)  # as if sdpa claimed graph safety
-    monkeypatch.setattr(engine_module, "DecodeGraphs", functools.partial(DecodeGraphs, capture=fake_capture))
-    assert engine._capture_graphs().startswith("off: the batch-1 graph's logits differ from eager ones")
+    monkeypatch.setattr(executor_module, "DecodeGraphs", functools.partial(DecodeGraphs, capture=fake_capture))
+    assert engine.capture_graphs().startswith("off: the batch-1 graph's logits differ from eager ones")
     assert engine.runner.graphs is None
 
     def failing_capture(fn, pool):
         raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors ...")
 
-    monkeypatch.setattr(engine_module, "DecodeGraphs", functools.partial(DecodeGraphs, capture=failing_capture))
-    assert engine._capture_graphs() == (
+    monkeypatch.setattr(executor_module, "DecodeGraphs", functools.partial(DecodeGraphs, capture=failing_capture))
+    assert engine.capture_graphs() == (
         "off: capture failed: RuntimeError: operation not permitted when stream is capturing"
     )
     monkeypatch.undo()  # back on the CPU: the engine steps eagerly

@@ -15,7 +15,7 @@ from pagedbench.backends import flash_attn
 from pagedbench.backends.flash_attn import FlashAttnBackend
 from pagedbench.backends.registry import get_backend
 
-from pagedbench.attention_batch import random_attention_batch
+from pagedbench.bench.problems import random_attention_batch
 from tests.helpers import backend_id
 from tests.test_backends import HEADS, ragged_batch_spec, run_backend
 
@@ -560,7 +560,7 @@ def test_forced_provider(monkeypatch):
 
 def test_forced_provider_that_cannot_run_is_a_one_line_error(monkeypatch):
     from pagedbench.config import EngineConfig
-    from pagedbench.engine import LLMEngine
+    from pagedbench.engine.llm_engine import LLMEngine
 
     fake_cuda(monkeypatch)
     install(monkeypatch, fa2=fake_fa2([]))

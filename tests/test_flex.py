@@ -18,8 +18,8 @@ from pagedbench.backends import flex
 from pagedbench.backends.flex import FlexBackend
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.attention_batch import paged_metadata, random_attention_batch
-from pagedbench.kernels import batch_spec
+from pagedbench.bench.kernels import batch_spec
+from pagedbench.bench.problems import paged_metadata, random_attention_batch
 from tests.helpers import DEVICES
 from tests.test_backends import HEADS, TOLERANCE, ragged_batch_spec, run_backend
 

@@ -11,9 +11,9 @@ import torch
 from pagedbench.backends import registry
 from pagedbench.backends.sdpa import SDPABackend
 
-from pagedbench.cli import main
-from pagedbench.report import KERNEL_COLUMNS, SERVING_COLUMNS
-from pagedbench.stats import TIME_COLUMNS
+from pagedbench.bench.report import KERNEL_COLUMNS, SERVING_COLUMNS
+from pagedbench.engine.stats import TIME_COLUMNS
+from pagedbench.entrypoints.cli.main import main
 
 # Columns that scripts and notebooks read: the schema (report.py) must keep them.
 RELIED_ON = {
@@ -142,7 +142,7 @@ def test_online_run_adds_requests_at_their_arrival_times(tmp_path, capsys):
         == 0
     )
     assert "| sdpa " in capsys.readouterr().out
-    from pagedbench.scenario import build_requests, load_scenario
+    from pagedbench.bench.scenario import build_requests, load_scenario
 
     last_arrival = build_requests(load_scenario("online").scaled(0.03), 32000)[-1].arrival_time
     row = pd.read_csv(tmp_path / "run-online.csv").iloc[0]
@@ -190,7 +190,7 @@ def test_kernels_csv_schema_and_report(tmp_path, capsys):
 
 @pytest.mark.parametrize("cached,new", [(0, 1), (7, 1), (0, 9), (7, 9)])
 def test_dense_yardstick_attends_causally_bottom_right(cached, new):
-    from pagedbench.kernels import dense_calls
+    from pagedbench.bench.kernels import dense_calls
 
     ((q, k, v, mask, causal),) = dense_calls([(cached, new)] * 2, 4, 2, 8, torch.float32, torch.device("cpu"))
     assert q.shape == (2, 4, new, 8) and k.shape == (2, 2, cached + new, 8)
@@ -250,7 +250,7 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
 
 def test_a_cut_kernels_run_keeps_its_rows(monkeypatch, tmp_path, capsys):
     """Ctrl-C or SIGTERM (a time limit) mid-grid: the rows measured so far stay in the CSV, rendered."""
-    from pagedbench import kernels
+    from pagedbench.bench import kernels
 
     timed = []
 
@@ -296,7 +296,7 @@ def test_device_time_columns(compared):
 
 def test_device_timer_is_off_unless_enabled():
     """An engine that serves forever must not collect spans nobody reads."""
-    from pagedbench.device_timer import DeviceTimer
+    from pagedbench.device.timer import DeviceTimer
 
     timer = DeviceTimer(torch.device("cpu"))
     timer.span("forward", timer.mark())

@@ -4,9 +4,10 @@ shapes, and the engine's internal-fragmentation count is exact."""
 import torch
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.cli import main
-from pagedbench.kv_calc import GIB, kv_bytes_per_token, kv_table
-from pagedbench.loader import resolve_model_config
+from pagedbench.bench.kv_calc import GIB, kv_bytes_per_token, kv_table
+from pagedbench.engine.stats import wasted_slots
+from pagedbench.entrypoints.cli.main import main
+from pagedbench.model.loader import resolve_model_config
 
 
 def test_qwen3_and_llama_figures_by_hand():
@@ -43,6 +44,6 @@ def test_wasted_slots_are_the_empty_part_of_last_pages(tiny_models):
     engine.step()
     # 5 computed tokens in one page shared by the 3 samples (11 empty slots, counted once);
     # 32 tokens fill two pages exactly (0 empty).
-    assert engine._wasted_slots() == 11
+    assert wasted_slots(engine.scheduler.running, engine.config.block_size) == 11
     engine.step()  # each sample wrote its token into a private copy (6 tokens each); 33 tokens: 1 in page 3
-    assert engine._wasted_slots() == 3 * 10 + 15
+    assert wasted_slots(engine.scheduler.running, engine.config.block_size) == 3 * 10 + 15

@@ -3,8 +3,8 @@ benchmark_serving's definitions (p99 by linear interpolation, as np.percentile).
 
 import pytest
 
-from pagedbench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
-from pagedbench.outputs import RequestMetrics
+from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
+from pagedbench.engine.outputs import RequestMetrics
 
 
 def trace(arrival, token_times):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.config import ModelConfig
-from pagedbench.model import rope_inv_freq
-from pagedbench.presets import PRESETS
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.llama import rope_inv_freq
+from pagedbench.model.presets import PRESETS
 from tests.conftest import hf_greedy, write_legacy_config
 
 PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]

@@ -3,9 +3,9 @@
 import pandas as pd
 import pytest
 
-from pagedbench.bench import compare
-from pagedbench.cli import main
-from pagedbench.scenario import load_scenario
+from pagedbench.bench.compare import compare
+from pagedbench.bench.scenario import load_scenario
+from pagedbench.entrypoints.cli.main import main
 
 
 def test_hf_peer_runs_the_identical_requests(tiny_models):

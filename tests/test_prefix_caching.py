@@ -5,9 +5,9 @@ chunked prefill; hits, eviction (LRU) and reset behave as vLLM's do."""
 import pytest
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.block_manager import BlockManager
-from pagedbench.scheduler import Scheduler
-from pagedbench.sequence import Sequence
+from pagedbench.engine.block_manager import BlockManager
+from pagedbench.engine.scheduler import Scheduler
+from pagedbench.engine.sequence import Sequence
 from tests.conftest import hf_greedy
 
 PREFIX = [(7 * i) % 300 + 3 for i in range(45)]  # 2 full pages of 16 and a partial one

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.loader import build_model, resolve_model_config
-from pagedbench.metrics import identical_token_share
-from pagedbench.model import apply_rope
-from pagedbench.preset_init import lag_of_head
+from pagedbench.bench.metrics import identical_token_share
+from pagedbench.model.llama import apply_rope
+from pagedbench.model.loader import build_model, resolve_model_config
+from pagedbench.model.preset_init import lag_of_head
 
 # Prompts of 1-3 tokens reach the "nearest key" case of a head whose lag is longer.
 PROMPTS = [{"prompt_token_ids": random.Random(i).sample(range(3, 30000), n)} for i, n in enumerate([1, 2, 3, 17, 40])]

@@ -48,7 +48,7 @@ def table_rows(out: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_commands_work_and_say_why(planted, tmp_path):
     script = textwrap.dedent(f"""
-        from pagedbench.cli import main
+        from pagedbench.entrypoints.cli.main import main
         for argv in (["backends", "--device", "cpu"],
                      ["kernels", "--device", "cpu", "--backends", "sdpa,flash-attn,broken", "--phases", "decode",
                       "--batch-sizes", "2", "--context-lens", "32", "--block-sizes", "16", "--heads", "4/2",
@@ -108,7 +108,7 @@ def test_broken_backend_in_process(monkeypatch):
     from importlib.metadata import EntryPoint
 
     from pagedbench.config import EngineConfig
-    from pagedbench.engine import LLMEngine
+    from pagedbench.engine.llm_engine import LLMEngine
 
     ep = EntryPoint("broken", "tests.no_such_module:Backend", "pagedbench.backends")
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep])

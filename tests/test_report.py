@@ -4,8 +4,8 @@ two machines."""
 import pandas as pd
 import pytest
 
-from pagedbench.cli import main
-from pagedbench.report import SCHEMAS, load_csvs, tidy, write_reports
+from pagedbench.bench.report import SCHEMAS, load_csvs, tidy, write_reports
+from pagedbench.entrypoints.cli.main import main
 
 
 def serving_rows(device_name: str) -> tuple[list[dict], list[dict]]:
@@ -134,7 +134,7 @@ def test_report_rejects_foreign_and_missing_csvs(tmp_path):
 
 
 def test_runs_of_different_scales_and_models_are_never_pooled():
-    from pagedbench.report import _labels, _title, serving_summary
+    from pagedbench.bench.report import _labels, _title, serving_summary
 
     rows = []
     for scale, model in ((0.1, "tiny-llama"), (0.5, "tiny-llama"), (0.1, "qwen3-0.6b")):

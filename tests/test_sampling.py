@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.sampler import Sampler, SamplingBatch
-from pagedbench.sampling_params import SamplingParams as SP
-from pagedbench.sequence import Sequence
+from pagedbench.engine.sequence import Sequence
+from pagedbench.sample.sampler import Sampler, SamplingBatch
+from pagedbench.sample.sampling_params import SamplingParams as SP
 from tests.conftest import hf_greedy
 
 

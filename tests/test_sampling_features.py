@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.sampler import Penalties, apply_penalties
+from pagedbench.sample.sampler import Penalties, apply_penalties
 from tests.conftest import VOCAB
 
 PROMPT = list(range(10, 30))

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from pagedbench.cli import main
-from pagedbench.scenario import LengthRange, build_requests, builtin_scenarios, load_scenario, parse_scenario
+from pagedbench.bench.scenario import LengthRange, build_requests, builtin_scenarios, load_scenario, parse_scenario
+from pagedbench.entrypoints.cli.main import main
 
 REQUIRED_BUILTINS = {
     "decode-heavy",
@@ -146,7 +146,7 @@ def test_request_set_shapes():
 
 DIGEST = """
 import hashlib, json
-from pagedbench.scenario import build_requests, load_scenario
+from pagedbench.bench.scenario import build_requests, load_scenario
 reqs = build_requests(load_scenario("online").scaled(0.2), 32000)
 rows = [(r.prompt_token_ids, r.params.max_tokens, r.arrival_time) for r in reqs]
 print(hashlib.sha256(json.dumps(rows).encode()).hexdigest())

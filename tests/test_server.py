@@ -201,7 +201,7 @@ def test_auth_size_and_json_errors(server):
 
 
 def test_async_abort_ends_the_stream_and_frees_blocks(tiny_models):
-    from pagedbench.async_engine import AsyncLLM
+    from pagedbench.entrypoints.async_llm import AsyncLLM
 
     llm = LLM(tiny_models["llama"][0], device="cpu", dtype="float32", scheduling_policy="priority")
     engine = AsyncLLM(llm.engine)
@@ -343,7 +343,7 @@ def test_metrics_count_requests_not_samples(server):
 
 
 def test_bench_serve_against_our_server(server, tmp_path, capsys):
-    from pagedbench.cli import main
+    from pagedbench.entrypoints.cli.main import main
 
     args = ["bench-serve", "--base-url", server, "--api-key", KEY, "--scenario", "online", "--num-prompts", "12"]
     assert main([*args, "--request-rate", "20,inf", "--goodput", "ttft:60000", "--out", str(tmp_path)]) == 0
@@ -469,8 +469,8 @@ def test_a_non_streaming_client_that_leaves_aborts_its_requests(server):
 
 def test_duplicate_request_ids_are_refused(tiny_models):
     from pagedbench import LLMEngine
-    from pagedbench.async_engine import AsyncLLM
     from pagedbench.config import EngineConfig
+    from pagedbench.entrypoints.async_llm import AsyncLLM
 
     llm = AsyncLLM(LLMEngine(EngineConfig(model=tiny_models["llama"][0], device="cpu", dtype="float32")))
 

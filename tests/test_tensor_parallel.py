@@ -12,13 +12,13 @@ import pandas as pd
 import pytest
 import torch
 
-from pagedbench.cli import main
-from pagedbench.config import ModelConfig
-from pagedbench.llm import LLM
-from pagedbench.loader import build_model, resolve_model_config
-from pagedbench.parallel import TPShard
-from pagedbench.sampling_params import SamplingParams
-from pagedbench.workers import WorkerError
+from pagedbench.entrypoints.cli.main import main
+from pagedbench.entrypoints.llm import LLM
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.loader import build_model, resolve_model_config
+from pagedbench.model.parallel import TPShard
+from pagedbench.sample.sampling_params import SamplingParams
+from pagedbench.worker.tp_workers import WorkerError
 from tests.helpers import ENGINE_BACKENDS
 
 PRESSURE = dict(block_size=8, num_blocks=11, max_model_len=80, max_num_batched_tokens=20, max_num_seqs=4)
@@ -159,10 +159,10 @@ def test_a_killed_worker_fails_the_step_within_seconds_and_leaves_no_process(tin
 def test_a_worker_error_reaches_the_user_as_its_message(tiny_models, monkeypatch):
     """Rank 1 cannot load the model (here: its path does not exist for it): the engine raises
     that rank's one-line error and stops the other workers."""
-    import pagedbench.engine
+    import pagedbench.engine.llm_engine
 
     real = resolve_model_config(tiny_models["llama"][0])
-    monkeypatch.setattr(pagedbench.engine, "resolve_model_config", lambda model, **kwargs: real)
+    monkeypatch.setattr(pagedbench.engine.llm_engine, "resolve_model_config", lambda model, **kwargs: real)
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"tensor-parallel rank 1: .*model '/nonexistent/model' is neither"):
         LLM("/nonexistent/model", backend="sdpa", tensor_parallel_size=2, num_blocks=64)

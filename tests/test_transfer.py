@@ -1,11 +1,11 @@
-"""Host<->device copies per step: every one goes through pagedbench.transfer, so they can be counted."""
+"""Host<->device copies per step: every one goes through pagedbench.device.transfer, so they can be counted."""
 
 import numpy as np
 import pytest
 import torch
 
 from pagedbench import LLM, SamplingParams
-from pagedbench.transfer import counting, to_device, to_device_packed, to_list
+from pagedbench.device.transfer import counting, to_device, to_device_packed, to_list
 
 CPU = torch.device("cpu")
 
@@ -22,7 +22,7 @@ def test_packed_copy_is_one_transfer_per_dtype_and_keeps_shapes():
 
 def test_pack_and_unpack_round_trip_through_one_buffer_per_dtype():
     """The CUDA path (and the graphs' static inputs): one flat buffer per dtype, views back."""
-    from pagedbench.transfer import copy_to_device_, pack, unpack
+    from pagedbench.device.transfer import copy_to_device_, pack, unpack
 
     arrays = [np.arange(3, dtype=np.int32), np.arange(8, dtype=np.int64).reshape(2, 4), np.full((3, 2), 7, np.int32)]
     packed = pack(arrays)
@@ -93,9 +93,9 @@ def test_sampling_tensors_are_rebuilt_when_the_batch_changes():
     engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.7, max_tokens=2, ignore_eos=True))
     engine.add_request({"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True))
     engine.step()
-    first = engine._sampling_batch
+    first = engine.token_picker.sampling_batch
     engine.step()
-    assert engine._sampling_batch.temperature is first.temperature  # same sequences: nothing copied
+    assert engine.token_picker.sampling_batch.temperature is first.temperature  # same sequences: nothing copied
     (steady,) = _decode_step_copies(engine, 1)  # the first request finished last step: one row left
     assert steady["h2d"] > 2 and steady["d2h"] == 1
-    assert [s.request_id for s in engine._sampling_batch.seqs] == ["1"]
+    assert [s.request_id for s in engine.token_picker.sampling_batch.seqs] == ["1"]

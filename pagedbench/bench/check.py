@@ -1,0 +1,314 @@
+"""`pagedbench check`: every available backend against a dense oracle on a grid of paged-attention
+problems (attention_batch builds them; the oracle never reads the paged cache).
+
+Per case and backend: the max and mean absolute error against the oracle (fp64 on CPU, fp32 on
+GPU), the same problem on a second random layout (placement invariance), and pass/fail against
+the dtype's tolerance: TOLERANCE_FACTOR x the error of the naive computation in that dtype (every
+operation in it, softmax included) plus a small floor, as peers' kernel tests derive it.
+"""
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedbench.backends.registry import resolve
+from pagedbench.bench.problems import attend_dense, place, random_problem
+from pagedbench.device.dtypes import dtype_name
+
+TOLERANCE_FACTOR = 4.0
+TOLERANCE_FLOOR = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+HEADS = {"MHA": (4, 4), "GQA-4": (8, 2), "GQA-3": (6, 2), "MQA": (4, 1)}
+
+
+@dataclass(slots=True)
+class CheckCase:
+    batch: str  # what the batch exercises
+    seqs: list[tuple[int, int]]  # (context_len, query_len) per sequence
+    heads: str = "GQA-4"
+    head_dim: int = 64
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+    shared: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.batch} {self.heads} d{self.head_dim} page{self.block_size} {dtype_name(self.dtype)}"
+
+    @property
+    def seed(self) -> int:  # stable across processes (never Python's hash())
+        return zlib.crc32(self.batch.encode())
+
+
+def _batches(block_size: int, long_context: int) -> dict[str, tuple[list[tuple[int, int]], dict]]:
+    """Batch shapes, by name: (seqs, shared). Lengths sit on, one below and one above page boundaries."""
+    p = block_size
+    return {
+        "decode": ([(p - 1, 1), (p, 1), (2 * p - 2, 1), (37, 1), (5 * p, 1)], {}),
+        "prefill": ([(0, p), (0, p + 1), (0, 3 * p - 1), (0, 45)], {}),
+        "mixed": ([(p - 2, 1), (3 * p, 1), (0, 2 * p + 1), (p + 3, 7), (2 * p - 1, p + 2)], {}),
+        "chunked prefill": ([(3 * p + 5, 2 * p), (p, p - 1), (4 * p, 3)], {}),
+        "one long sequence": ([(long_context - 33, 33)], {}),
+        "many short": ([(i % 7, 1 + i % 3) for i in range(48)], {}),
+        "length one": ([(0, 1), (0, 1), (1, 1), (0, 1)], {}),
+        "page boundaries": ([(p - 1, 1), (p - 1, 2), (p, 1), (0, p), (0, p - 1), (p, p), (2 * p - 1, 1)], {}),
+        "shared prefix": (
+            [(3 * p + 2, 1), (3 * p + 9, 1), (2 * p, p + 4), (3 * p + 2, 1)],
+            {1: (0, 3 * p), 2: (0, 2 * p), 3: (0, 3 * p + 3)},
+        ),  # 3 is a fork of 0
+    }
+
+
+def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
+    """--quick: every batch shape on one configuration, then heads, head_dim and page size varied
+    one at a time on the mixed and shared-prefix batches. --full: the whole cross product."""
+    cases = []
+    for dtype in dtypes:
+        if full:
+            for block_size in (16, 32, 64, 128, 256):
+                for heads in HEADS:
+                    for head_dim in (64, 128, 256):
+                        for batch, (seqs, shared) in _batches(block_size, 16384).items():
+                            cases.append(CheckCase(batch, seqs, heads, head_dim, block_size, dtype, shared))
+            continue
+        for batch, (seqs, shared) in _batches(16, 2048).items():
+            cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared))
+        for batch in ("mixed", "shared prefix"):
+            for change in (
+                {"heads": "MHA"},
+                {"heads": "GQA-3"},
+                {"heads": "MQA"},
+                {"head_dim": 128},
+                {"block_size": 128},
+            ):
+                seqs, shared = _batches(change.get("block_size", 16), 2048)[batch]
+                cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **change))
+    return cases
+
+
+def tolerance(problem, scale: float, dtype: torch.dtype, device: torch.device, expected: torch.Tensor) -> float:
+    naive = attend_dense(problem, scale, dtype, device)
+    return TOLERANCE_FACTOR * float((naive.to(expected.dtype) - expected).abs().max()) + TOLERANCE_FLOOR[dtype]
+
+
+def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list[dict]:
+    """One row per backend: errors against the oracle and between two layouts, and the verdict."""
+    num_heads, num_kv_heads = HEADS[case.heads]
+    scale = case.head_dim**-0.5
+    oracle_dtype = torch.float64 if device.type == "cpu" else torch.float32
+    problem = random_problem(case.seqs, num_heads, num_kv_heads, case.head_dim, case.dtype, case.seed, case.shared)
+    expected = attend_dense(problem, scale, oracle_dtype, device)
+    tol = tolerance(problem, scale, case.dtype, device, expected)
+    layouts = None
+    head = {
+        "case": case.name,
+        "batch": case.batch,
+        "heads": case.heads,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": case.head_dim,
+        "block_size": case.block_size,
+        "dtype": dtype_name(case.dtype),
+        "num_seqs": len(case.seqs),
+        "num_query_tokens": problem.q.shape[0],
+        "tolerance": tol,
+    }
+    rows = []
+    for name in backends:
+        cls, provider, reason = resolve(
+            name, device, case.dtype, case.head_dim, case.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
+        )[1:]
+        row = {**head, "backend": name, "provider": provider}
+        if reason:
+            rows.append({**row, "status": "skipped", "reason": reason})
+            continue
+        layouts = layouts or [
+            place(problem, case.block_size, device, layout_seed=seed, spare_blocks=5) for seed in (1, 2)
+        ]
+        try:
+            outs = [_attend(cls, batch, num_heads, num_kv_heads, case, scale) for batch in layouts]
+        except Exception as e:  # a backend that raises fails this case; the others go on
+            rows.append({**row, "status": "fail", "reason": f"raised {type(e).__name__}: {str(e).splitlines()[0]}"})
+            continue
+        error = (outs[0].to(expected.dtype) - expected).abs()
+        moved = float((outs[1].to(expected.dtype) - outs[0].to(expected.dtype)).abs().max())
+        row.update(max_abs_error=float(error.max()), mean_abs_error=float(error.mean()), placement_diff=moved)
+        why = []
+        if not bool(torch.isfinite(outs[0]).all()):
+            why.append("non-finite output")
+        if row["max_abs_error"] > tol:
+            worst = int(error.amax(dim=(1, 2)).argmax())
+            why.append(f"error {row['max_abs_error']:.3g} > tolerance {tol:.3g} (worst at query token {worst})")
+        if moved > tol:
+            why.append(f"output changes by {moved:.3g} with the page layout (tolerance {tol:.3g})")
+        rows.append({**row, "status": "fail" if why else "pass", "reason": "; ".join(why)})
+    return rows
+
+
+def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scale: float) -> torch.Tensor:
+    backend = cls(num_heads, num_kv_heads, case.head_dim, scale, case.block_size, batch.q.device, case.dtype)
+    return backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata))
+
+
+def run_check(
+    backends: list[str], device: torch.device, dtypes: list[torch.dtype], full: bool = False, rows: list | None = None
+) -> list[dict]:
+    """Every case of the grid; rows are appended to `rows` (a report.CsvLog writes each out) as they come."""
+    rows = [] if rows is None else rows
+    for case in tqdm(build_cases(dtypes, full), desc="check", disable=None):
+        rows += run_case(case, backends, device)
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Counts per backend, then every failure with its case."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    keys = ["backend", "dtype"]
+    counts = frame.groupby(keys + ["status"]).size().unstack(fill_value=0)
+    for status in ("pass", "fail", "skipped"):
+        if status not in counts:
+            counts[status] = 0
+    ran = frame[frame["status"] != "skipped"]
+    if "max_abs_error" in ran:
+        counts["worst error"] = ran.groupby(keys)["max_abs_error"].max()
+        counts["worst error / tolerance"] = (
+            (ran["max_abs_error"] / ran["tolerance"]).groupby([ran[k] for k in keys]).max()
+        )
+        counts["worst placement diff"] = ran.groupby(keys)["placement_diff"].max()
+    lines = [counts.reset_index().to_markdown(index=False)]
+    failed = frame[frame["status"] == "fail"]
+    if len(failed):
+        lines.append("\nFailures:\n\n" + failed[["backend", "case", "reason"]].to_markdown(index=False))
+    skipped = frame[frame["status"] == "skipped"][["backend", "reason"]].drop_duplicates()
+    if len(skipped):
+        lines.append("\nSkipped (never counted as passed):\n\n" + skipped.to_markdown(index=False))
+    return "\n".join(lines)
+
+
+# --- engine level: the whole model, teacher-forced ----------------------------------------------
+
+ENGINE_NOISE_FLOOR = 1e-4  # logits: below this, differences are rounding in any dtype
+ENGINE_FACTOR = 8.0  # a backend's logits may differ from reference's by this x the dtype's own noise
+
+
+def teacher_forced_logits(
+    model: str,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokens: list[list[int]],
+    prompt_lens: list[int],
+    block_size: int = 16,
+    layout_seed: int = 0,
+) -> torch.Tensor:
+    """fp32 logits [steps, B, vocab] of every sequence at the end of its prompt and after each
+    forced continuation token: the prompt in two chunks (a chunked prefill), then one decode step
+    per token, on pages scattered at random through the cache."""
+    from pagedbench.config import EngineConfig
+    from pagedbench.engine.llm_engine import LLMEngine
+    from pagedbench.engine.sequence import Sequence
+    from pagedbench.sample.sampling_params import SamplingParams
+    from pagedbench.worker.step_plan import prepare_step
+
+    pages = [-(-len(t) // block_size) for t in tokens]
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            backend=backend,
+            device=str(device),
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=sum(pages) + 8,
+            seed=0,
+            preset_init="plain",  # soft attention everywhere: the whole model's numerics are compared
+        )
+    )
+    runner = engine.runner
+    free = (torch.randperm(engine.num_blocks - 1, generator=torch.Generator().manual_seed(layout_seed)) + 1).tolist()
+    seqs, tables = [], []
+    for i, (ids, n) in enumerate(zip(tokens, pages)):
+        seqs.append(Sequence(str(i), None, list(ids), SamplingParams()))
+        tables.append(free[:n])
+        free = free[n:]
+    first_chunk = [max(1, n // 2) for n in prompt_lens]
+    schedule = [first_chunk, [n - c for n, c in zip(prompt_lens, first_chunk)]]
+    schedule += [[1] * len(seqs)] * min(len(t) - n for t, n in zip(tokens, prompt_lens))
+    logits = []
+    for step, num_new in enumerate(schedule):
+        for s, table, n in zip(seqs, tables, num_new):  # the pages a sequence holds so far
+            s.block_table = table[: -(-(s.num_computed_tokens + n) // block_size)]
+        inputs = prepare_step(seqs, num_new, block_size, runner.num_cache_blocks, device)
+        ends = torch.tensor(inputs.metadata.query_start_loc_cpu[1:], device=device) - 1
+        inputs.logits_indices = ends  # every sequence's last token, prompt finished or not
+        out = runner.run(inputs, runner.backend.prepare(inputs.metadata))
+        if step:
+            logits.append(out.float().cpu())
+        for s, n in zip(seqs, num_new):
+            s.num_computed_tokens += n
+    return torch.stack(logits)
+
+
+def engine_check(
+    backends: list[str],
+    device: torch.device,
+    dtypes: list[torch.dtype],
+    model: str = "tiny-llama",
+    num_seqs: int = 4,
+    prompt_len: int = 40,
+    steps: int = 24,
+) -> list[dict]:
+    """Each backend's teacher-forced logits against `reference`'s in the same dtype: max abs
+    difference, held to ENGINE_FACTOR x that dtype's own noise (reference in the dtype vs in fp32),
+    and top-1 agreement where reference's top-2 gap exceeds the noise."""
+    from pagedbench.model.loader import resolve_model_config
+
+    vocab = resolve_model_config(model)[0].vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt_lens = [prompt_len - 7 * i for i in range(num_seqs)]  # ragged, on and off page boundaries
+    tokens = [torch.randint(3, vocab, (n + steps,), generator=gen).tolist() for n in prompt_lens]
+    rows = []
+    fp32 = teacher_forced_logits(model, "reference", device, torch.float32, tokens, prompt_lens)
+    for dtype in dtypes:
+        expected = teacher_forced_logits(model, "reference", device, dtype, tokens, prompt_lens)
+        noise = max(float((expected - fp32).abs().max()), ENGINE_NOISE_FLOOR)
+        top2 = expected.topk(2, dim=-1).values
+        decisive = (top2[..., 0] - top2[..., 1]) > 2 * noise
+        case = f"engine {model} teacher-forced {dtype_name(dtype)}"
+        head = {
+            "case": case,
+            "batch": "engine",
+            "dtype": dtype_name(dtype),
+            "num_seqs": num_seqs,
+            "num_query_tokens": sum(prompt_lens) + steps * num_seqs,
+            "tolerance": ENGINE_FACTOR * noise,
+        }
+        for name in backends:
+            if name == "reference":
+                continue
+            row = {**head, "backend": name}
+            try:
+                got = teacher_forced_logits(model, name, device, dtype, tokens, prompt_lens, layout_seed=1)
+            except ValueError as e:  # unavailable here: the engine says why
+                rows.append({**row, "status": "skipped", "reason": str(e)})
+                continue
+            diff = float((got - expected).abs().max())
+            agree = (got.argmax(-1) == expected.argmax(-1))[decisive].float()
+            top1 = float(agree.mean()) if agree.numel() else float("nan")
+            why = []
+            if diff > row["tolerance"]:
+                why.append(f"logits differ by {diff:.3g} > {row['tolerance']:.3g}")
+            if agree.numel() and top1 < 1.0:
+                why.append(f"top-1 differs at {int((agree == 0).sum())} of {agree.numel()} decisive positions")
+            rows.append(
+                {
+                    **row,
+                    "max_abs_error": diff,
+                    "top1_agreement": top1,
+                    "status": "fail" if why else "pass",
+                    "reason": "; ".join(why) or f"{agree.numel()} decisive positions of {decisive.numel()}",
+                }
+            )
+    return rows

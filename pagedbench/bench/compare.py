@@ -1,0 +1,298 @@
+"""The benchmark driver: one scenario's request set on one or more backends, in one process,
+each with the same KV budget and engine limits; warmup, then measured runs."""
+
+import dataclasses
+import gc
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from pagedbench.backends.registry import resolve
+from pagedbench.bench.environment import environment, synchronize
+from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
+from pagedbench.bench.peers import HFContinuousBatching, peer_provider, peer_unavailable_reason
+from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, build_requests
+from pagedbench.config import EngineConfig
+from pagedbench.device.dtypes import resolve_device_dtype
+from pagedbench.engine.llm_engine import LLMEngine
+from pagedbench.engine.outputs import RequestOutput
+from pagedbench.model.loader import resolve_model_config
+from pagedbench.model.parallel import TPShard
+
+
+@dataclass(slots=True)
+class Measurement:
+    """One measured run of one backend."""
+
+    row: dict  # a CSV row: environment, engine config, metrics, engine internals
+    outputs: list[list[int]]  # output token ids of each request's samples, in request order
+    requests: list[dict]  # per request: lengths and latencies (for latency CDFs)
+    kv: list[dict]  # KV utilization over the run (at most MAX_KV_POINTS steps)
+
+
+@dataclass(slots=True)
+class Comparison:
+    rows: list[dict]  # one per backend x run, unavailable backends too (status, reason)
+    request_rows: list[dict]
+    kv_rows: list[dict]
+    unavailable: dict[str, str]
+
+
+def engine_settings(scenario: Scenario) -> dict:
+    """The scenario's engine settings, with the KV budget as blocks."""
+    return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": scenario.kv_blocks}
+
+
+def engine_config(scenario: Scenario, backend: str, device: str | None, dtype: str | None) -> EngineConfig:
+    return EngineConfig(backend=backend, device=device, dtype=dtype, **engine_settings(scenario))
+
+
+def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[float, list[RequestOutput]]:
+    """Add each request when its arrival time has come, step until all finish (sleeping while
+    idle until the next arrival). Returns the wall time and the finished outputs in request order."""
+    pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_time))
+    finished: dict[int, RequestOutput] = {}
+    with tqdm(total=len(requests), desc=desc, disable=None, leave=False) as bar:
+        synchronize(engine.device)
+        start = time.perf_counter()
+        while len(finished) < len(requests):
+            now = time.perf_counter()
+            while pending and start + requests[pending[0]].arrival_time <= now:
+                i = pending.popleft()
+                engine.add_request(
+                    {"prompt_token_ids": requests[i].prompt_token_ids},
+                    requests[i].params,
+                    request_id=str(i),
+                    arrival_time=start + requests[i].arrival_time,
+                )
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, start + requests[pending[0]].arrival_time - time.perf_counter()))
+                continue
+            for out in engine.step():
+                if out.finished:
+                    finished[int(out.request_id)] = out
+                    bar.update()
+        synchronize(engine.device)
+        duration = time.perf_counter() - start
+    return duration, [finished[i] for i in range(len(requests))]
+
+
+def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measurement:
+    engine.stats.reset()
+    engine.reset_prefix_cache()  # every run starts cold, as the warmup did: repeats measure the same thing
+    compile_before = engine.backend.compile_seconds
+    bm = engine.block_manager
+    queries_before, hits_before = bm.prefix_queries, bm.prefix_hits
+    engine.timer.reset()
+    duration, outputs = drive(engine, requests, desc)
+    device = engine.timer.totals()
+    output_ids = [[c.token_ids for c in o.outputs] for o in outputs]  # each request's samples
+    output_lens = [sum(map(len, samples)) for samples in output_ids]
+    st = engine.stats
+    row = {
+        **throughput_summary([len(r.prompt_token_ids) for r in requests], output_lens, duration),
+        **latency_summary([o.metrics for o in outputs]),
+        "steps": st.steps,
+        "preemptions": st.preemptions,
+        "peak_kv_blocks": st.peak_blocks_used,
+        "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
+        **st.time_columns(),
+        **device_columns(device, sum(st.time.values())),
+        "time_backend_compile_s": engine.backend.compile_seconds - compile_before,  # 0 after a warmup run
+        "cuda_graphs": engine.cuda_graphs,  # "on: sizes, capture time, MiB" or "off: why"
+        "prefix_cache_queries": bm.prefix_queries - queries_before,  # prompt tokens looked up
+        "prefix_cache_hits": bm.prefix_hits - hits_before,  # of which cached
+        "peak_shared_blocks": st.peak_shared_blocks,
+        "block_copies": st.block_copies,  # copy-on-write page copies (forked samples)
+        "mean_kv_utilization": st.used_block_steps / max(st.steps, 1) / engine.num_blocks,
+        "mean_wasted_slots": st.wasted_slot_steps / max(st.steps, 1),  # internal fragmentation
+        "peak_wasted_slots": st.peak_wasted_slots,
+    }
+    per_request = [
+        {"request": i, "input_len": len(r.prompt_token_ids), "output_len": n, **request_latencies(o.metrics)}
+        for i, (r, o, n) in enumerate(zip(requests, outputs, output_lens))
+    ]
+    return Measurement(row, [ids for samples in output_ids for ids in samples], per_request, kv_timeline(engine))
+
+
+def device_columns(device: dict[str, float], step_wall: float) -> dict:
+    """Device time of the steps (CUDA events around each step's forward and sampler; launch gaps
+    inside count as busy, so the overhead is a lower bound), the share of eager forward time
+    spent in attention, and the engine's overhead: the share of step wall time not covered."""
+    forward, attention = device.get("forward", 0.0), device.get("attention", 0.0)
+    step = forward + device.get("forward_graph", 0.0) + device.get("sample", 0.0)
+    return {
+        "time_device_s": step,
+        "time_attention_s": attention,
+        "attention_share": attention / forward if forward else np.nan,
+        "engine_overhead_share": max(0.0, 1 - step / step_wall) if step_wall else np.nan,
+    }
+
+
+MAX_KV_POINTS = 500
+
+
+def kv_timeline(engine: LLMEngine) -> list[dict]:
+    """The run's KV use step by step (evenly thinned to MAX_KV_POINTS), time from its first step."""
+    timeline = engine.stats.timeline
+    if not timeline:
+        return []
+    keep = sorted(set(np.linspace(0, len(timeline) - 1, min(len(timeline), MAX_KV_POINTS)).round().astype(int)))
+    start = timeline[0][0]
+    return [
+        {
+            "num_blocks": engine.num_blocks,
+            "step": int(i),
+            "time_s": timeline[i][0] - start,
+            "used_blocks": timeline[i][1],
+            "kv_utilization": timeline[i][1] / engine.num_blocks,
+            "wasted_slots": timeline[i][2],
+        }
+        for i in keep
+    ]
+
+
+def warmup_requests(requests: list[Request], max_tokens: int = 16) -> list[Request]:
+    """Every request, all at t=0, generating at most `max_tokens`: the prefill shapes and
+    batch sizes of the measured run compile (and caches warm) before timing starts."""
+    return [
+        Request(
+            r.prompt_token_ids,
+            dataclasses.replace(r.params, max_tokens=min(max_tokens, r.params.max_tokens or max_tokens)),
+            0.0,
+        )
+        for r in requests
+    ]
+
+
+def run_backend(
+    scenario: Scenario, requests: list[Request], backend: str, device, dtype, repeats: int, warmup: bool
+) -> tuple[int, list[Measurement]]:
+    """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
+    engine = LLMEngine(engine_config(scenario, backend, device, dtype))
+    try:
+        engine.timer.enabled = True  # device time from CUDA events read after each run: no sync in the loop
+        if scenario.longest_request > engine.max_model_len:
+            raise ValueError(
+                f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "
+                f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
+                f"of {engine.num_blocks} blocks x {scenario.block_size}); lower --scale"
+            )
+        if warmup:
+            drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
+        return engine.max_model_len, [
+            measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)
+        ]
+    finally:
+        engine.shutdown()
+
+
+def compare(
+    scenario: Scenario,
+    backends: list[str],
+    scale: float,
+    device: str | None = None,
+    dtype: str | None = None,
+    repeats: int = 1,
+    warmup: bool = True,
+    rows: list | None = None,
+    peers: list[str] = (),
+) -> Comparison:
+    """Every available backend on the identical request set and KV budget, one engine at a time,
+    then each peer library (`peers.PEERS`) on the same requests. Serving rows are appended to
+    `rows` (a report.CsvLog writes each out) as runs finish."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for peer in peers:
+        peer_unavailable_reason(peer, scenario)  # an unknown name fails here, before any run
+    dev, dt = resolve_device_dtype(device, dtype)
+    model = resolve_model_config(scenario.model)[0]
+    requests = build_requests(scenario, model.vocab_size)
+    env = environment(dev, dt)
+    scenario_columns = {
+        "scenario": scenario.name,
+        "scenario_hash": scenario.content_hash(),
+        "scale": scale,
+        **engine_settings(scenario),
+        "arrival": scenario.arrival,
+        "request_rate": scenario.request_rate,
+        "temperature": scenario.temperature,
+        "n": scenario.n,
+    }
+    rows = [] if rows is None else rows
+    request_rows, kv_rows, unavailable, measured = [], [], {}, {}
+    num_heads, num_kv_heads = TPShard(0, scenario.tensor_parallel_size).local_heads(model)  # per rank
+    found = [  # an unknown name fails here, before any run
+        resolve(name, dev, dt, model.head_dim, scenario.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        for name in backends
+    ]
+    for name, _, provider, reason in found:
+        head = {**env, "backend": name, "provider": provider, **scenario_columns}
+        if reason:
+            unavailable[name] = reason
+            rows.append({**head, "status": "unavailable", "reason": reason})
+            continue
+        max_model_len, runs = run_backend(scenario, requests, name, dev, dt, repeats, warmup)
+        measured[name] = runs
+        for repeat, m in enumerate(runs):
+            rows.append(
+                {**head, "status": "ok", "reason": "", "max_model_len": max_model_len, "repeat": repeat, **m.row}
+            )
+            request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
+            kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # the next backend gets the memory this one's engine held
+    for peer in peers:
+        head = {**env, "backend": peer, "provider": peer_provider(peer), **scenario_columns}
+        reason = peer_unavailable_reason(peer, scenario)
+        if reason:
+            unavailable[peer] = reason
+            rows.append({**head, "status": "unavailable", "reason": reason})
+            continue
+        measured[peer] = run_peer(scenario, requests, dev, dt, repeats, warmup)
+        for repeat, m in enumerate(measured[peer]):
+            rows.append({**head, "status": "ok", "reason": "", "repeat": repeat, **m.row})
+        gc.collect()
+    _add_cross_backend_columns(rows, measured, greedy=scenario.temperature == 0)
+    if resolve_model_config(scenario.model)[1] is None:  # a preset: the peer's random weights differ
+        for row in rows:
+            if row["backend"] in peers and "identical_token_share" in row:
+                row["identical_token_share"] = np.nan
+    return Comparison(rows, request_rows, kv_rows, unavailable)
+
+
+def run_peer(scenario: Scenario, requests: list[Request], device, dtype, repeats: int, warmup: bool):
+    """`repeats` measurements of Hugging Face continuous batching on the requests (throughput
+    only: it reports no per-token times)."""
+    peer = HFContinuousBatching(scenario, device, dtype)
+    if warmup:
+        peer.drive(warmup_requests(requests))
+    runs = []
+    for _ in range(repeats):
+        duration, outputs = peer.drive(requests)
+        row = throughput_summary([len(r.prompt_token_ids) for r in requests], list(map(len, outputs)), duration)
+        runs.append(Measurement(row, outputs, [], []))
+    return runs
+
+
+def _add_cross_backend_columns(rows: list[dict], measured: dict[str, list[Measurement]], greedy: bool) -> None:
+    """Output throughput relative to the best backend (medians over runs) and, for greedy
+    scenarios, the share of tokens identical to the baseline (reference if run, else the first).
+    With one backend there is nothing to compare: the columns stay empty."""
+    if len(measured) < 2:
+        return
+    medians = {name: statistics.median(m.row["output_throughput"] for m in runs) for name, runs in measured.items()}
+    best = max(medians.values())
+    baseline = measured.get("reference", next(iter(measured.values())))[0].outputs
+    runs = {name: iter(runs) for name, runs in measured.items()}
+    for row in rows:
+        if row["status"] == "ok":
+            m = next(runs[row["backend"]])
+            row["throughput_vs_best"] = medians[row["backend"]] / best
+            row["identical_token_share"] = identical_token_share(m.outputs, baseline) if greedy else np.nan

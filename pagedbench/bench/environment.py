@@ -1,0 +1,73 @@
+"""What every reported number is recorded with: code version, torch, device, time."""
+
+import datetime
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from pagedbench.device.dtypes import dtype_name
+
+
+def git_sha() -> str:
+    """The commit of the pagedbench source tree, "+dirty" when it has uncommitted changes; "unknown" outside git."""
+    source = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=source,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+BUSY_LOAD_PER_CORE = 0.5  # a 1-minute load average above this many runnable tasks per core: CPU timings suffer
+
+
+def load_average() -> float:
+    """The 1-minute load average (NaN where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+
+
+def busy_warning(device: torch.device) -> str | None:
+    """A warning when CPU figures are about to be taken on a machine that is already busy."""
+    load, cores = load_average(), os.cpu_count() or 1
+    if device.type == "cpu" and load > BUSY_LOAD_PER_CORE * cores:
+        return (
+            f"the machine is busy (load average {load:.2f} on {cores} cores): CPU timings will be slower and "
+            f"noisier; set OMP_NUM_THREADS and rerun when idle"
+        )
+    return None
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    return {
+        "load_average": round(load_average(), 2),  # at the start; CPU timings move with it
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "torch_version": torch.__version__,
+        "device": device.type,
+        "device_name": device_name(device),
+        "cpu_threads": torch.get_num_threads(),  # CPU timings move with it (OMP_NUM_THREADS)
+        "dtype": dtype_name(dtype),
+    }

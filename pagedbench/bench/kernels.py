@@ -1,0 +1,284 @@
+"""Attention-only microbenchmark: each backend's prepare() and forward() timed separately on
+fragmented block tables (random_attention_batch), over batch x context x block size x phase.
+
+Two yardsticks in every row: the device's measured copy bandwidth (what a kernel that only
+streams K/V could reach) and a dense row — the same attention by SDPA over contiguous,
+unpaged K/V — so each backend's cost of paging is a column (`vs_dense`)."""
+
+import itertools
+import re
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from pagedbench.backends.registry import resolve
+from pagedbench.bench.environment import environment, synchronize
+from pagedbench.bench.problems import causal_mask, random_attention_batch
+from pagedbench.device.dtypes import resolve_device_dtype
+
+PHASES = ("decode", "prefill", "mixed")
+MIXED_CHUNK = 512  # the prefill chunk a mixed step carries next to its decodes
+DENSE = "dense-sdpa"  # the unpaged yardstick's row name
+
+# Spec-sheet HBM bandwidth (TB/s), matched against torch.cuda.get_device_name in order.
+PEAK_BANDWIDTH_TBPS = [
+    (r"H200", 4.8),
+    (r"H100.*PCIe", 2.0),
+    (r"H100", 3.35),
+    (r"A100.*80GB", 2.0),
+    (r"A100", 1.555),
+    (r"\bL4\b", 0.3),
+]
+
+
+@dataclass(slots=True)
+class KernelGrid:
+    batch_sizes: list[int]
+    context_lens: list[int]
+    block_sizes: list[int]
+    heads: list[tuple[int, int]]  # (query heads, KV heads)
+    head_dim: int
+    phases: list[str]
+    max_kv_tokens: int  # grid points holding more tokens than this are skipped (memory) ...
+    max_query_tokens: int  # ... and so are those with more query tokens (prefill time)
+    warmup: int
+    repeats: int
+
+    def validate(self) -> None:
+        for name in ("batch_sizes", "context_lens", "block_sizes"):
+            values = getattr(self, name)
+            if not values or min(values) < 1:
+                raise ValueError(f"{name} must be a non-empty list of integers >= 1, got {values}")
+        for num_heads, num_kv_heads in self.heads:
+            if min(num_heads, num_kv_heads) < 1 or num_heads % num_kv_heads:
+                raise ValueError(f"heads {num_heads}/{num_kv_heads}: query heads must be a multiple of KV heads")
+        unknown = set(self.phases) - set(PHASES)
+        if unknown or not self.phases:
+            raise ValueError(f"phases must be among {', '.join(PHASES)}, got {', '.join(self.phases)}")
+        if min(self.head_dim, self.max_kv_tokens, self.max_query_tokens, self.repeats) < 1 or self.warmup < 0:
+            raise ValueError("head_dim, max_kv_tokens, max_query_tokens and repeats must be >= 1, warmup >= 0")
+
+    def points(self):
+        """(phase, (heads, kv heads), block size, context, batch) within the token limits."""
+        for point in itertools.product(self.phases, self.heads, self.block_sizes, self.context_lens, self.batch_sizes):
+            spec = batch_spec(point[0], point[4], point[3])
+            if sum(map(sum, spec)) <= self.max_kv_tokens and sum(q for _, q in spec) <= self.max_query_tokens:
+                yield point
+
+
+GRID_PRESETS = {
+    "cpu": KernelGrid(
+        batch_sizes=[1, 4],
+        context_lens=[256, 1024],
+        block_sizes=[16],
+        heads=[(16, 8)],
+        head_dim=64,
+        phases=list(PHASES),
+        max_kv_tokens=8192,
+        max_query_tokens=4096,
+        warmup=2,
+        repeats=7,
+    ),
+    "gpu": KernelGrid(
+        batch_sizes=[1, 16, 64, 256],
+        context_lens=[512, 2048, 8192, 16384],
+        block_sizes=[16, 128, 256],
+        heads=[(16, 8), (32, 8)],
+        head_dim=128,
+        phases=list(PHASES),
+        max_kv_tokens=1 << 19,
+        max_query_tokens=1 << 15,
+        warmup=3,
+        repeats=20,
+    ),
+}
+
+
+def batch_spec(phase: str, batch_size: int, context_len: int) -> list[tuple[int, int]]:
+    """(cached tokens, new tokens) per sequence, decodes first, every sequence ending at `context_len`."""
+    decodes = [(context_len - 1, 1)] * batch_size
+    if phase == "decode":
+        return decodes
+    if phase == "prefill":
+        return [(0, context_len)] * batch_size
+    chunk = min(MIXED_CHUNK, context_len)
+    return decodes + [(context_len - chunk, chunk)]
+
+
+def attention_flops(spec: list[tuple[int, int]], num_heads: int, head_dim: int) -> int:
+    """QK^T and PV over the causally visible keys: 4 * H * D per (query, key) pair."""
+    pairs = sum(q * ctx + q * (q + 1) // 2 for ctx, q in spec)
+    return 4 * num_heads * head_dim * pairs
+
+
+def time_call(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds per call: CUDA events on GPU, perf_counter on CPU; after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a large device-to-device copy (read + write): the memory speed a kernel can reach."""
+    nbytes = (256 if device.type == "cuda" else 64) << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = min(time_call(lambda: dst.copy_(src), device, warmup=2, repeats=10))
+    return 2 * nbytes / seconds / 1e9
+
+
+def peak_bandwidth(device: torch.device, measured_copy: float) -> tuple[float, str]:
+    """(GB/s, where it comes from): the spec sheet for known GPUs, else the measured copy."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for pattern, tbps in PEAK_BANDWIDTH_TBPS:
+            if re.search(pattern, name):
+                return tbps * 1e3, "spec sheet"
+    return measured_copy, "measured copy (read + write)"
+
+
+def dense_calls(spec: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
+    """The point's attention without paging: one SDPA call per group of alike sequences, over
+    contiguous [n, H_kv, cached + new, D] K/V (decodes need no mask, whole prompts are causal,
+    a chunk after cached tokens gets a bottom-right causal mask)."""
+    calls = []
+    for (cached, new), n in sorted(Counter(spec).items()):
+        q = torch.randn(n, num_heads, new, head_dim, dtype=dtype, device=device)
+        k, v = (torch.randn(n, num_kv_heads, cached + new, head_dim, dtype=dtype, device=device) for _ in "kv")
+        mask = causal_mask(cached, new, device) if new > 1 and cached else None
+        calls.append((q, k, v, mask, new > 1 and not cached))
+    return calls
+
+
+def dense_forward(calls, scale: float) -> None:
+    for q, k, v, mask, causal in calls:
+        F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+
+def run_kernels(
+    backends: list[str], grid: KernelGrid, device: str | None = None, dtype: str | None = None, rows: list | None = None
+) -> list[dict]:
+    """One row per backend x grid point: min and median of prepare and forward, bandwidth, TFLOP/s.
+    Rows are appended to `rows` (a report.CsvLog writes each one out) as they are measured."""
+    grid.validate()
+    dev, dt = resolve_device_dtype(device, dtype)
+    env = environment(dev, dt)
+    copy_gbps = copy_bandwidth(dev)
+    peak_gbps, peak_source = peak_bandwidth(dev, copy_gbps)
+    points = list(grid.points())
+    if not points:
+        raise ValueError("every grid point exceeds max_kv_tokens or max_query_tokens")
+    rows = [] if rows is None else rows
+    for phase, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(
+        points, desc="kernels", disable=None
+    ):
+        spec = batch_spec(phase, batch_size, context_len)
+        kv_tokens = sum(map(sum, spec))
+        point = {
+            "phase": phase,
+            "batch_size": batch_size,
+            "context_len": context_len,
+            "block_size": block_size,
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": grid.head_dim,
+            "num_query_tokens": sum(q for _, q in spec),
+            "kv_bytes": 2 * kv_tokens * num_kv_heads * grid.head_dim * dt.itemsize,
+            "flops": attention_flops(spec, num_heads, grid.head_dim),
+            "warmup": grid.warmup,
+            "repeats": grid.repeats,
+            "peak_bandwidth_gbps": peak_gbps,
+            "peak_bandwidth_source": peak_source,
+            "copy_bandwidth_gbps": copy_gbps,
+        }
+        try:
+            dense = _time_dense(spec, point, grid, dev, dt)
+        except torch.cuda.OutOfMemoryError:
+            dense = {"status": "error", "reason": "out of device memory", "forward_median_ms": float("nan")}
+            torch.cuda.empty_cache()
+        rows.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **point, **dense})
+        batch = None
+        for name in backends:
+            _, cls, provider, reason = resolve(
+                name, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
+            )
+            head = {**env, "backend": name, "provider": provider, **point}
+            if reason:
+                rows.append({**head, "status": "unavailable", "reason": reason})
+                continue
+            if batch is None:  # built once per point, shared by the backends
+                batch = random_attention_batch(spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev)
+            try:
+                timed = _time_backend(cls, batch, point, grid, dev, dt)
+                timed["vs_dense"] = timed["forward_median_ms"] / dense["forward_median_ms"]
+                rows.append({**head, "status": "ok", "reason": "", **timed})
+            except torch.cuda.OutOfMemoryError:
+                rows.append({**head, "status": "error", "reason": "out of device memory"})
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _time_backend(cls, batch, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
+    backend = cls(
+        point["num_heads"],
+        point["num_kv_heads"],
+        grid.head_dim,
+        grid.head_dim**-0.5,
+        point["block_size"],
+        device,
+        dtype,
+    )
+    state = backend.prepare(batch.metadata)
+    backend.forward(batch.q, batch.k_cache, batch.v_cache, state)  # a JIT-compiling first call is never timed
+    prepare = time_call(lambda: backend.prepare(batch.metadata), device, grid.warmup, grid.repeats)
+    state = backend.prepare(batch.metadata)
+    forward = time_call(
+        lambda: backend.forward(batch.q, batch.k_cache, batch.v_cache, state), device, grid.warmup, grid.repeats
+    )
+    efficiency = getattr(backend, "tile_efficiency", None)  # flex: share of computed scores its mask keeps
+    return {
+        "prepare_min_ms": 1e3 * min(prepare),
+        "prepare_median_ms": 1e3 * statistics.median(prepare),
+        **_forward_columns(forward, point),
+        "tile_efficiency": efficiency(state) if efficiency else float("nan"),
+    }
+
+
+def _time_dense(spec, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
+    calls = dense_calls(spec, point["num_heads"], point["num_kv_heads"], grid.head_dim, dtype, device)
+    forward = time_call(lambda: dense_forward(calls, grid.head_dim**-0.5), device, grid.warmup, grid.repeats)
+    return {"status": "ok", "reason": "", **_forward_columns(forward, point), "vs_dense": 1.0}
+
+
+def _forward_columns(forward: list[float], point: dict) -> dict:
+    median = statistics.median(forward)
+    bandwidth = point["kv_bytes"] / median / 1e9
+    return {
+        "forward_min_ms": 1e3 * min(forward),
+        "forward_median_ms": 1e3 * median,
+        "bandwidth_gbps": bandwidth,
+        "pct_of_peak_bandwidth": 100 * bandwidth / point["peak_bandwidth_gbps"],
+        "pct_of_copy_bandwidth": 100 * bandwidth / point["copy_bandwidth_gbps"],
+        "tflops": point["flops"] / median / 1e12,
+    }

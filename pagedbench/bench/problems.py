@@ -1,0 +1,185 @@
+"""Random paged-attention problems, shared by `kernels`, `check` and the tests.
+
+A problem is first logical: per sequence its keys and values `[seq_len, H_kv, D]` and its new
+tokens' queries. A layout then places it in a paged cache: each sequence's pages drawn at random
+from a pool whose block 0 is never used and whose spare blocks hold loud garbage, optionally
+sharing pages between sequences (a common prefix, or a fork sharing everything). The oracle
+attends from the logical tensors alone, so it is independent of every backend and every layout.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedbench.backends.base import AttentionMetadata, write_kv
+from pagedbench.engine.block_manager import blocks_needed
+from pagedbench.engine.sequence import Sequence
+from pagedbench.sample.sampling_params import SamplingParams
+from pagedbench.worker.step_plan import prepare_step
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    q: torch.Tensor  # [T, H, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, H_kv, D]
+    v_cache: torch.Tensor
+    metadata: AttentionMetadata
+
+
+@dataclass(slots=True)
+class AttentionProblem:
+    """Logical content: sequence i has seqs[i] = (context_len, query_len) and keys/values
+    k[i], v[i] `[context_len + query_len, H_kv, D]`; its queries are its rows of q `[T, H, D]`."""
+
+    seqs: list[tuple[int, int]]
+    q: torch.Tensor
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    shared: dict[int, tuple[int, int]] = field(default_factory=dict)  # b -> (a, tokens): b's first tokens are a's
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k[0].shape[1]
+
+
+def random_problem(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    shared: dict[int, tuple[int, int]] | None = None,
+) -> AttentionProblem:
+    """Normal random queries, keys and values in `dtype` (on the CPU). `shared` makes sequence b's
+    first `tokens` keys and values equal to sequence a's (a < b), so a layout may share their pages."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    k = [randn(c + q, num_kv_heads, head_dim) for c, q in seqs]
+    v = [randn(c + q, num_kv_heads, head_dim) for c, q in seqs]
+    shared = dict(shared or {})
+    for b, (a, tokens) in shared.items():
+        if not (a < b and tokens <= min(sum(seqs[a]), sum(seqs[b]))):
+            raise ValueError(f"sequence {b} cannot share {tokens} tokens with sequence {a}")
+        k[b][:tokens], v[b][:tokens] = k[a][:tokens], v[a][:tokens]
+    q = randn(sum(q for _, q in seqs), num_heads, head_dim)
+    return AttentionProblem(list(seqs), q, k, v, shared)
+
+
+def shared_pages(problem: AttentionProblem, b: int, block_size: int) -> tuple[int, int]:
+    """(a, pages): how many of sequence b's first pages are physically sequence a's. Whole pages of
+    a shared prefix, and every page, the partial last one too, of a fork (same tokens, same length)."""
+    if b not in problem.shared:
+        return b, 0
+    a, tokens = problem.shared[b]
+    fork = tokens == sum(problem.seqs[a]) == sum(problem.seqs[b]) and problem.seqs[a] == problem.seqs[b]
+    return a, blocks_needed(tokens, block_size) if fork else tokens // block_size
+
+
+def place(
+    problem: AttentionProblem,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    layout_seed: int = 0,
+    spare_blocks: int = 3,
+    null_block: bool = True,
+) -> AttentionBatch:
+    """The problem in a paged cache on `device`: pages at random (block 0 never used when
+    `null_block`, `spare_blocks` unused ones of garbage), the shared ones shared, and the step's
+    AttentionMetadata (whose table rows are padded with 0)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(layout_seed)
+    needed = [blocks_needed(c + q, block_size) for c, q in problem.seqs]
+    reused = [shared_pages(problem, b, block_size) for b in range(len(needed))]
+    num_blocks = int(null_block) + sum(n - pages for n, (_, pages) in zip(needed, reused)) + spare_blocks
+    free = (torch.randperm(num_blocks - null_block, generator=gen) + null_block).tolist()
+    tables: list[list[int]] = []
+    for n, (a, pages) in zip(needed, reused):
+        own = n - pages
+        tables.append(tables[a][:pages] + free[:own] if pages else free[:own])
+        free = free[own:]
+    num_kv_heads, head_dim, dtype = problem.num_kv_heads, problem.k[0].shape[2], problem.k[0].dtype
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).mul_(100).to(device, dtype)  # garbage: loud if read
+    v_cache = torch.randn(cache_shape, generator=gen).mul_(100).to(device, dtype)
+    slots = torch.cat(
+        [
+            torch.tensor(table, dtype=torch.long).repeat_interleave(block_size)[: len(k)] * block_size
+            + torch.arange(len(k)) % block_size
+            for table, k in zip(tables, problem.k)
+        ]
+    )
+    write_kv(torch.cat(problem.k).to(device), torch.cat(problem.v).to(device), k_cache, v_cache, slots.to(device))
+    sequences = []
+    for i, ((ctx, qlen), table) in enumerate(zip(problem.seqs, tables)):
+        s = Sequence(str(i), None, [0] * (ctx + qlen), SamplingParams())
+        s.num_computed_tokens, s.block_table = ctx, table
+        sequences.append(s)
+    step = prepare_step(sequences, [q for _, q in problem.seqs], block_size, num_blocks, device)
+    return AttentionBatch(problem.q.to(device), k_cache, v_cache, step.metadata)
+
+
+def causal_mask(cached: int, new: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[new, cached + new] bool: query i (position cached + i) sees keys 0..cached + i."""
+    return torch.arange(cached + new, device=device)[None, :] <= cached + torch.arange(new, device=device)[:, None]
+
+
+def attend_dense(
+    problem: AttentionProblem, scale: float, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Per sequence, causal attention (aligned to the end of its keys) on the logical tensors,
+    every operation in `dtype` on `device`: [T, H, D] in `dtype`. In fp64 it is the oracle; in the
+    problem's dtype, the naive computation whose error sets that dtype's tolerance."""
+    out, start = [], 0
+    for (ctx, qlen), k, v in zip(problem.seqs, problem.k, problem.v):
+        q = problem.q[start : start + qlen].to(device, dtype).transpose(0, 1)  # [H, q, D]
+        group = q.shape[0] // k.shape[1]
+        k = k.to(device, dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+        v = v.to(device, dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (q @ k.transpose(1, 2)) * scale
+        visible = causal_mask(ctx, qlen, device)
+        out.append((scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1))
+        start += qlen
+    return torch.cat(out)
+
+
+def random_attention_batch(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+    null_block: bool = True,
+) -> AttentionBatch:
+    """`seqs` lists (context_len, query_len) per sequence, decodes (query_len 1) first: a random
+    problem placed on fragmented block tables, its new tokens' K/V written as the model would."""
+    problem = random_problem(seqs, num_heads, num_kv_heads, head_dim, dtype, seed)
+    return place(problem, block_size, device, seed, spare_blocks, null_block)
+
+
+def paged_metadata(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> AttentionMetadata:
+    """Only the step's AttentionMetadata for `seqs` on fragmented block tables (no cache, no
+    tensors): enough to build and inspect a backend's per-step state at any size."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [blocks_needed(c + q, block_size) for c, q in seqs]
+    num_blocks = 1 + sum(needed) + spare_blocks
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    sequences = []
+    for i, ((ctx, qlen), n) in enumerate(zip(seqs, needed)):
+        s = Sequence(str(i), None, [0] * (ctx + qlen), SamplingParams())
+        s.num_computed_tokens, s.block_table, free = ctx, free[:n], free[n:]
+        sequences.append(s)
+    return prepare_step(sequences, [q for _, q in seqs], block_size, num_blocks, torch.device(device)).metadata

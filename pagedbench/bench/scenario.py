@@ -1,0 +1,267 @@
+"""Workload scenarios: load and validate a TOML file, scale it, and build its request set.
+
+The request set depends only on the scenario and the model's vocabulary size (numpy's
+default_rng from the scenario seed), so every backend and every process gets the same
+token ids, lengths and arrival times."""
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from pagedbench.engine.block_manager import blocks_needed
+from pagedbench.sample.sampling_params import SamplingParams, is_int
+
+ARRIVALS = ("batch", "poisson")
+# Scenario fields that are engine settings, the same for every backend: flags override them,
+# reports record them, and the engine is configured from them.
+ENGINE_FIELDS = (
+    "model",
+    "block_size",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "seed",
+    "tensor_parallel_size",
+    "enforce_eager",
+)
+
+
+@dataclass(slots=True)
+class LengthRange:
+    """Token lengths drawn uniformly from [min, max] (inclusive); a TOML int means min == max."""
+
+    min: int
+    max: int
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return rng.integers(self.min, self.max + 1, size=n)
+
+    def __str__(self) -> str:
+        return str(self.min) if self.min == self.max else f"{self.min}-{self.max}"
+
+
+@dataclass(slots=True)
+class Scenario:
+    name: str
+    description: str
+    num_prompts: int
+    input_len: LengthRange  # tokens after the shared prefix (vLLM's random dataset)
+    output_len: LengthRange
+    shared_prefix_len: int = 0  # tokens every prompt starts with
+    arrival: str = "batch"  # "batch": all at t=0; "poisson": exponential gaps at request_rate
+    request_rate: float | None = None  # requests per second, for poisson arrivals
+    n: int = 1  # samples per prompt, forked from one prefill (parallel sampling)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    ignore_eos: bool = True
+    seed: int = 0
+    model: str = "qwen3-0.6b"
+    block_size: int = 16
+    num_blocks: int | None = None  # the KV budget, as blocks ...
+    kv_tokens: int | None = None  # ... or as tokens; one of the two, the same for every backend
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1  # ranks the model is sharded over; num_blocks is each rank's KV budget
+    enforce_eager: bool = False  # no CUDA graphs (how the engine runs, not what: outside the hash)
+
+    def validate(self) -> None:
+        positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
+        positive += [
+            f for f in ("num_blocks", "kv_tokens", "max_model_len", "request_rate") if getattr(self, f) is not None
+        ]
+        for field in positive:
+            if not getattr(self, field) > 0:
+                self._fail(field, f"must be > 0, got {getattr(self, field)}")
+        for field in ("input_len", "output_len"):
+            lengths = getattr(self, field)
+            if not 1 <= lengths.min <= lengths.max:
+                self._fail(field, f"needs 1 <= min <= max, got min={lengths.min} max={lengths.max}")
+        if not 0 <= self.seed <= 2**63 - 1:  # a torch generator's seed is a signed 64-bit value
+            self._fail("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
+        if self.shared_prefix_len < 0:
+            self._fail("shared_prefix_len", f"must be >= 0, got {self.shared_prefix_len}")
+        if self.arrival not in ARRIVALS:
+            self._fail("arrival", f"must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
+        if (self.arrival == "poisson") != (self.request_rate is not None):
+            self._fail("request_rate", "is required with arrival = 'poisson' and only then")
+        if (self.num_blocks is None) == (self.kv_tokens is None):
+            self._fail("num_blocks or kv_tokens", "is required, and only one of them (the KV budget)")
+        if is_int(self.n) and self.n > self.max_num_seqs:
+            self._fail("n", f"must be <= max_num_seqs ({self.max_num_seqs}), got {self.n}")
+        try:
+            self.sampling_params(1)
+        except ValueError as e:
+            self._fail("sampling", str(e))
+
+    def _fail(self, field: str, message: str):
+        _fail(self.name, field, message)
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.num_blocks if self.num_blocks is not None else blocks_needed(self.kv_tokens, self.block_size)
+
+    @property
+    def longest_request(self) -> int:
+        return self.shared_prefix_len + self.input_len.max + self.output_len.max
+
+    @property
+    def largest_request_tokens(self) -> int:
+        """KV tokens of the largest request at full length: its prompt once, each sample's output."""
+        return self.shared_prefix_len + self.input_len.max + self.n * self.output_len.max
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            detokenize=False,  # runs compare token ids: no text work in the step (vLLM's --disable-detokenize)
+        )
+
+    def scaled(self, factor: float) -> "Scenario":
+        """Request counts, lengths and max_num_seqs times `factor`, the KV budget times
+        factor² (demand is count x length, so memory pressure stays), never below one
+        longest request."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"scale must be a positive number, got {factor}")
+        if factor == 1:
+            return dataclasses.replace(self)
+
+        def times(n: int, f: float = factor) -> int:
+            return max(1, round(n * f))
+
+        out = dataclasses.replace(
+            self,
+            num_prompts=times(self.num_prompts),
+            max_num_seqs=max(self.n, times(self.max_num_seqs)),
+            input_len=LengthRange(times(self.input_len.min), times(self.input_len.max)),
+            output_len=LengthRange(times(self.output_len.min), times(self.output_len.max)),
+            shared_prefix_len=round(self.shared_prefix_len * factor),
+            max_model_len=self.max_model_len and times(self.max_model_len),
+        )
+        floor = blocks_needed(out.largest_request_tokens, self.block_size) + self.n  # + a private last page each
+        out.num_blocks, out.kv_tokens = max(floor, times(self.kv_blocks, factor**2)), None
+        return out
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical form: every field but name and description, sorted keys,
+        the KV budget in blocks however it was given (tensor_parallel_size only when > 1, so
+        hashes from before it existed still match; enforce_eager never: the workload is the same)."""
+        content = dataclasses.asdict(self) | {"num_blocks": self.kv_blocks, "kv_tokens": None}
+        del content["name"], content["description"], content["enforce_eager"]
+        if self.tensor_parallel_size == 1:
+            del content["tensor_parallel_size"]
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(slots=True)
+class Request:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # seconds after the run starts
+
+
+def build_requests(scenario: Scenario, vocab_size: int) -> list[Request]:
+    """The scenario's request set; the same in every process for the same seed and vocabulary."""
+    rng = np.random.default_rng(scenario.seed)
+    n = scenario.num_prompts
+    prefix = rng.integers(0, vocab_size, size=scenario.shared_prefix_len).tolist()
+    input_lens = scenario.input_len.sample(rng, n)
+    output_lens = scenario.output_len.sample(rng, n)
+    tokens = rng.integers(0, vocab_size, size=int(input_lens.sum()))
+    bodies = np.split(tokens, np.cumsum(input_lens)[:-1])
+    if scenario.arrival == "poisson":
+        gaps = rng.exponential(1.0 / scenario.request_rate, size=n)
+        arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    else:
+        arrivals = np.zeros(n)
+    return [
+        Request(prefix + body.tolist(), scenario.sampling_params(int(out)), float(t))
+        for body, out, t in zip(bodies, output_lens, arrivals)
+    ]
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Scenario)}
+_FILE_FIELDS = [name for name in _FIELDS if name != "name"]  # the file's stem names it
+
+
+def builtin_scenarios() -> dict[str, Path]:
+    """name -> TOML file shipped in pagedbench.scenarios."""
+    root = resources.files("pagedbench.scenarios")
+    return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".toml")}
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A built-in scenario by name, or a TOML file by path."""
+    builtin = builtin_scenarios()
+    if name_or_path in builtin:
+        path = builtin[name_or_path]
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"scenario {name_or_path!r} is neither a file nor a built-in scenario ({', '.join(sorted(builtin))})"
+            )
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"scenario file {str(path)!r} is not valid TOML: {e}") from None
+    return parse_scenario(data, path.stem)
+
+
+def parse_scenario(data: dict, name: str) -> Scenario:
+    unknown = sorted(set(data) - set(_FILE_FIELDS))
+    if unknown:
+        _fail(name, unknown[0], f"is not a scenario field (known: {', '.join(_FILE_FIELDS)})")
+    missing = [f for f in _FILE_FIELDS if _FIELDS[f].default is dataclasses.MISSING and f not in data]
+    if missing:
+        _fail(name, missing[0], "is required")
+    values = {field: _typed(name, field, value) for field, value in data.items()}
+    scenario = Scenario(name=name, **values)
+    scenario.validate()
+    return scenario
+
+
+def _fail(scenario: str, field: str, message: str):
+    raise ValueError(f"scenario {scenario!r}: {field} {message}")
+
+
+def _typed(scenario: str, field: str, value):
+    """`value` as the type `field` declares; a one-line error naming the field when it is not."""
+    declared = _FIELDS[field].type
+    if declared is LengthRange:
+        if is_int(value):
+            return LengthRange(value, value)
+        if isinstance(value, dict) and set(value) == {"min", "max"} and all(map(is_int, value.values())):
+            return LengthRange(value["min"], value["max"])
+        _fail(scenario, field, f"must be an integer or {{min = ..., max = ...}} of integers, got {value!r}")
+    kinds = [t for t in getattr(declared, "__args__", (declared,)) if t is not type(None)]
+    kind = kinds[0]
+    if (
+        kind is int
+        and is_int(value)
+        or kind is bool
+        and isinstance(value, bool)
+        or kind is str
+        and isinstance(value, str)
+    ):
+        return value
+    if kind is float and (is_int(value) or isinstance(value, float)):
+        return float(value)
+    _fail(scenario, field, f"must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}")

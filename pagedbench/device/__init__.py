@@ -1,0 +1,1 @@
+"""Device basics every room uses: device and dtype names, host<->device copies, device timing."""

@@ -1,0 +1,262 @@
+"""Physical KV blocks: reference counts, each sequence's block table, and the prefix cache.
+
+Prefix caching (as vLLM v1): a full block is registered under a key chaining its parent's key
+with its own token ids: a newly admitted prompt's blocks when the step that computes them is
+scheduled (so requests admitted after it in that step share them; a step that fails forgets
+the cache), other blocks once their K/V are computed. A new request's prompt looks its full blocks
+up in order and takes the hits (reference counted: several sequences read one page), so their
+tokens are never recomputed. A freed block that is registered stays in an LRU pool of evictable
+blocks, revived by a later hit and evicted (unregistered) only when a fresh block is needed.
+The key holds the block's token ids and a SHA-256 digest of its parent's key, so a hit is
+verified by content and by a cryptographic chain, never by Python's hash() alone.
+
+Forks (parallel samples, beams) share every page of their parent. A page is written only where a
+sequence's next tokens go; when that page is shared, the writer first gets a private copy
+(copy-on-write): `allocate` swaps in a fresh block and queues (source, destination) for the
+engine, which copies the K/V before the step runs. Only a partial last page can be written while
+shared, so a fork costs at most one page copy per sequence.
+
+Swap space (preemption by swap): a pool of CPU blocks. `swap_out` moves a sequence's pages there
+(queued (device block, CPU block) copies, the device blocks freed), `swap_in` back into fresh
+device blocks; the engine runs the copies before the step, swap-outs first.
+"""
+
+import hashlib
+from collections import OrderedDict, deque
+
+from pagedbench.engine.sequence import Sequence
+
+# (digest of the parent block's key, b"" for the first block; this block's token ids)
+BlockKey = tuple[bytes, tuple[int, ...]]
+
+
+def key_digest(key: BlockKey) -> bytes:
+    """SHA-256 of a block key: the parent link of the next block (never Python's hash())."""
+    return hashlib.sha256(key[0] + repr(key[1]).encode()).digest()
+
+
+def _needs_prompt_logits(seq: Sequence) -> bool:
+    """Prompt logprobs not all computed yet: every prompt token must run (a cached one has no logits)."""
+    if getattr(seq.params, "prompt_logprobs", None) is None:
+        return False
+    return len(seq.prompt_logprobs or ()) < seq.num_prompt_tokens - 1
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    """Owns the physical KV blocks: free blocks (never used or evicted), evictable cached blocks
+    (unreferenced, still registered; LRU), a reference count per block, and each sequence's block
+    table (`Sequence.block_table`, logical block i -> physical block)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0):
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, CPU block)
+        self.pending_swap_in: list[tuple[int, int]] = []  # (CPU block, device block)
+        self._cpu_releasing: list[int] = []  # read by a pending swap-in: free once the copies are taken
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._fresh: deque[int] = deque(range(num_blocks))  # free, holding nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently freed first
+        self._cached: dict[BlockKey, int] = {}  # key -> block holding that content
+        self._key_of: dict[int, BlockKey] = {}
+        self._num_shared = 0  # blocks with a reference count above 1
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of which found cached
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks, for the engine
+        self.num_copies = 0  # copy-on-write page copies so far
+
+    @property
+    def free_blocks(self) -> list[int]:
+        return [*self._fresh, *self._evictable]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._fresh) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks read by more than one sequence right now."""
+        return self._num_shared
+
+    def _shared_writes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Indices in `seq`'s block table of shared blocks that tokens up to `num_tokens` write into."""
+        first = seq.num_computed_tokens // self.block_size
+        last = min(len(seq.block_table), blocks_needed(num_tokens, self.block_size))
+        return [i for i in range(first, last) if self.ref_counts[seq.block_table[i]] > 1]
+
+    def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks `seq` still needs so that its first `num_tokens` tokens fit in the cache
+        (new pages, plus private copies of shared pages it will write into)."""
+        grow = max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
+        return grow + len(self._shared_writes(seq, num_tokens))
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
+
+    def _take(self) -> int:
+        block = self._fresh.popleft() if self._fresh else self._evict()
+        assert self.ref_counts[block] == 0, f"block {block} on the free list is referenced"
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Make `seq`'s first `num_tokens` tokens writable: grow its block table with fresh (or
+        evicted) blocks, and give it a private copy of any shared block it will write into."""
+        n = self.num_new_blocks(seq, num_tokens)
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
+        for index in self._shared_writes(seq, num_tokens):
+            shared = seq.block_table[index]
+            self._unref(shared)
+            seq.block_table[index] = self._take()
+            self.pending_copies.append((shared, seq.block_table[index]))
+            self.num_copies += 1
+        while len(seq.block_table) < blocks_needed(num_tokens, self.block_size):
+            seq.block_table.append(self._take())
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` reads all of `parent`'s pages (one more reference each; nothing is copied)."""
+        assert not child.block_table, "a fork starts with no blocks of its own"
+        for block in parent.block_table:
+            self.ref_counts[block] += 1
+            self._num_shared += self.ref_counts[block] == 2
+        child.block_table = list(parent.block_table)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) pairs queued since the last call; the engine copies
+        their K/V before the step that writes into dst."""
+        latest = {dst: src for src, dst in self.pending_copies}  # a block freed and retaken: its last copy
+        self.pending_copies = []
+        return [(src, dst) for dst, src in latest.items()]
+
+    def _evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._key_of.pop(block)]
+        return block
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references; an unreferenced block becomes free, evictable if cached."""
+        for block in reversed(seq.block_table):
+            self._unref(block)
+        self._cpu_free.extend(seq.cpu_block_table)
+        seq.block_table, seq.cpu_block_table = [], []
+        seq.block_keys = []
+
+    # ---- swap space ---------------------------------------------------------------------------
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._cpu_free)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= len(self._cpu_free)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Move `seq`'s pages to swap space (shared pages are copied; its references dropped)."""
+        for block in seq.block_table:
+            cpu = self._cpu_free.popleft()
+            self.pending_swap_out.append((block, cpu))
+            seq.cpu_block_table.append(cpu)
+        for block in reversed(seq.block_table):
+            self._unref(block)
+        seq.block_table = []
+        seq.block_keys = []  # its pages come back as fresh blocks, registered again once cached
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Bring a swapped-out sequence's pages back into fresh device blocks (check can_allocate first)."""
+        for cpu in seq.cpu_block_table:
+            block = self._take()
+            self.pending_swap_in.append((cpu, block))
+            seq.block_table.append(block)
+        self._cpu_releasing += seq.cpu_block_table
+        seq.cpu_block_table = []
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap-outs, swap-ins) queued since the last call."""
+        swaps = self.pending_swap_out, self.pending_swap_in
+        self.pending_swap_out, self.pending_swap_in = [], []
+        self._cpu_free.extend(self._cpu_releasing)
+        self._cpu_releasing = []
+        return swaps
+
+    def _unref(self, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"double free of block {block}"
+        self.ref_counts[block] -= 1
+        self._num_shared -= self.ref_counts[block] == 1
+        if self.ref_counts[block] == 0:
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._fresh.append(block)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+
+    def _key(self, seq: Sequence, index: int) -> BlockKey:
+        parent = key_digest(seq.block_keys[index - 1]) if index else b""
+        bs = self.block_size
+        return parent, tuple(seq.token_ids[index * bs : (index + 1) * bs])
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks yet the cached blocks of its longest cached prefix (full
+        blocks, never its last token, which must run to produce logits); returns the tokens hit."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching or _needs_prompt_logits(seq):
+            return 0
+        lookup = (seq.num_tokens - 1) // self.block_size
+        for index in range(lookup):
+            key = self._key(seq, index)
+            block = self._cached.get(key)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]  # revived
+            self.ref_counts[block] += 1
+            self._num_shared += self.ref_counts[block] == 2
+            seq.block_table.append(block)
+            seq.block_keys.append(key)
+        hit = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = hit
+        return hit
+
+    def count_lookup(self, seq: Sequence, hit: int) -> None:
+        """Record one admitted request's prefix-cache lookup (its prompt tokens, and the hits)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += hit
+
+    def cache_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register `seq`'s full blocks up to `num_tokens` (default: its computed tokens) whose
+        content no other block holds. The scheduler registers an admitted prompt's blocks as it
+        schedules them (vLLM v1): a request admitted later in the same step shares them, since
+        every layer writes the step's K/V before any attention reads the cache."""
+        if not self.enable_prefix_caching:
+            return
+        upto = seq.num_computed_tokens if num_tokens is None else num_tokens
+        for index in range(len(seq.block_keys), upto // self.block_size):
+            key = self._key(seq, index)
+            seq.block_keys.append(key)
+            block = seq.block_table[index]
+            if key not in self._cached and block not in self._key_of:
+                self._cached[key] = block
+                self._key_of[block] = key
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (evictable ones become fresh); blocks in use stay allocated."""
+        self._fresh.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._key_of.clear()

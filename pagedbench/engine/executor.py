@@ -1,0 +1,189 @@
+"""Executor: the worker side as the engine sees it. It builds rank 0's model (and starts the
+tensor-parallel workers), sizes and allocates the paged KV cache, captures the decode CUDA
+graphs, and runs each step: page moves, then inputs and metadata, the backend's prepare and
+the forward."""
+
+import logging
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from pagedbench.backends.base import AttentionBackend, one_line
+from pagedbench.config import EngineConfig
+from pagedbench.device.dtypes import resolve_device_dtype
+from pagedbench.device.timer import DeviceTimer
+from pagedbench.engine.block_manager import blocks_needed
+from pagedbench.engine.kv_budget import cuda_kv_budget, num_kv_blocks
+from pagedbench.engine.sequence import Sequence
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.loader import build_model, weights_path
+from pagedbench.model.parallel import TPShard
+from pagedbench.worker.cuda_graphs import DecodeGraphs, decode_buckets
+from pagedbench.worker.model_runner import ModelRunner, build_backend, kv_bytes_per_block
+from pagedbench.worker.step_plan import StepInputs
+from pagedbench.worker.tp_workers import ParallelRunner, Workers, rank_device
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path | None):
+        self.config, self.model_config = config, model_config
+        self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # graph capture, events and syncs act on the current device
+        self.tp = self._tensor_parallel_shard()
+        backend = build_backend(config.backend, model_config, config.block_size, self.device, self.dtype, self.tp)
+        cfg = model_config
+        max_len_cap = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > max_len_cap:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {max_len_cap}")
+        rope_len = config.max_model_len or max_len_cap
+        # Workers build their shards while this process builds rank 0's.
+        self.workers = Workers(config, rope_len, self.tp.size) if self.tp.size > 1 else None
+        try:
+            weights = weights_path(model_path, config)
+            self.model = build_model(
+                cfg, weights, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init
+            )
+            self.num_blocks, self.max_model_len = self._size_kv_cache(backend, max_len_cap)
+            self.runner = self._start_runner(backend)
+            self.cuda_graphs = self.capture_graphs()
+        except BaseException:
+            self.shutdown()
+            raise
+        # Device spans (CUDA events, read after a run; off unless enabled): "forward" / "forward_graph"
+        # (eager / replayed), "attention" (each eager layer's call), "sample" (the sampler's kernels).
+        self.timer = DeviceTimer(self.device)
+
+    def _tensor_parallel_shard(self) -> TPShard:
+        tp = TPShard(0, self.config.tensor_parallel_size)
+        tp.validate(self.model_config)
+        if tp.size > 1:
+            self.device = rank_device(self.device, 0)
+            if self.device.type == "cuda" and torch.cuda.device_count() < tp.size:
+                raise ValueError(
+                    f"tensor_parallel_size={tp.size} needs as many GPUs; {torch.cuda.device_count()} visible"
+                )
+        return tp
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self.runner.backend
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the executor is collected)."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.shutdown()
+
+    # ---- KV cache -----------------------------------------------------------------------------
+
+    def _size_kv_cache(self, backend: AttentionBackend, max_len_cap: int) -> tuple[int, int]:
+        """(num_blocks, max_model_len): max_model_len None is as long as the model allows and the
+        cache holds; an explicit one the cache cannot hold is an error."""
+        config, bs = self.config, self.config.block_size
+        num_blocks = config.num_blocks or self._auto_num_blocks(backend, config.max_model_len or max_len_cap)
+        if config.max_model_len is None:
+            return num_blocks, min(max_len_cap, num_blocks * bs)
+        if num_blocks < blocks_needed(config.max_model_len, bs):
+            raise ValueError(
+                f"KV cache of {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens cannot hold one "
+                f"sequence of max_model_len={config.max_model_len}; raise num_blocks or lower max_model_len"
+            )
+        return num_blocks, config.max_model_len
+
+    def _auto_num_blocks(self, backend: AttentionBackend, max_model_len: int) -> int:
+        """KV blocks from the memory budget: vLLM's profiled rule on CUDA, cpu_kv_cache_bytes on CPU."""
+        config = self.config
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.tp)
+        if self.device.type != "cuda":
+            budget = config.cpu_kv_cache_bytes
+        elif self.tp.size > 1:
+            # The profiling step would need the other ranks in its all-reduces, and they start
+            # later: the free memory's share, as before vLLM profiled.
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * config.gpu_memory_utilization)
+        else:
+            graphs = self._graph_off_reason(backend) is None
+            rows = decode_buckets(config.max_num_seqs, backend.cuda_graph_powers_of_two)[-1] if graphs else None
+            args = (per_block, rows, self.device, self.dtype)
+            budget = cuda_kv_budget(config, self.model, backend, max_model_len, *args)
+        return num_kv_blocks(config, budget, per_block, max_model_len)
+
+    def _start_runner(self, backend: AttentionBackend) -> ModelRunner | ParallelRunner:
+        """The KV cache (and swap space) on every rank, and the runner that drives them."""
+        config = self.config
+        self.num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.tp)
+            self.num_cpu_blocks = int(config.swap_space * 2**30) // per_block
+        runner = ModelRunner(
+            self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks
+        )
+        if self.workers is None:
+            return runner
+        self.workers.start(self.device, self.num_blocks, self.num_cpu_blocks)
+        weakref.finalize(self, self.workers.shutdown)
+        return ParallelRunner(runner, self.workers)
+
+    # ---- CUDA graphs --------------------------------------------------------------------------
+
+    def _graph_off_reason(self, backend: AttentionBackend) -> str | None:
+        if self.config.enforce_eager:
+            return "enforce_eager"
+        if self.device.type != "cuda":
+            return f"no CUDA device (device is {self.device.type})"
+        if self.tp.size > 1:
+            return "tensor-parallel steps run eagerly"
+        return backend.cuda_graph_reason
+
+    def capture_graphs(self) -> str:
+        """Capture the decode CUDA graphs where they can run; returns what the reports say:
+        "on: ..." or "off: why"."""
+        reason = self._graph_off_reason(self.backend)
+        if reason is not None:
+            return f"off: {reason}"
+        graphs = DecodeGraphs(self.runner, self.config.max_num_seqs, self.max_model_len)
+        logger.info("capturing decode CUDA graphs for batch sizes %s", graphs.buckets)
+        try:
+            graphs.capture_all()
+            mismatch = graphs.verify()
+        except Exception as e:  # a backend that cannot be captured after all: eager, and say why
+            mismatch = f"capture failed: {one_line(e)}"
+        if mismatch is not None:
+            logger.warning("CUDA graphs off: %s", mismatch)
+            return f"off: {mismatch}"
+        self.runner.graphs = graphs
+        status = (
+            f"on: {len(graphs.buckets)} decode sizes up to {graphs.buckets[-1]}, captured in "
+            f"{graphs.capture_seconds:.1f} s, {graphs.capture_bytes / 2**20:.0f} MiB"
+        )
+        logger.info("CUDA graphs %s", status)
+        return status
+
+    # ---- a step -------------------------------------------------------------------------------
+
+    def move_pages(self, swap_out: list, copies: list, swap_in: list) -> None:
+        """Before the step writes anything: pages leaving for swap space, copy-on-write of shared
+        pages it writes into, pages coming back from swap space (that order: each may reuse a
+        block the one before read)."""
+        if swap_out:
+            self.runner.swap_out(swap_out)
+        if copies:
+            self.runner.copy_blocks(copies)
+        if swap_in:
+            self.runner.swap_in(swap_in)
+
+    def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[StepInputs, torch.Tensor, tuple]:
+        """`seqs[i]` runs its next `num_tokens[i]` tokens: (inputs, fp32 logits, the wall times
+        (t_metadata, t_backend_prepare, t_forward) at which each part ended)."""
+        inputs = self.runner.prepare(seqs, num_tokens)
+        t_metadata = time.perf_counter()
+        state = self.backend.prepare(inputs.metadata)
+        t_prepare = time.perf_counter()
+        forward_start = self.timer.mark()
+        timer = self.timer if self.timer.enabled and inputs.graph is None else None
+        logits = self.runner.run(inputs, state, timer)
+        self.timer.span("forward" if inputs.graph is None else "forward_graph", forward_start)
+        return inputs, logits, (t_metadata, t_prepare, time.perf_counter())

@@ -1,0 +1,198 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out. It only orchestrates: the
+InputProcessor turns a prompt into a request, the Scheduler picks the step's work (the
+BlockManager its pages), the Executor runs the model, the TokenPicker samples, and the
+OutputProcessor turns new tokens into text, stops and outputs."""
+
+import dataclasses
+import itertools
+import secrets
+import time
+from collections.abc import Iterable
+
+from pagedbench.config import EngineConfig
+from pagedbench.engine.block_manager import BlockManager
+from pagedbench.engine.executor import Executor
+from pagedbench.engine.input_processor import InputProcessor
+from pagedbench.engine.output_processor import OutputProcessor
+from pagedbench.engine.outputs import RequestOutput
+from pagedbench.engine.request import SequenceGroup
+from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
+from pagedbench.engine.sequence import SequenceStatus
+from pagedbench.engine.stats import EngineStats, wasted_slots
+from pagedbench.engine.token_picker import TokenPicker
+from pagedbench.model.loader import resolve_model_config
+from pagedbench.model.tokenizer import tokenizer_for
+from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        if config.seed is None:  # one fresh seed, shared with the tensor-parallel workers
+            config = dataclasses.replace(config, seed=secrets.randbelow(2**31))
+        self.config = config
+        self.model_config, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
+        cfg = self.model_config
+        self.tokenizer = tokenizer_for(config.tokenizer, path, cfg.vocab_size, cfg.eos_token_ids)
+        self.executor = Executor(config, cfg, path)
+        ex = self.executor
+        self.device, self.dtype, self.max_model_len, self.num_blocks = (
+            ex.device,
+            ex.dtype,
+            ex.max_model_len,
+            ex.num_blocks,
+        )
+        self.block_manager = BlockManager(
+            ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
+            config.preemption_mode,
+        )
+        self.stats = EngineStats()
+        self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id
+        self.input_processor = InputProcessor(config, cfg, self.tokenizer, self.max_model_len, self.device)
+        self.output_processor = OutputProcessor(self.tokenizer, cfg, self.max_model_len, self.scheduler)
+        self.token_picker = TokenPicker(
+            self.requests,
+            self.scheduler,
+            self.input_processor,
+            self.output_processor,
+            cfg,
+            self.device,
+            config.seed,
+            self.stats,
+            ex.timer,
+        )
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineConfig) -> "LLMEngine":
+        """vLLM's constructor name (EngineArgs is EngineConfig here)."""
+        return cls(args)
+
+    # The worker side, as the executor holds it.
+    runner = property(lambda self: self.executor.runner)
+    backend = property(lambda self: self.executor.backend)
+    model = property(lambda self: self.executor.model)
+    timer = property(lambda self: self.executor.timer, doc="device spans of steps (a DeviceTimer)")
+    cuda_graphs = property(lambda self: self.executor.cuda_graphs, doc='"on: ..." or "off: why"')
+    workers = property(lambda self: self.executor.workers, doc="tensor-parallel worker processes, if any")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        self.executor.shutdown()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        return self.input_processor.tokenize(prompt)
+
+    def validate_request(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+        self.input_processor.validate(token_ids, params)
+
+    def validate_priority(self, priority) -> None:
+        self.input_processor.validate_priority(priority)
+
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | BeamSearchParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request (sampling, or beam search with BeamSearchParams); raises ValueError
+        (and changes nothing) when it is invalid. `priority` needs scheduling_policy="priority".
+        vLLM's positional order, add_request(request_id, prompt, params), is accepted too."""
+        if isinstance(request_id, (SamplingParams, BeamSearchParams)) and isinstance(prompt, str):
+            prompt, params, request_id = params, request_id, prompt
+        if params is not None and not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise TypeError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        group = self.input_processor.process(request_id, prompt, params or SamplingParams(), arrival_time, priority)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.requests[request_id] = group
+        self.scheduler.add(group.seqs[0])
+        return request_id
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort one request or several (vLLM v1 takes a list); unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            group = self.requests.pop(rid, None)
+            for seq in group.seqs if group is not None else []:
+                if not seq.finished:
+                    self.scheduler.finish(seq, "abort")
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer, or None for a preset without one."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their sequences)."""
+        self.block_manager.reset_prefix_cache()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns outputs of the requests that progressed."""
+        t_start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.stats.preemptions += sched.num_preempted
+        if sched.empty:
+            return []
+        t_schedule = time.perf_counter()
+        try:
+            self._move_pages()
+            inputs, logits, forward_times = self.executor.execute(sched.seqs, sched.num_tokens)
+        except BaseException:
+            self._abandon(sched)
+            raise
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            self.stats.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
+        self.scheduler.computed(sched)
+        plan = inputs.plan
+        num_sampling = len(plan.sampling_rows)
+        if plan.prompt_logprob_rows:
+            self.output_processor.record_prompt_logprobs(sched.seqs, plan.prompt_logprob_rows, logits[num_sampling:])
+        progressed = self.token_picker([sched.seqs[i] for i in plan.sampling_rows], logits[:num_sampling])
+        t_end = time.perf_counter()
+        bm = self.block_manager
+        wasted = wasted_slots(self.scheduler.running, self.config.block_size)
+        self.stats.record_step(
+            (t_start, t_schedule, *forward_times, t_end), bm.num_used_blocks, bm.num_shared_blocks, wasted
+        )
+        for group in progressed:
+            group.token_times.append(t_end)
+            if group.finished:
+                self.requests.pop(group.request_id, None)
+        return [self.output_processor.output(group) for group in progressed]
+
+    def _move_pages(self) -> None:
+        """The page moves the block manager queued for this step: swaps and copy-on-write copies."""
+        swap_out, swap_in = self.block_manager.take_swaps()
+        copies = self.block_manager.take_copies()
+        self.executor.move_pages(swap_out, copies, swap_in)
+        self.stats.swap_outs += bool(swap_out)
+        self.stats.block_copies += len(copies)
+
+    def _abandon(self, sched: SchedulerOutput) -> None:
+        """A step that raised (an interrupt, out of memory, a worker) left K/V unwritten: forget
+        every cached prefix (pages registered for this step among them) and send the step's
+        sequences back to recompute, so nothing later reads what was never written."""
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.take_copies()  # moves planned for the abandoned step, if not yet taken
+        self.block_manager.take_swaps()
+        for seq in sched.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.scheduler.preempt(seq, swap=False)

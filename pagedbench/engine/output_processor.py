@@ -1,0 +1,167 @@
+"""OutputProcessor: what a step's new tokens mean for their requests. It detokenizes them
+incrementally, checks stop conditions (finishing sequences through the scheduler), records
+logprobs and prompt logprobs, and builds each request's RequestOutput."""
+
+from collections.abc import Callable
+
+import numpy as np
+
+from pagedbench.device.transfer import to_device, to_list
+from pagedbench.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedbench.engine.request import SequenceGroup
+from pagedbench.engine.scheduler import Scheduler
+from pagedbench.engine.sequence import Sequence
+from pagedbench.engine.stopping import stop_check
+from pagedbench.model.config import ModelConfig
+from pagedbench.sample.sampler import SamplerOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, scheduler: Scheduler):
+        self.tokenizer, self.model_config, self.max_model_len = tokenizer, model_config, max_model_len
+        self.scheduler = scheduler
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """`seq`'s next token: its text, and whether it stops `seq`."""
+        seq.token_ids.append(token)
+        tokenizer = self._detokenizer(seq)
+        new_text = detokenize_incrementally(tokenizer, seq) if tokenizer is not None else ""
+        stop = stop_check(seq, token, new_text, self.model_config.eos_token_ids, self.max_model_len)
+        if stop is not None:
+            self.scheduler.finish(seq, *stop)
+            if tokenizer is not None and not isinstance(seq.stop_reason, str):
+                detokenize_incrementally(tokenizer, seq, flush=True)  # text held back for a partial character
+
+    def record_logprobs(self, seqs: list[Sequence], rows: list[int], out: SamplerOutput) -> None:
+        """For the batch rows `rows` (of `seqs`): cumulative logprobs, and where the request asks
+        for logprobs, the sampled token's and the top ones (vLLM's layout: token id -> Logprob)."""
+        tokens, picked, ranks = out.tokens, out.token_logprobs, out.token_ranks  # host lists (to_host)
+        top = (out.top_token_ids, out.top_logprobs) if out.top_token_ids is not None else None
+        for k, row in enumerate(rows):
+            seq = seqs[row]
+            seq.cumulative_logprob += picked[k]
+            if seq.params.logprobs is None:
+                continue
+            entry = {}
+            if top is not None:
+                for rank, (tid, lp) in enumerate(zip(top[0][k][: seq.params.logprobs], top[1][k]), 1):
+                    entry[tid] = Logprob(lp, rank, self._token_text(tid, seq))
+            entry[tokens[row]] = Logprob(picked[k], ranks[k], self._token_text(tokens[row], seq))
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(entry)
+
+    def record_prompt_logprobs(self, seqs: list[Sequence], rows: list[tuple[int, int, int]], logits) -> None:
+        """Prompt logprobs of this step's prompt chunks: logits row j of (seq, first, count)
+        predicts prompt token first + j + 1."""
+        offset = 0
+        for i, first, count in rows:
+            seq = seqs[i]
+            chunk = logits[offset : offset + count].log_softmax(dim=-1)
+            offset += count
+            targets = seq.prompt_token_ids[first + 1 : first + 1 + count]
+            picked = chunk.gather(-1, to_device(np.array(targets, dtype=np.int64), chunk.device)[:, None])
+            ranks = to_list((chunk > picked).sum(dim=-1) + 1)
+            top_lps, top_ids = (
+                map(to_list, chunk.topk(seq.params.prompt_logprobs, dim=-1))
+                if seq.params.prompt_logprobs
+                else (None, None)
+            )
+            picked = to_list(picked.squeeze(-1))
+            seq.prompt_logprobs = seq.prompt_logprobs or []
+            for j, token in enumerate(targets):
+                entry = {}
+                if top_ids is not None:
+                    for rank, (tid, lp) in enumerate(zip(top_ids[j], top_lps[j]), 1):
+                        entry[tid] = Logprob(lp, rank, self._token_text(tid, seq))
+                entry[token] = Logprob(picked[j], ranks[j], self._token_text(token, seq))
+                seq.prompt_logprobs.append(entry)
+
+    def output(self, group: SequenceGroup) -> RequestOutput:
+        return request_output(group, self._decode)
+
+    def _detokenizer(self, seq: Sequence):
+        """The tokenizer, unless there is none or the request asked for token ids only."""
+        return self.tokenizer if getattr(seq.params, "detokenize", True) else None
+
+    def _token_text(self, token: int, seq: Sequence) -> str | None:
+        tokenizer = self._detokenizer(seq)
+        return tokenizer.decode([token]) if tokenizer is not None else None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def detokenize_incrementally(tokenizer, seq: Sequence, flush: bool = False) -> str:
+    """Append the text of `seq`'s newest output token to `seq.output_text`; return the new text.
+
+    Decodes only a short window of recent tokens, and holds text back while it ends in an
+    incomplete UTF-8 character (decoded as U+FFFD), as vLLM does, unless `flush` (the end).
+    """
+    tokens = seq.output_token_ids
+    skip = seq.params.skip_special_tokens
+    prefix = tokenizer.decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(tokens[seq.prefix_offset :], skip_special_tokens=skip)
+    if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
+        new_text = full[len(prefix) :]
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(tokens)
+        seq.output_text += new_text
+        return new_text
+    return ""
+
+
+def completions(group: SequenceGroup, decode: Callable[[list[int]], str] | None) -> list[CompletionOutput]:
+    """The request's returned samples: its n samples by index, or once finished with best_of > n
+    the n best by cumulative logprob; a beam search's finished beams, best first."""
+    if group.beam is not None:
+        return [
+            CompletionOutput(
+                i,
+                decode(h.output_token_ids) if decode else "",
+                h.output_token_ids,
+                h.finish_reason,
+                h.stop_reason,
+                h.cum_logprob,
+            )
+            for i, h in enumerate(group.beam.finished if group.finished else [])
+        ]
+    p = group.params
+    seqs = sorted(group.seqs, key=lambda s: s.index)
+    if group.finished and p.best_of > p.n:
+        seqs.sort(key=lambda s: -s.cumulative_logprob)
+    return [
+        CompletionOutput(
+            s.index,
+            s.output_text,
+            s.output_token_ids,
+            s.finish_reason,
+            s.stop_reason,
+            s.cumulative_logprob if p.best_of > 1 or p.logprobs is not None else None,
+            None if s.logprobs is None else list(s.logprobs),
+        )
+        for s in seqs[: p.n]
+    ]
+
+
+def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | None = None) -> RequestOutput:
+    """The request's output so far; metrics once it has finished."""
+    metrics = None
+    finished = group.finished
+    if finished:
+        times = group.token_times
+        metrics = RequestMetrics(group.arrival_time, times[0], times, times[-1], group.num_preemptions)
+    first = group.seqs[0] if group.seqs and group.beam is None else None
+    wanted = first is not None and first.params.prompt_logprobs is not None
+    prompt_logprobs = (first.prompt_logprobs or []) if wanted else None
+    group.note_cached_tokens()
+    return RequestOutput(
+        group.request_id,
+        group.prompt,
+        group.prompt_token_ids,
+        completions(group, decode),
+        finished,
+        metrics,
+        None if prompt_logprobs is None else [None, *prompt_logprobs],  # nothing predicts the first token
+        group.num_cached_tokens,
+    )

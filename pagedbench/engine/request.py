@@ -1,0 +1,38 @@
+"""SequenceGroup: the engine's state of one request (its samples or beams, their search, its timings)."""
+
+from dataclasses import dataclass, field
+
+from pagedbench.engine.beam_search import BeamSearch
+from pagedbench.engine.sequence import Sequence
+from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """One request: its single sequence, its n/best_of samples (live and finished), or its live
+    beams (`beam` holds the search and the finished hypotheses)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    seqs: list[Sequence]
+    arrival_time: float
+    beam: BeamSearch | None = None
+    token_times: list[float] = field(default_factory=list)  # when a step gave it new tokens
+    num_cached_tokens: int = 0  # prompt tokens its first sequence found in the prefix cache
+
+    def note_cached_tokens(self) -> None:
+        """Keep the prefix-cache hit of its sequences (they may all be gone once beams end)."""
+        hits = [s.num_cached_tokens for s in self.seqs if s.num_cached_tokens is not None]
+        self.num_cached_tokens = max(hits, default=self.num_cached_tokens)
+
+    @property
+    def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return len(self.seqs) == self.params.width and all(s.finished for s in self.seqs)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.seqs)

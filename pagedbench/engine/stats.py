@@ -1,0 +1,63 @@
+"""Engine statistics: counters and the wall time of each named part of a step."""
+
+from dataclasses import dataclass, field
+
+from pagedbench.engine.sequence import Sequence
+
+# The parts of one engine step, in order; reports name their columns time_<part>_s.
+STEP_PARTS = ("schedule", "metadata", "backend_prepare", "forward", "sample")
+TIME_COLUMNS = [f"time_{part}_s" for part in STEP_PARTS]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters, and seconds per step part summed over steps."""
+
+    steps: int = 0
+    preemptions: int = 0
+    peak_blocks_used: int = 0
+    peak_shared_blocks: int = 0  # blocks read by several sequences at once (prefix caching, forks)
+    block_copies: int = 0  # copy-on-write page copies (a fork writing into a shared page)
+    prompt_tokens: int = 0  # prompt tokens run through the model (cached and recomputed ones not counted)
+    generation_tokens: int = 0  # tokens sampled (every sample and beam)
+    swap_outs: int = 0  # steps that moved preempted pages to CPU swap space
+    used_block_steps: int = 0  # blocks in use, summed over steps (mean utilization = / steps / num_blocks)
+    wasted_slot_steps: int = 0  # allocated slots holding no token (last pages), summed over steps
+    peak_wasted_slots: int = 0
+    time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # per step: (time, blocks used, empty slots)
+
+    def reset(self) -> None:
+        self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
+        self.used_block_steps = self.wasted_slot_steps = self.peak_wasted_slots = self.swap_outs = 0
+        self.prompt_tokens = self.generation_tokens = 0
+        self.time = dict.fromkeys(STEP_PARTS, 0.0)
+        self.timeline = []
+
+    def time_columns(self) -> dict[str, float]:
+        return {column: self.time[part] for column, part in zip(TIME_COLUMNS, STEP_PARTS)}
+
+    def record_step(self, times: tuple[float, ...], blocks_used: int, shared_blocks: int, wasted: int) -> None:
+        """One step: its part boundaries (len(STEP_PARTS) + 1 wall times) and its KV use."""
+        self.steps += 1
+        self.peak_blocks_used = max(self.peak_blocks_used, blocks_used)
+        self.peak_shared_blocks = max(self.peak_shared_blocks, shared_blocks)
+        self.used_block_steps += blocks_used
+        self.wasted_slot_steps += wasted
+        self.peak_wasted_slots = max(self.peak_wasted_slots, wasted)
+        self.timeline.append((times[-1], blocks_used, wasted))
+        for part, start, end in zip(STEP_PARTS, times, times[1:]):
+            self.time[part] += end - start
+
+
+def wasted_slots(running: list[Sequence], block_size: int) -> int:
+    """Internal fragmentation: slots of running sequences' last pages that hold no token yet
+    (a page shared by forks counted once, as full as its fullest reader)."""
+    filled = {}
+    for seq in running:
+        if seq.block_table and seq.num_computed_tokens % block_size:
+            last = seq.block_table[(seq.num_computed_tokens - 1) // block_size]
+            filled[last] = max(filled.get(last, 0), seq.num_computed_tokens % block_size)
+        if len(seq.block_table) * block_size >= seq.num_computed_tokens + block_size:  # a page allocated ahead, empty
+            filled.setdefault(seq.block_table[-1], 0)
+    return sum(block_size - n for n in filled.values())

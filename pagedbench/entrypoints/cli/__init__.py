@@ -1,0 +1,1 @@
+"""The `pagedbench` command line."""

@@ -1,0 +1,211 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over one flat, unpadded token batch.
+
+Module names match Hugging Face's so checkpoints load by name. Attention goes through the
+step's `AttentionContext`: the KV write is shared code, the attention itself is the backend's.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from pagedbench.backends.base import AttentionBackend, write_kv
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab, shard_param
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """What every layer needs for one step: the backend, its per-step state, and the cache."""
+
+    backend: AttentionBackend
+    state: Any
+    slot_mapping: torch.Tensor  # [T] int64
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, H_kv, D]
+    timer: Any = None  # a DeviceTimer: each layer's attention call becomes an "attention" span
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, D] fp32
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for `positions` [T]; gathered once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in the half-split (rotate_half) layout Hugging Face uses."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _column_parallel(in_features: int, out_features: int, start: int, length: int, bias: bool) -> nn.Linear:
+    """The output rows [start, start + length) of an in_features -> out_features projection."""
+    linear = nn.Linear(in_features, length, bias=bias)
+    shard_param(linear.weight, 0, start, length, out_features)
+    if bias:
+        shard_param(linear.bias, 0, start, length, out_features)
+    return linear
+
+
+def _row_parallel(in_features: int, out_features: int, start: int, length: int) -> nn.Linear:
+    """The input columns [start, start + length) of a projection; its output is a partial sum."""
+    linear = nn.Linear(length, out_features, bias=False)
+    shard_param(linear.weight, 1, start, length, in_features)
+    return linear
+
+
+class Attention(nn.Module):
+    """This rank's heads: q heads [h0, h0 + H), KV heads [k0, k0 + H_kv) (all of them at tp=1)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
+        super().__init__()
+        self.layer_idx, self.tp = layer_idx, tp
+        d, h = cfg.head_dim, cfg.hidden_size
+        (h0, self.num_heads), (k0, self.num_kv_heads) = tp.heads(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads)
+        self.head_dim = d
+        self.q_proj = _column_parallel(h, cfg.num_heads * d, h0 * d, self.num_heads * d, cfg.qkv_bias)
+        self.k_proj = _column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
+        self.v_proj = _column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
+        self.o_proj = _row_parallel(cfg.num_heads * d, h, h0 * d, self.num_heads * d)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        q = rearrange(self.q_proj(x), "t (h d) -> t h d", d=self.head_dim)
+        k = rearrange(self.k_proj(x), "t (h d) -> t h d", d=self.head_dim)
+        v = rearrange(self.v_proj(x), "t (h d) -> t h d", d=self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        start = ctx.timer.mark() if ctx.timer is not None else None
+        out = ctx.backend.forward(q, k_cache, v_cache, ctx.state)
+        if start is not None:
+            ctx.timer.span("attention", start)
+        return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPShard):
+        super().__init__()
+        self.tp = tp
+        h, n = cfg.hidden_size, cfg.intermediate_size
+        start, length = tp.chunk(n)
+        self.gate_proj = _column_parallel(h, n, start, length, bias=False)
+        self.up_proj = _column_parallel(h, n, start, length, bias=False)
+        self.down_proj = _row_parallel(n, h, start, length)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [start, start + length) of the embedding; other ids look up zeros, summed across ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPShard):
+        self.tp, (self.start, length) = tp, tp.chunk(vocab_size)
+        super().__init__(length, hidden_size)
+        shard_param(self.weight, 0, self.start, length, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        here = (local >= 0) & (local < self.num_embeddings)
+        x = super().forward(torch.where(here, local, 0)) * here[:, None].to(self.weight.dtype)
+        return all_reduce(x, self.tp)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard):
+        super().__init__()
+        self.rotary_emb = RotaryEmbedding(cfg, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, ctx)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard = NO_TP):
+        super().__init__()
+        self.config, self.tp = cfg, tp  # a tp that divides the model (the engine validates it)
+        self.model = DecoderModel(cfg, max_positions, tp)
+        start, length = tp.chunk(cfg.vocab_size)
+        self.lm_head = _column_parallel(cfg.hidden_size, cfg.vocab_size, start, length, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, logits_indices: torch.Tensor
+    ) -> torch.Tensor | None:
+        """input_ids, positions [T] -> fp32 logits [len(logits_indices), vocab] of the chosen tokens
+        only (on tensor-parallel rank 0; None on the other ranks)."""
+        hidden = self.model(input_ids, positions, ctx)
+        return gather_vocab(self.lm_head(hidden[logits_indices]).float(), self.config.vocab_size, self.tp)

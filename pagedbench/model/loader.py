@@ -1,0 +1,112 @@
+"""Build the model from a Hugging Face directory (config.json + safetensors) or a preset."""
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.llama import CausalLM
+from pagedbench.model.parallel import NO_TP, TPShard, full_shape, local_part
+from pagedbench.model.preset_init import decisive_reason, decisive_weights
+from pagedbench.model.presets import PRESETS
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_config(model: str, need_weights: bool = True) -> tuple[ModelConfig, Path | None]:
+    """(config, model directory or None for a preset)."""
+    if model in PRESETS:
+        return ModelConfig.from_dict(PRESETS[model]), None
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r} is neither a directory nor a preset ({', '.join(PRESETS)})")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {model!r} has no config.json")
+    if need_weights and not list(path.glob("*.safetensors")):
+        raise ValueError(f"model directory {model!r} has no *.safetensors weights")
+    return ModelConfig.from_dir(path), path
+
+
+def weights_path(path: Path | None, config) -> Path | None:
+    """Where build_model reads weights: None (random, as for a preset) under load_format="dummy"."""
+    return None if config.load_format == "dummy" else path
+
+
+def build_model(
+    cfg: ModelConfig,
+    path: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    seed: int,
+    tp: TPShard = NO_TP,
+    preset_init: str = "decisive",
+) -> CausalLM:
+    """The model (this rank's shard of it), from `path`'s safetensors, or with `path` None random
+    weights (`preset_init`: "decisive", see preset_init.py, or "plain" N(0, 0.02))."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg, max_positions, tp)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if path is None and preset_init == "decisive" and (reason := decisive_reason(cfg, max_positions)):
+        logger.warning("random weights: plain init, not decisive: %s", reason)
+        preset_init = "plain"
+    if path is None and preset_init == "decisive":
+        _init_decisive(model, seed, max_positions)
+    elif path is None:
+        _init_random(model, seed)
+    else:
+        _load_safetensors(model, path)
+    return model.eval().requires_grad_(False)
+
+
+def _init_random(model: CausalLM, seed: int) -> None:
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:  # drawn at full size, then sliced: every tensor-parallel size gets the same weights
+            full = torch.empty(full_shape(p), dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+            p.data.copy_(local_part(p, full))
+
+
+def _init_decisive(model: CausalLM, seed: int, max_positions: int) -> None:
+    params = dict(model.named_parameters())
+    shapes = [(name, full_shape(p)) for name, p in params.items()]
+    for name, full in decisive_weights(model.config, shapes, seed, max_positions):
+        p = params[name]
+        p.data.copy_(local_part(p, full.to(p.device, p.dtype)))
+
+
+def _load_safetensors(model: CausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    loaded: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            _load_file(file, params, tied, loaded)
+        except (OSError, RuntimeError, SafetensorError) as e:  # truncated or corrupt: one line naming the file
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"cannot read weights from {file}: {reason}") from None
+    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"weights missing from {path}: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def _load_file(file: Path, params: dict[str, torch.nn.Parameter], tied: bool, loaded: set[str]) -> None:
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            if name not in params:
+                if "rotary_emb" in name or (tied and name == "lm_head.weight"):
+                    continue
+                raise ValueError(f"unexpected weight {name!r} in {file.name}")
+            tensor, param = f.get_tensor(name), params[name]
+            if tuple(tensor.shape) != full_shape(param):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {full_shape(param)}")
+            param.data.copy_(local_part(param, tensor))
+            loaded.add(name)

@@ -1,0 +1,1 @@
+"""Sampling: SamplingParams (what a request asks for) and the batched sampler that applies them on the device."""

@@ -1,0 +1,231 @@
+"""CUDA graphs for decode steps, as vLLM does it: one graph per batch-size bucket, captured at
+start-up, replayed with the step's inputs padded to its bucket.
+
+A replay launches a whole decode step (embedding, every layer, the LM head) at once instead
+of thousands of kernels one by one from Python. Prefill and mixed steps run eagerly: their
+token counts change with every chunk, and their kernels are large enough to hide the launches.
+
+Padding rows are one-token sequences in the runner's padding page (a page the block manager
+never hands out), so they write and read only there; their logits are computed and ignored.
+A backend takes part only if its `prepare()` refills static buffers in place
+(`cuda_graph_reason` is None); tensor-parallel steps run eagerly.
+"""
+
+import bisect
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from pagedbench.device.transfer import copy_to_device_, pack, to_device, unpack
+from pagedbench.worker.step_plan import StepInputs, StepPlan
+
+
+def decode_buckets(max_num_seqs: int, powers_of_two: bool = False) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every multiple of 8 up to 256 and of 16 beyond,
+    up to max_num_seqs (always the last one); or, for a backend that compiles only those, the
+    powers of two from 2 up to the first that holds max_num_seqs."""
+    if powers_of_two:
+        return [1 << k for k in range(1, max(1, (max_num_seqs - 1).bit_length()) + 1)]
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_num_seqs + 16, 16)]
+    return sorted({min(b, max_num_seqs) for b in sizes})
+
+
+def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds `num_seqs` sequences, or None when none does."""
+    i = bisect.bisect_left(buckets, num_seqs)
+    return buckets[i] if i < len(buckets) else None
+
+
+def pad_decode_plan(plan: StepPlan, rows: int, width: int, pad_block: int) -> StepPlan:
+    """The decode-only `plan` grown to `rows` sequences and `width` block-table columns. Each
+    padding row is a one-token sequence at position 0 of page `pad_block`."""
+    n, bs = len(plan.seq_lens), plan.block_size
+    extra = rows - n
+    if extra < 0 or plan.block_table.shape[1] > width:
+        raise ValueError(f"a step of {n} sequences x {plan.block_table.shape[1]} pages exceeds {rows} x {width}")
+    table = np.zeros((rows, width), dtype=np.int32)
+    table[:n, : plan.block_table.shape[1]] = plan.block_table
+    table[n:, 0] = pad_block
+    zeros, ones = np.zeros(extra, dtype=np.int64), np.ones(extra, dtype=np.int64)
+    return replace(
+        plan,
+        input_ids=np.concatenate([plan.input_ids, zeros]),
+        positions=np.concatenate([plan.positions, zeros]),
+        query_start_loc=np.arange(rows + 1, dtype=np.int64),
+        seq_lens=np.concatenate([plan.seq_lens, ones]),
+        context_lens=np.concatenate([plan.context_lens, zeros]),
+        block_table=table,
+        slot_mapping=np.concatenate([plan.slot_mapping, np.full(extra, pad_block * bs, dtype=np.int64)]),
+        token_seq_idx=np.arange(rows, dtype=np.int64),
+        logits_indices=np.arange(rows, dtype=np.int64),
+    )
+
+
+def graphable(plan: StepPlan) -> bool:
+    """A pure decode step whose every sequence samples (no prompt logprob rows)."""
+    return (
+        len(plan.input_ids) == len(plan.seq_lens)
+        and not plan.prompt_logprob_rows
+        and len(plan.sampling_rows) == len(plan.seq_lens)
+    )
+
+
+# capture(fn, pool) -> (replay, pool): `replay()` reruns what `fn()` launched and returns its output.
+Capture = Callable[[Callable[[], torch.Tensor], object], tuple[Callable[[], torch.Tensor], object]]
+
+
+def cuda_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], torch.Tensor], object]:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay, graph.pool()
+
+
+@dataclass(slots=True)
+class _Graph:
+    replay: Callable[[], torch.Tensor]  # -> logits [bucket, V]
+    buffers: dict  # numpy dtype -> the flat static input buffer each replay's inputs are copied into
+    inputs: StepInputs  # views of those buffers (the capture's step)
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one model runner and the static inputs they read."""
+
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, capture: Capture = cuda_capture):
+        self.runner = runner
+        self.buckets = decode_buckets(max_num_seqs, runner.backend.cuda_graph_powers_of_two)
+        self.width = -(-max_model_len // runner.block_size)  # block-table columns of the longest sequence
+        self.max_seq_len = max_model_len
+        self._capture = capture
+        self.graphs: dict[int, _Graph] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first (so the backend's static buffers reach their
+        final size before any graph records their addresses); records time and memory used."""
+        cuda = self.runner.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.runner.device)[0] if cuda else 0
+        start, pool = time.perf_counter(), None
+        vocab = self.runner.model.config.vocab_size
+        # One logits buffer for every graph: each graph's own output is a temporary of the shared
+        # pool (reused by the next capture), not [bucket, V] kept alive per bucket.
+        self.logits = torch.empty(self.buckets[-1], vocab, dtype=torch.float32, device=self.runner.device)
+        for bucket in reversed(self.buckets):
+            plan = self._padding_plan(bucket)
+            buffers = {d: to_device(h, self.runner.device) for d, h in pack(plan.arrays()).items()}
+            inputs = self._graph_shaped(plan.inputs(unpack(buffers, plan.arrays())))
+            state = self.runner.backend.prepare(inputs.metadata)
+            step = functools.partial(self._step, inputs, state, self.logits[:bucket])
+            for _ in range(2):  # warm-up outside the graph: lazy initialisation, JIT compiles
+                step()
+            replay, pool = self._capture(step, pool)
+            self.graphs[bucket] = _Graph(replay, buffers, inputs)
+        if cuda:
+            torch.cuda.synchronize(self.runner.device)
+            self.capture_bytes = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
+        self.capture_seconds = time.perf_counter() - start
+
+    def _step(self, inputs: StepInputs, state, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.runner.run_eager(inputs, state))
+
+    def verify(self, seed: int = 0) -> str | None:
+        """Replay the smallest and largest graphs on a fresh decode step (random tokens, one page
+        per row at a random fill) and compare with the same step run eagerly; None when they
+        agree, else why not. Catches a backend whose replay reads stale state before any number
+        is measured. Writes K/V into pages no sequence holds yet (the cache is empty at start)."""
+        rng = np.random.default_rng(seed)
+        bs = self.runner.block_size
+        for bucket in dict.fromkeys((self.buckets[0], self.buckets[-1])):
+            rows = min(bucket, self.runner.pad_block)
+            context = rng.integers(0, bs, rows)
+            pages = rng.permutation(self.runner.pad_block)[:rows].astype(np.int32)
+            plan = StepPlan(
+                input_ids=rng.integers(0, self.runner.model.config.vocab_size, rows),
+                positions=context,
+                query_start_loc=np.arange(rows + 1, dtype=np.int64),
+                seq_lens=context + 1,
+                context_lens=context,
+                block_table=pages[:, None],
+                slot_mapping=pages.astype(np.int64) * bs + context,
+                token_seq_idx=np.arange(rows, dtype=np.int64),
+                logits_indices=np.arange(rows, dtype=np.int64),
+                sampling_rows=list(range(rows)),
+                prompt_logprob_rows=[],
+                block_size=bs,
+                num_cache_blocks=self.runner.num_cache_blocks,
+            )
+            # The eager step gets the graph's shapes (padding, table width, max length), so both
+            # run the same kernels and may be compared closely.
+            eager_inputs = self._graph_shaped(self._pad(plan, bucket).to(self.runner.device))
+            eager = self.runner.run_eager(eager_inputs, self.runner.backend.prepare(eager_inputs.metadata))[:rows]
+            inputs = self.inputs(plan, bucket)
+            self.runner.backend.prepare(inputs.metadata)
+            replayed = self.replay(inputs)[:rows]
+            diff = (replayed - eager).abs().max().item()
+            scale = eager.abs().max().item()
+            if not diff <= 1e-2 * max(scale, 1.0):
+                return f"the batch-{bucket} graph's logits differ from eager ones by {diff:.3g} (of {scale:.3g})"
+        return None
+
+    def bucket(self, plan: StepPlan) -> int | None:
+        return bucket_for(len(plan.seq_lens), self.buckets) if graphable(plan) else None
+
+    def inputs(self, plan: StepPlan, bucket: int) -> StepInputs:
+        """`plan` padded to `bucket` and copied into that graph's static inputs (one copy per dtype)."""
+        graph = self.graphs[bucket]
+        padded = self._pad(plan, bucket)
+        for dtype, host in pack(padded.arrays()).items():
+            copy_to_device_(graph.buffers[dtype], host)
+        inputs = replace(graph.inputs, plan=plan, graph=bucket)
+        inputs.metadata = self._metadata(padded, graph.inputs)
+        return inputs
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [bucket, V]: the first len(plan.seq_lens) rows are the step's."""
+        return self.graphs[inputs.graph].replay()
+
+    def _pad(self, plan: StepPlan, bucket: int) -> StepPlan:
+        return pad_decode_plan(plan, bucket, self.width, self.runner.pad_block)
+
+    def _padding_plan(self, bucket: int) -> StepPlan:
+        empty = np.zeros(0, dtype=np.int64)
+        nothing = StepPlan(
+            input_ids=empty,
+            positions=empty,
+            query_start_loc=np.zeros(1, dtype=np.int64),
+            seq_lens=empty,
+            context_lens=empty,
+            block_table=np.zeros((0, 1), dtype=np.int32),
+            slot_mapping=empty,
+            token_seq_idx=empty,
+            logits_indices=empty,
+            sampling_rows=[],
+            prompt_logprob_rows=[],
+            block_size=self.runner.block_size,
+            num_cache_blocks=self.runner.num_cache_blocks,
+        )
+        return self._pad(nothing, bucket)
+
+    def _graph_shaped(self, inputs: StepInputs) -> StepInputs:
+        """`inputs` with the longest sequence the kernels are captured for as max_seq_len."""
+        inputs.metadata = replace(inputs.metadata, max_seq_len=self.max_seq_len)
+        return inputs
+
+    def _metadata(self, padded: StepPlan, captured: StepInputs):
+        """The captured metadata (same tensors, refilled) with this step's host-side lengths."""
+        return replace(
+            captured.metadata,
+            query_start_loc_cpu=padded.query_start_loc.tolist(),
+            seq_lens_cpu=padded.seq_lens.tolist(),
+            context_lens_cpu=padded.context_lens.tolist(),
+        )

@@ -1,0 +1,109 @@
+"""ModelRunner: owns the model, the paged KV cache (and its swap space) and the backend; runs a
+step's page moves and its forward over one flat token batch (worker/step_plan.py)."""
+
+import math
+
+import numpy as np
+import torch
+
+from pagedbench.backends.base import AttentionBackend, one_line
+from pagedbench.backends.registry import resolve
+from pagedbench.device.transfer import to_device, to_host
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.llama import AttentionContext, CausalLM
+from pagedbench.model.parallel import NO_TP, TPShard
+from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan, plan_step
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPShard = NO_TP) -> int:
+    """K and V of one page in every layer, on one tensor-parallel rank."""
+    return 2 * cfg.num_layers * block_size * tp.local_heads(cfg)[1] * cfg.head_dim * dtype.itemsize
+
+
+def build_backend(
+    name: str, cfg: ModelConfig, block_size: int, device: torch.device, dtype: torch.dtype, tp: TPShard = NO_TP
+) -> AttentionBackend:
+    """Backend `name` for this rank's heads, or a ValueError saying why it cannot run here."""
+    num_heads, num_kv_heads = tp.local_heads(cfg)
+    d = cfg.head_dim
+    found = resolve(name, device, dtype, d, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    if not found.runnable:
+        raise ValueError(f"backend {name!r} is unavailable here: {found.reason}")
+    return found.cls(num_heads, num_kv_heads, d, d**-0.5, block_size, device, dtype)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_cpu_blocks: int = 0,
+    ):
+        cfg = model.config
+        self.model, self.backend = model, backend
+        self.block_size, self.device = block_size, device
+        # One allocation; each layer's K and V are views [num_blocks + 1, block_size, H_kv, D] (this
+        # rank's KV heads). The last page is the padding page: CUDA-graph padding rows write there.
+        self.pad_block = num_blocks
+        self.num_cache_blocks = num_blocks + 1
+        self.graphs = None  # DecodeGraphs, once captured
+        shape = (cfg.num_layers, 2, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
+        try:
+            self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            gib = math.prod(shape) * dtype.itemsize / 2**30
+            raise ValueError(
+                f"cannot allocate a KV cache of {num_blocks} blocks ({gib:.1f} GiB) on {device}: {one_line(e)}"
+            ) from None
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        # Swap space: the same layout in (pinned, on CUDA) CPU memory.
+        self.cpu_kv_cache = torch.zeros(
+            (*self.kv_cache.shape[:2], num_cpu_blocks, *self.kv_cache.shape[3:]),
+            dtype=dtype,
+            pin_memory=device.type == "cuda" and num_cpu_blocks > 0,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: K/V of block src -> block dst in every layer (reads happen before writes)."""
+        src, dst = to_device(np.array(copies, dtype=np.int64).T.copy(), self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """K/V of device block -> CPU block, every layer."""
+        device_blocks, cpu_blocks = np.array(pairs, dtype=np.int64).T
+        pages = self.kv_cache[:, :, to_device(device_blocks.copy(), self.device)]
+        self.cpu_kv_cache[:, :, torch.from_numpy(cpu_blocks)] = to_host(pages)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """K/V of CPU block -> device block, every layer."""
+        cpu_blocks, device_blocks = np.array(pairs, dtype=np.int64).T
+        pages = to_device(self.cpu_kv_cache[:, :, torch.from_numpy(cpu_blocks)], self.device)
+        self.kv_cache[:, :, to_device(device_blocks.copy(), self.device)] = pages
+
+    def prepare(self, seqs: list[ScheduledSequence], num_tokens: list[int]) -> StepInputs:
+        """The step's inputs on the device (`seqs[i]` runs its next `num_tokens[i]` tokens): a
+        captured graph's static inputs for a decode step that fits one, else fresh tensors."""
+        plan = plan_step(seqs, num_tokens, self.block_size, self.num_cache_blocks)
+        bucket = self.graphs.bucket(plan) if self.graphs is not None else None
+        return plan.to(self.device) if bucket is None else self.graphs.inputs(plan, bucket)
+
+    def run_plan(self, plan: StepPlan) -> torch.Tensor | None:
+        """A whole step from its host arrays (what a tensor-parallel worker does)."""
+        inputs = plan.to(self.device)
+        return self.run(inputs, self.backend.prepare(inputs.metadata))
+
+    def run(self, inputs: StepInputs, backend_state, timer=None) -> torch.Tensor | None:
+        """fp32 logits [len(logits_indices), vocab] (None on tensor-parallel ranks other than 0);
+        a graph's step returns its bucket's rows, the step's own first. `timer` (a DeviceTimer)
+        times each layer's attention in eager steps."""
+        if inputs.graph is not None:
+            return self.graphs.replay(inputs)
+        return self.run_eager(inputs, backend_state, timer)
+
+    def run_eager(self, inputs: StepInputs, backend_state, timer=None) -> torch.Tensor | None:
+        ctx = AttentionContext(self.backend, backend_state, inputs.metadata.slot_mapping, self.kv_caches, timer)
+        return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)

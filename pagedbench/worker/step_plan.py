@@ -1,0 +1,157 @@
+"""A step's inputs: the host arrays of one flat, unpadded token batch (StepPlan, built from
+the scheduled sequences with numpy) and their device copies with the step's AttentionMetadata
+(StepInputs), built once per step and shared by every layer."""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pagedbench.backends.base import AttentionMetadata
+from pagedbench.device.transfer import to_device_packed
+
+
+class ScheduledSequence(Protocol):
+    """What a step plan reads of a scheduled sequence (the engine's Sequence)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    prompt_token_ids: list[int]
+    prompt_logprobs: list | None
+    params: object  # its SamplingParams (prompt_logprobs) or BeamSearchParams
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    logits_indices: torch.Tensor  # [S + P] last scheduled token of each sequence that samples, then prompt rows
+    metadata: AttentionMetadata
+    plan: "StepPlan"  # the host arrays these were copied from (and the rows' meaning)
+    graph: int | None = None  # the CUDA-graph bucket whose static inputs these are (None: eager)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A step's inputs as host arrays: what rank 0 sends to the other tensor-parallel ranks."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [S + 1] int64
+    seq_lens: np.ndarray  # [S] int64
+    context_lens: np.ndarray  # [S] int64
+    block_table: np.ndarray  # [S, max_blocks] int32
+    slot_mapping: np.ndarray  # [T] int64
+    token_seq_idx: np.ndarray  # [T] int64
+    logits_indices: np.ndarray  # [S' + P] int64
+    sampling_rows: list[int]  # which scheduled sequences sample this step (their prefill is complete)
+    # (scheduled sequence, first position, count): logits rows S'.. that give prompt_logprobs
+    prompt_logprob_rows: list[tuple[int, int, int]]
+    block_size: int
+    num_cache_blocks: int
+
+    def arrays(self) -> list[np.ndarray]:
+        """What travels to the device: the int32 metadata, then the int64 token arrays."""
+        i32 = (self.query_start_loc, self.seq_lens, self.context_lens, self.token_seq_idx)
+        return [
+            *(a.astype(np.int32) for a in i32),
+            self.block_table,
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.logits_indices,
+        ]
+
+    def to(self, device: torch.device) -> StepInputs:
+        """Two host-to-device copies (one per dtype); no device sync."""
+        return self.inputs(to_device_packed(self.arrays(), device))
+
+    def inputs(self, tensors: list[torch.Tensor]) -> StepInputs:
+        """StepInputs from device copies of `arrays()`, in that order."""
+        qsl, seq_lens, context_lens, token_seq_idx, block_table, input_ids, positions, slots, logits_indices = tensors
+        q_lens = np.diff(self.query_start_loc)
+        num_decodes = int((q_lens == 1).sum())
+        num_tokens = len(self.input_ids)
+        meta = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            block_table=block_table,
+            slot_mapping=slots,
+            positions=positions,
+            token_seq_idx=token_seq_idx,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(self.seq_lens.max()),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            num_prefills=len(q_lens) - num_decodes,
+            num_prefill_tokens=num_tokens - num_decodes,
+            block_size=self.block_size,
+            num_cache_blocks=self.num_cache_blocks,
+            query_start_loc_cpu=self.query_start_loc.tolist(),
+            seq_lens_cpu=self.seq_lens.tolist(),
+            context_lens_cpu=self.context_lens.tolist(),
+        )
+        return StepInputs(input_ids=input_ids, logits_indices=logits_indices, metadata=meta, plan=self)
+
+
+def plan_step(seqs: list[ScheduledSequence], num_new: list[int], block_size: int, num_cache_blocks: int) -> StepPlan:
+    """Flat host inputs for running `num_new[i]` more tokens of `seqs[i]` (decodes first)."""
+    context = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+    q_lens = np.array(num_new, dtype=np.int64)
+    seq_lens = context + q_lens
+    qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    num_tokens = int(qsl[-1])
+    token_seq = np.repeat(np.arange(len(seqs)), q_lens)
+    positions = np.arange(num_tokens) - qsl[token_seq] + context[token_seq]
+    input_ids = np.fromiter(
+        (t for s, c, n in zip(seqs, context, q_lens) for t in s.token_ids[c : c + n]), dtype=np.int64, count=num_tokens
+    )
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        block_table[i, : len(s.block_table)] = s.block_table
+    slot_mapping = (
+        block_table[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    )
+    sampling_rows = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
+    logits_indices = [qsl[1:][sampling_rows] - 1]
+    prompt_logprob_rows = []
+    for i, s in enumerate(seqs):  # positions p < P - 1 predict prompt token p + 1
+        if getattr(s.params, "prompt_logprobs", None) is not None:
+            first = max(int(context[i]), len(s.prompt_logprobs or ()))  # not again after a preemption
+            last = min(int(seq_lens[i]), s.num_prompt_tokens - 1)
+            if last > first:
+                prompt_logprob_rows.append((i, first, last - first))
+                logits_indices.append(qsl[i] + np.arange(first, last) - context[i])
+    return StepPlan(
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        context_lens=context,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        token_seq_idx=token_seq,
+        logits_indices=np.concatenate(logits_indices).astype(np.int64),
+        sampling_rows=sampling_rows,
+        prompt_logprob_rows=prompt_logprob_rows,
+        block_size=block_size,
+        num_cache_blocks=num_cache_blocks,
+    )
+
+
+def prepare_step(
+    seqs: list[ScheduledSequence], num_new: list[int], block_size: int, num_cache_blocks: int, device: torch.device
+) -> StepInputs:
+    """Flat inputs and AttentionMetadata for running `num_new[i]` more tokens of `seqs[i]`
+    (decodes first). Host-side numpy, then one copy per tensor: no device sync."""
+    return plan_step(seqs, num_new, block_size, num_cache_blocks).to(device)

@@ -1,0 +1,98 @@
+"""The package's rooms: no import cycles, and no module imports from a room above its own
+(entry points -> bench -> engine -> worker -> model / sample -> backends -> device / config)."""
+
+import ast
+import graphlib
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {
+    "pagedbench": ROOT / "pagedbench",
+    "pagedbench.backends": ROOT / "backends",
+    "pagedbench.scenarios": ROOT / "scenarios",
+}
+# A room may import only rooms of a lower rank. The package root (__init__, __main__) is the top.
+RANK = {
+    "config": 0,
+    "device": 0,
+    "scenarios": 0,
+    "backends": 1,
+    "model": 2,
+    "sample": 2,
+    "worker": 3,
+    "engine": 4,
+    "bench": 5,
+    "entrypoints": 6,
+    "": 7,
+    "__main__": 7,
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = [*package.split("."), *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every pagedbench module `name` imports, at any depth of its code (lazy imports too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t == "pagedbench" or t.startswith("pagedbench.")}
+    return out - {name}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+GRAPH = {name: imports(name, path, modules()) for name, path in modules().items()}
+
+
+def test_every_room_is_ranked():
+    assert {room(m) for m in GRAPH} <= set(RANK), "a new room needs its place in RANK"
+
+
+def test_no_import_cycles():
+    try:
+        graphlib.TopologicalSorter(GRAPH).prepare()
+    except graphlib.CycleError as e:
+        pytest.fail(f"import cycle: {' -> '.join(e.args[1])}")
+
+
+def test_rooms_import_only_downwards():
+    upward = [
+        f"{m} ({room(m) or 'root'}) imports {t} ({room(t) or 'root'})"
+        for m, targets in GRAPH.items()
+        for t in targets
+        if room(t) != room(m) and RANK[room(t)] >= RANK[room(m)]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_every_room_is_installed():
+    """A plain `pip install .` ships only the packages pyproject lists."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {m for m, p in modules().items() if p.name == "__init__.py"}
+    assert packages == listed
