@@ -35,10 +35,10 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -
         for i, key in enumerate(s.block_keys):
             assert key[1] == tuple(s.token_ids[i * bm.block_size : (i + 1) * bm.block_size])
             block = s.block_table[i]
-            assert bm._key_of.get(block, key)[1] == key[1], "a shared block's content differs between readers"
-    for block, key in bm._key_of.items():
-        assert bm._cached[key] == block
-        assert (bm.ref_counts[block] == 0) == (block in bm._evictable)
+            assert bm.prefix_cache.key_of.get(block, key)[1] == key[1], "a shared block's content differs between readers"
+    for block, key in bm.prefix_cache.key_of.items():
+        assert bm.prefix_cache.cached[key] == block
+        assert (bm.ref_counts[block] == 0) == (block in bm.prefix_cache.evictable)
 
 
 @st.composite
@@ -296,7 +296,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.num_shared_blocks == sum(count > 1 for count in bm.ref_counts)
         for seq in self.seqs:
             self.kv.check(seq)
-        for block, key in bm._key_of.items():  # a cached page holds exactly its key's tokens
+        for block, key in bm.prefix_cache.key_of.items():  # a cached page holds exactly its key's tokens
             assert [self.kv.slots.get((block, i)) for i in range(bm.block_size)] == list(key[1])
 
 

@@ -21,18 +21,10 @@ Swap space (preemption by swap): a pool of CPU blocks. `swap_out` moves a sequen
 device blocks; the engine runs the copies before the step, swap-outs first.
 """
 
-import hashlib
-from collections import OrderedDict, deque
+from collections import deque
 
+from pagedbench.engine.prefix_cache import PrefixCache, block_key
 from pagedbench.engine.sequence import Sequence
-
-# (digest of the parent block's key, b"" for the first block; this block's token ids)
-BlockKey = tuple[bytes, tuple[int, ...]]
-
-
-def key_digest(key: BlockKey) -> bytes:
-    """SHA-256 of a block key: the parent link of the next block (never Python's hash())."""
-    return hashlib.sha256(key[0] + repr(key[1]).encode()).digest()
 
 
 def _needs_prompt_logits(seq: Sequence) -> bool:
@@ -62,22 +54,18 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self._fresh: deque[int] = deque(range(num_blocks))  # free, holding nothing worth keeping
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently freed first
-        self._cached: dict[BlockKey, int] = {}  # key -> block holding that content
-        self._key_of: dict[int, BlockKey] = {}
+        self.prefix_cache = PrefixCache()  # registered blocks; the unreferenced ones are free but evictable
         self._num_shared = 0  # blocks with a reference count above 1
-        self.prefix_queries = 0  # prompt tokens looked up in the cache
-        self.prefix_hits = 0  # of which found cached
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks, for the engine
         self.num_copies = 0  # copy-on-write page copies so far
 
     @property
     def free_blocks(self) -> list[int]:
-        return [*self._fresh, *self._evictable]
+        return [*self._fresh, *self.prefix_cache.evictable]
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._fresh) + len(self._evictable)
+        return len(self._fresh) + len(self.prefix_cache.evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -85,7 +73,17 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cached)
+        return len(self.prefix_cache.cached)
+
+    @property
+    def prefix_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache."""
+        return self.prefix_cache.queries
+
+    @property
+    def prefix_hits(self) -> int:
+        """Prompt tokens found in the prefix cache."""
+        return self.prefix_cache.hits
 
     @property
     def num_shared_blocks(self) -> int:
@@ -108,7 +106,7 @@ class BlockManager:
         return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
     def _take(self) -> int:
-        block = self._fresh.popleft() if self._fresh else self._evict()
+        block = self._fresh.popleft() if self._fresh else self.prefix_cache.evict()
         assert self.ref_counts[block] == 0, f"block {block} on the free list is referenced"
         self.ref_counts[block] = 1
         return block
@@ -142,11 +140,6 @@ class BlockManager:
         latest = {dst: src for src, dst in self.pending_copies}  # a block freed and retaken: its last copy
         self.pending_copies = []
         return [(src, dst) for dst, src in latest.items()]
-
-    def _evict(self) -> int:
-        block, _ = self._evictable.popitem(last=False)
-        del self._cached[self._key_of.pop(block)]
-        return block
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; an unreferenced block becomes free, evictable if cached."""
@@ -197,18 +190,10 @@ class BlockManager:
         assert self.ref_counts[block] > 0, f"double free of block {block}"
         self.ref_counts[block] -= 1
         self._num_shared -= self.ref_counts[block] == 1
-        if self.ref_counts[block] == 0:
-            if block in self._key_of:
-                self._evictable[block] = None
-            else:
-                self._fresh.append(block)
+        if self.ref_counts[block] == 0 and not self.prefix_cache.release(block):
+            self._fresh.append(block)
 
     # ---- prefix cache -----------------------------------------------------------------------
-
-    def _key(self, seq: Sequence, index: int) -> BlockKey:
-        parent = key_digest(seq.block_keys[index - 1]) if index else b""
-        bs = self.block_size
-        return parent, tuple(seq.token_ids[index * bs : (index + 1) * bs])
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no blocks yet the cached blocks of its longest cached prefix (full
@@ -216,14 +201,11 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or _needs_prompt_logits(seq):
             return 0
-        lookup = (seq.num_tokens - 1) // self.block_size
-        for index in range(lookup):
-            key = self._key(seq, index)
-            block = self._cached.get(key)
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            key = block_key(seq, index, self.block_size)
+            block = self.prefix_cache.take(key)  # revived if it was evictable
             if block is None:
                 break
-            if self.ref_counts[block] == 0:
-                del self._evictable[block]  # revived
             self.ref_counts[block] += 1
             self._num_shared += self.ref_counts[block] == 2
             seq.block_table.append(block)
@@ -235,8 +217,8 @@ class BlockManager:
     def count_lookup(self, seq: Sequence, hit: int) -> None:
         """Record one admitted request's prefix-cache lookup (its prompt tokens, and the hits)."""
         if self.enable_prefix_caching:
-            self.prefix_queries += seq.num_tokens
-            self.prefix_hits += hit
+            self.prefix_cache.queries += seq.num_tokens
+            self.prefix_cache.hits += hit
 
     def cache_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Register `seq`'s full blocks up to `num_tokens` (default: its computed tokens) whose
@@ -247,16 +229,10 @@ class BlockManager:
             return
         upto = seq.num_computed_tokens if num_tokens is None else num_tokens
         for index in range(len(seq.block_keys), upto // self.block_size):
-            key = self._key(seq, index)
+            key = block_key(seq, index, self.block_size)
             seq.block_keys.append(key)
-            block = seq.block_table[index]
-            if key not in self._cached and block not in self._key_of:
-                self._cached[key] = block
-                self._key_of[block] = key
+            self.prefix_cache.register(key, seq.block_table[index])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (evictable ones become fresh); blocks in use stay allocated."""
-        self._fresh.extend(self._evictable)
-        self._evictable.clear()
-        self._cached.clear()
-        self._key_of.clear()
+        self._fresh.extend(self.prefix_cache.reset())
