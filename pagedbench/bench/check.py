@@ -294,21 +294,25 @@ def engine_check(
             except ValueError as e:  # unavailable here: the engine says why
                 rows.append({**row, "status": "skipped", "reason": str(e)})
                 continue
-            diff = float((got - expected).abs().max())
-            agree = (got.argmax(-1) == expected.argmax(-1))[decisive].float()
-            top1 = float(agree.mean()) if agree.numel() else float("nan")
-            why = []
-            if diff > row["tolerance"]:
-                why.append(f"logits differ by {diff:.3g} > {row['tolerance']:.3g}")
-            if agree.numel() and top1 < 1.0:
-                why.append(f"top-1 differs at {int((agree == 0).sum())} of {agree.numel()} decisive positions")
-            rows.append(
-                {
-                    **row,
-                    "max_abs_error": diff,
-                    "top1_agreement": top1,
-                    "status": "fail" if why else "pass",
-                    "reason": "; ".join(why) or f"{agree.numel()} decisive positions of {decisive.numel()}",
-                }
-            )
+            rows.append(_compare_logits(row, got, expected, decisive))
     return rows
+
+
+def _compare_logits(row: dict, got: torch.Tensor, expected: torch.Tensor, decisive: torch.Tensor) -> dict:
+    """`row` with the max abs logit difference and the top-1 agreement where reference is
+    decisive, and its verdict against row["tolerance"]."""
+    diff = float((got - expected).abs().max())
+    agree = (got.argmax(-1) == expected.argmax(-1))[decisive].float()
+    top1 = float(agree.mean()) if agree.numel() else float("nan")
+    why = []
+    if diff > row["tolerance"]:
+        why.append(f"logits differ by {diff:.3g} > {row['tolerance']:.3g}")
+    if agree.numel() and top1 < 1.0:
+        why.append(f"top-1 differs at {int((agree == 0).sum())} of {agree.numel()} decisive positions")
+    return {
+        **row,
+        "max_abs_error": diff,
+        "top1_agreement": top1,
+        "status": "fail" if why else "pass",
+        "reason": "; ".join(why) or f"{agree.numel()} decisive positions of {decisive.numel()}",
+    }

@@ -211,10 +211,33 @@ def compare(
     for peer in peers:
         peer_unavailable_reason(peer, scenario)  # an unknown name fails here, before any run
     dev, dt = resolve_device_dtype(device, dtype)
-    model = resolve_model_config(scenario.model)[0]
+    model, model_path = resolve_model_config(scenario.model)
     requests = build_requests(scenario, model.vocab_size)
-    env = environment(dev, dt)
-    scenario_columns = {
+    env, workload = environment(dev, dt), scenario_columns(scenario, scale)
+    out = Comparison([] if rows is None else rows, [], [], {})
+    measured = _compare_backends(scenario, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
+    for peer in peers:
+        head = {**env, "backend": peer, "provider": peer_provider(peer), **workload}
+        reason = peer_unavailable_reason(peer, scenario)
+        if reason:
+            out.unavailable[peer] = reason
+            out.rows.append({**head, "status": "unavailable", "reason": reason})
+            continue
+        measured[peer] = run_peer(scenario, requests, dev, dt, repeats, warmup)
+        for repeat, m in enumerate(measured[peer]):
+            out.rows.append({**head, "status": "ok", "reason": "", "repeat": repeat, **m.row})
+        gc.collect()
+    _add_cross_backend_columns(out.rows, measured, greedy=scenario.temperature == 0)
+    if model_path is None:  # a preset: the peer's random weights differ
+        for row in out.rows:
+            if row["backend"] in peers and "identical_token_share" in row:
+                row["identical_token_share"] = np.nan
+    return out
+
+
+def scenario_columns(scenario: Scenario, scale: float) -> dict:
+    """What every row of a scenario's run says about the workload."""
+    return {
         "scenario": scenario.name,
         "scenario_hash": scenario.content_hash(),
         "scale": scale,
@@ -224,47 +247,40 @@ def compare(
         "temperature": scenario.temperature,
         "n": scenario.n,
     }
-    rows = [] if rows is None else rows
-    request_rows, kv_rows, unavailable, measured = [], [], {}, {}
+
+
+def _compare_backends(
+    scenario: Scenario, backends: list[str], requests, device, dtype, repeats: int, warmup: bool, columns, out
+) -> dict[str, list[Measurement]]:
+    """Each backend's runs, as rows of `out` (a Comparison) that start with `columns` (environment,
+    workload); the unavailable ones with their reason."""
+    env, workload = columns
+    model = resolve_model_config(scenario.model)[0]
     num_heads, num_kv_heads = TPShard(0, scenario.tensor_parallel_size).local_heads(model)  # per rank
     found = [  # an unknown name fails here, before any run
-        resolve(name, dev, dt, model.head_dim, scenario.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        resolve(
+            name, device, dtype, model.head_dim, scenario.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
+        )
         for name in backends
     ]
+    measured = {}
     for name, _, provider, reason in found:
-        head = {**env, "backend": name, "provider": provider, **scenario_columns}
+        head = {**env, "backend": name, "provider": provider, **workload}
         if reason:
-            unavailable[name] = reason
-            rows.append({**head, "status": "unavailable", "reason": reason})
+            out.unavailable[name] = reason
+            out.rows.append({**head, "status": "unavailable", "reason": reason})
             continue
-        max_model_len, runs = run_backend(scenario, requests, name, dev, dt, repeats, warmup)
+        max_model_len, runs = run_backend(scenario, requests, name, device, dtype, repeats, warmup)
         measured[name] = runs
         for repeat, m in enumerate(runs):
-            rows.append(
-                {**head, "status": "ok", "reason": "", "max_model_len": max_model_len, "repeat": repeat, **m.row}
-            )
-            request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
-            kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]
+            row = {**head, "status": "ok", "reason": "", "max_model_len": max_model_len, "repeat": repeat, **m.row}
+            out.rows.append(row)
+            out.request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
+            out.kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]
         gc.collect()
-        if dev.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.empty_cache()  # the next backend gets the memory this one's engine held
-    for peer in peers:
-        head = {**env, "backend": peer, "provider": peer_provider(peer), **scenario_columns}
-        reason = peer_unavailable_reason(peer, scenario)
-        if reason:
-            unavailable[peer] = reason
-            rows.append({**head, "status": "unavailable", "reason": reason})
-            continue
-        measured[peer] = run_peer(scenario, requests, dev, dt, repeats, warmup)
-        for repeat, m in enumerate(measured[peer]):
-            rows.append({**head, "status": "ok", "reason": "", "repeat": repeat, **m.row})
-        gc.collect()
-    _add_cross_backend_columns(rows, measured, greedy=scenario.temperature == 0)
-    if resolve_model_config(scenario.model)[1] is None:  # a preset: the peer's random weights differ
-        for row in rows:
-            if row["backend"] in peers and "identical_token_share" in row:
-                row["identical_token_share"] = np.nan
-    return Comparison(rows, request_rows, kv_rows, unavailable)
+    return measured
 
 
 def run_peer(scenario: Scenario, requests: list[Request], device, dtype, repeats: int, warmup: bool):

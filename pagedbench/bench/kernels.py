@@ -194,20 +194,12 @@ def run_kernels(
         points, desc="kernels", disable=None
     ):
         spec = batch_spec(phase, batch_size, context_len)
-        kv_tokens = sum(map(sum, spec))
         point = {
             "phase": phase,
             "batch_size": batch_size,
             "context_len": context_len,
             "block_size": block_size,
-            "num_heads": num_heads,
-            "num_kv_heads": num_kv_heads,
-            "head_dim": grid.head_dim,
-            "num_query_tokens": sum(q for _, q in spec),
-            "kv_bytes": 2 * kv_tokens * num_kv_heads * grid.head_dim * dt.itemsize,
-            "flops": attention_flops(spec, num_heads, grid.head_dim),
-            "warmup": grid.warmup,
-            "repeats": grid.repeats,
+            **_shape_columns(spec, num_heads, num_kv_heads, grid, dt),
             "peak_bandwidth_gbps": peak_gbps,
             "peak_bandwidth_source": peak_source,
             "copy_bandwidth_gbps": copy_gbps,
@@ -237,6 +229,21 @@ def run_kernels(
                 rows.append({**head, "status": "error", "reason": "out of device memory"})
                 torch.cuda.empty_cache()
     return rows
+
+
+def _shape_columns(spec, num_heads: int, num_kv_heads: int, grid: KernelGrid, dtype: torch.dtype) -> dict:
+    """Heads, the bytes of K/V and the FLOPs one forward of `spec` moves and does, and the timing."""
+    kv_tokens = sum(map(sum, spec))
+    return {
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": grid.head_dim,
+        "num_query_tokens": sum(q for _, q in spec),
+        "kv_bytes": 2 * kv_tokens * num_kv_heads * grid.head_dim * dtype.itemsize,
+        "flops": attention_flops(spec, num_heads, grid.head_dim),
+        "warmup": grid.warmup,
+        "repeats": grid.repeats,
+    }
 
 
 def _time_backend(cls, batch, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
