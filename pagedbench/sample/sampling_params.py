@@ -79,9 +79,7 @@ class SamplingParams:
         self._validate_counts()
         self._validate_stops()
         self._validate_token_lists()
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_bools(self, ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"))
         if self.seed is not None:
             if not is_int(self.seed):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
@@ -90,12 +88,9 @@ class SamplingParams:
 
     def _validate_numbers(self) -> None:
         """The float settings: finite numbers in their ranges."""
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            value = getattr(self, name)
-            if not is_number(value):
-                raise TypeError(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
+        check_finite(
+            self, ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -203,17 +198,10 @@ class BeamSearchParams:
                 raise TypeError(f"{name} must be an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("temperature", "length_penalty"):
-            value = getattr(self, name)
-            if not is_number(value):
-                raise TypeError(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
+        check_finite(self, ("temperature", "length_penalty"))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_bools(self, ("ignore_eos", "include_stop_str_in_output"))
 
     @property
     def width(self) -> int:
@@ -226,3 +214,19 @@ def is_int(value) -> bool:
 
 def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_finite(params, names: tuple[str, ...]) -> None:
+    """TypeError naming the first field that is not a number, ValueError for one that is not finite."""
+    for name in names:
+        value = getattr(params, name)
+        if not is_number(value):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+
+
+def check_bools(params, names: tuple[str, ...]) -> None:
+    for name in names:
+        if not isinstance(getattr(params, name), bool):
+            raise TypeError(f"{name} must be a bool, got {getattr(params, name)!r}")
