@@ -36,12 +36,8 @@ class LLMEngine:
         self.tokenizer = tokenizer_for(config.tokenizer, path, cfg.vocab_size, cfg.eos_token_ids)
         self.executor = Executor(config, cfg, path)
         ex = self.executor
-        self.device, self.dtype, self.max_model_len, self.num_blocks = (
-            ex.device,
-            ex.dtype,
-            ex.max_model_len,
-            ex.num_blocks,
-        )
+        self.device, self.dtype = ex.device, ex.dtype
+        self.max_model_len, self.num_blocks = ex.max_model_len, ex.num_blocks  # the executor sized the cache
         self.block_manager = BlockManager(
             ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks
         )
