@@ -35,7 +35,9 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -
         for i, key in enumerate(s.block_keys):
             assert key[1] == tuple(s.token_ids[i * bm.block_size : (i + 1) * bm.block_size])
             block = s.block_table[i]
-            assert bm.prefix_cache.key_of.get(block, key)[1] == key[1], "a shared block's content differs between readers"
+            assert bm.prefix_cache.key_of.get(block, key)[1] == key[1], (
+                "a shared block's content differs between readers"
+            )
     for block, key in bm.prefix_cache.key_of.items():
         assert bm.prefix_cache.cached[key] == block
         assert (bm.ref_counts[block] == 0) == (block in bm.prefix_cache.evictable)
