@@ -1,0 +1,106 @@
+"""Which FlexAttention kernels run a flex call, and the one compiled function they run in.
+
+One `torch.compile(dynamic=True)` function; the BlockMasks' buffers have static power-of-two
+capacities (`flex_masks`), so a graph is compiled per (call kind, heads, head_dim, dtype, page size,
+capacity bucket); on CUDA the decode batch is a static power of two, as flex's decoding kernel
+needs. `compile_stats` counts graphs. `compile=False` or PAGEDBENCH_FLEX_COMPILE=0 runs flex eager
+(it materializes all scores). PAGEDBENCH_FLEX_KERNEL=flash runs the prefill call on FlexAttention's
+FA4-based kernels (CUDA, with flash-attn-4 installed, a torch whose flex has BACKEND='FLASH')
+instead of Triton; decodes stay on flex's Triton decoding kernel (FLASH wants K/V batch == query batch).
+"""
+
+import logging
+import os
+import time
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+logger = logging.getLogger(__name__)
+
+compile_stats = {"graphs": 0}  # graphs compiled by this process (each one is a recompile of `attend`)
+_announced: set[str] = set()  # call kinds whose first compile this process has announced
+
+
+def compile_enabled() -> bool:
+    return os.environ.get("PAGEDBENCH_FLEX_COMPILE", "1") != "0"
+
+
+def kernel_choice() -> str:
+    """PAGEDBENCH_FLEX_KERNEL: `triton` (default) or `flash`, FlexAttention's FA4-based kernels."""
+    choice = os.environ.get("PAGEDBENCH_FLEX_KERNEL", "triton").strip().lower() or "triton"
+    if choice not in ("triton", "flash"):
+        raise ValueError(f"PAGEDBENCH_FLEX_KERNEL={choice!r} is not one of triton, flash")
+    return choice
+
+
+def flash_kernel_reason(device: torch.device) -> str | None:
+    """Why flex's BACKEND='FLASH' (FA4, CuTe DSL) cannot run here, or None."""
+    import importlib.util
+    import typing
+
+    from torch.nn.attention import flex_attention as flex_module
+
+    if device.type != "cuda":
+        return f"FA4 kernels need CUDA (device is {device})"
+    if "FLASH" not in typing.get_args(getattr(flex_module, "_Backend", None)):
+        return f"torch {torch.__version__}'s flex has no BACKEND='FLASH'"
+    if not compile_enabled():
+        return "BACKEND='FLASH' needs compiled flex (PAGEDBENCH_FLEX_COMPILE=0 is set)"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except Exception:
+        found = False
+    return None if found else "flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')"
+
+
+def kernel_options(device: torch.device, q_block_size: int, kv_block_size: int) -> dict[str, dict | None]:
+    """flex's kernel_options per call kind ("decode", "prefill"); None on CPU."""
+    if device.type != "cuda":
+        return {"decode": None, "prefill": None}
+    # Triton tiles must divide the mask's blocks. FlexAttention's FA4 kernels (BACKEND=FLASH) take
+    # only the prefill call: they need K/V batch == query batch, and the decode call broadcasts a
+    # batch-1 cache to B query rows.
+    triton_prefill = {"BACKEND": "TRITON", "BLOCK_M": min(64, q_block_size), "BLOCK_N": min(64, kv_block_size)}
+    return {
+        "decode": {"BLOCK_N": min(64, kv_block_size)},
+        "prefill": {"BACKEND": "FLASH"} if kernel_choice() == "flash" else triton_prefill,
+    }
+
+
+def attend(q, k, v, block_mask: BlockMask, scale: float, kernel_options: dict | None) -> torch.Tensor:
+    """Eager flex: q [B, H, Q, D] over k, v [1, H_kv, N, D] (broadcast, GQA) -> [B, H, Q, D]."""
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
+
+
+def _inductor_counting(gm, example_inputs):
+    from torch._inductor.compile_fx import compile_fx
+
+    compile_stats["graphs"] += 1
+    return compile_fx(gm, example_inputs)
+
+
+attend_compiled = torch.compile(attend, backend=_inductor_counting, fullgraph=True, dynamic=True)
+
+
+def attend_compiling(kind: str, args: tuple, recompile_limit: int) -> tuple[torch.Tensor, float]:
+    """`attend_compiled(*args)` where its graph may not exist yet (a step's first layer): returns
+    the output and the seconds spent compiling. Past `recompile_limit` graphs dynamo would silently
+    run flex's unfused eager path instead; here that raises. Sizes equal by chance must not become
+    guards (duck shapes)."""
+    if kind not in _announced:
+        logger.info("flex: the first %s call compiles its kernel (tens of seconds on a CPU)", kind)
+        _announced.add(kind)
+    graphs, start = compile_stats["graphs"], time.perf_counter()
+    with (
+        torch._dynamo.config.patch(
+            recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True, specialize_float=True
+        ),
+        torch.fx.experimental._config.patch(use_duck_shape=False),
+    ):
+        y = attend_compiled(*args)
+    if compile_stats["graphs"] == graphs:
+        return y, 0.0
+    seconds = time.perf_counter() - start
+    logger.info("flex: compiled a %s graph in %.1f s", kind, seconds)
+    return y, seconds

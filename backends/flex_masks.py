@@ -1,0 +1,181 @@
+"""Device side of a flex step: each call's BlockMask over the paged cache's block table.
+
+One mask_mod rule for both call kinds: a key slot is visible if it is in the query's own sequence
+at a logical position <= the query's. An inverse page table `inv[seq, physical page]` (logical page,
+or -1), rewritten where it changed each step, answers it without any global page->sequence map, so
+pages shared by several sequences (prefix caching, forks) are right, and stale table entries past a
+sequence's length are never visible.
+
+Every tensor a BlockMask holds is a view of a persistent buffer that prepare() refills in place and
+that only grows, in power-of-two capacities: a CUDA graph replays it, and a compiled graph sees the
+same static sizes step after step (dynamic sizes in the mask_mod's buffers break the CPU kernel's
+codegen).
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, index_in_group
+from torch.nn.attention.flex_attention import BlockMask
+
+MIN_ROW_CAPACITY = 64
+MIN_TOKEN_CAPACITY = 1024
+MIN_PAGE_CAPACITY = 1024
+MIN_KV_BLOCK = 16
+
+
+def capacity(n: int, minimum: int) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def visible_slot(
+    inv: torch.Tensor, page: torch.Tensor, seq: torch.Tensor, kv_idx: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
+    """The mask_mod rule: cache slot `kv_idx` holds a token of sequence `seq` at a logical position
+    <= `pos`. `inv` [seqs, pages] is the inverse page table; `page` a marker of the page size."""
+    bs = page.shape[0]  # static: a constant in the compiled kernel
+    logical = inv[seq, kv_idx // bs]
+    return (logical >= 0) & (logical * bs + kv_idx % bs <= pos)
+
+
+def _as_mask_rows(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """Counts [rows] or tables [rows, width] as BlockMask's [B, H, Q blocks, ...]: decode rows are
+    the batch, prefill rows the query blocks of batch 1."""
+    rows, rest = t.shape[0], t.shape[1:]
+    return t.view(rows, 1, 1, *rest) if kind == "decode" else t.view(1, 1, rows, *rest)
+
+
+class PagedBlockMasks:
+    """The persistent buffers behind a backend's BlockMasks, and the builders that refill them."""
+
+    def __init__(self, block_size: int, kv_block_size: int, q_block_size: int, device: torch.device):
+        self.block_size, self.kv_block_size, self.q_block_size = block_size, kv_block_size, q_block_size
+        self.device = device
+        # The page size must be a compile-time constant in the mask_mod (a captured int would become a
+        # dynamic symbol): it is the static length of this marker tensor.
+        self._page = torch.empty(block_size, dtype=torch.int8, device=device)
+        torch._dynamo.mark_static(self._page)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._inv_written: tuple[torch.Tensor, ...] | None = None  # (inv, seq, page) entries of the last step
+
+    def _buffer(self, name: str, shape: tuple[int, ...], fill: int = 0) -> torch.Tensor:
+        """A persistent int32 buffer of at least `shape`, reallocated (filled) only to grow."""
+        buf = self._buffers.get(name)
+        if buf is None or any(have < want for have, want in zip(buf.shape, shape)):
+            if buf is not None:
+                shape = tuple(max(have, want) for have, want in zip(buf.shape, shape))
+            buf = torch.full(shape, fill, dtype=torch.int32, device=self.device)
+            torch._dynamo.mark_static(buf)
+            self._buffers[name] = buf
+        return buf
+
+    def fill_inverse(
+        self, block_table: torch.Tensor, seq: torch.Tensor, logical: torch.Tensor, num_seqs: int, num_pages: int
+    ) -> None:
+        """inv[s, page] = logical page of `page` in sequence s, -1 elsewhere, from the (sequence,
+        logical page) pairs [P] the step's sequences hold. Only the last step's entries are reset,
+        so the cost follows the block tables, not the cache size."""
+        inv = self._buffer(
+            "inv", (capacity(num_seqs, MIN_ROW_CAPACITY), capacity(num_pages, MIN_PAGE_CAPACITY)), fill=-1
+        )
+        if self._inv_written is not None and self._inv_written[0] is inv:  # a regrown table starts all -1
+            inv[self._inv_written[1], self._inv_written[2]] = -1
+        pages = block_table[seq, logical].long()
+        inv[seq, pages] = logical.to(torch.int32)
+        self._inv_written = (inv, seq, pages)
+
+    def block_mask(
+        self, plan: CallPlan, arrays: CallArrays[torch.Tensor], block_table: torch.Tensor, num_pages: int
+    ) -> BlockMask:
+        """The call's BlockMask (after fill_inverse): row r, a decode row or a prefill query block,
+        lists its sequence's pages, as full blocks where `plan.full_blocks` allows, else masked."""
+        rows, kv_block = plan.rows, self.kv_block_size
+        # kv_indices as wide as the cache's KV-block count (flex takes the count from the last dim).
+        width = capacity(-(-num_pages * self.block_size // kv_block) + 1, MIN_PAGE_CAPACITY)
+        cap_rows = capacity(rows, MIN_ROW_CAPACITY)
+        counts = self._buffer(f"{plan.kind}_counts", (2, cap_rows))  # [masked, full]
+        tables = self._buffer(f"{plan.kind}_tables", (2, cap_rows, width))
+        pages = block_table[arrays.entry_seq, arrays.entry_logical]  # [E]
+        if kv_block == self.block_size:  # a sequence's pages are distinct: scatter them into their columns
+            counts[0, :rows].copy_(arrays.num_masked)
+            counts[1, :rows].copy_(arrays.num_full)
+            tables[arrays.entry_full, arrays.entry_row, arrays.entry_col] = pages
+        else:
+            self._list_shared_blocks(counts[0, :rows], tables[0, :rows], arrays.entry_row, pages)
+        full = [_as_mask_rows(t[1, :rows], plan.kind) for t in (counts, tables)] if plan.full_blocks else [None, None]
+        return BlockMask.from_kv_blocks(
+            _as_mask_rows(counts[0, :rows], plan.kind),
+            _as_mask_rows(tables[0, :rows], plan.kind),
+            *full,
+            BLOCK_SIZE=(self.q_block_size, kv_block),
+            mask_mod=self._mask_mod(plan, arrays.mask_seq, arrays.mask_pos),
+            seq_lengths=(plan.q_len, num_pages * self.block_size),
+            compute_q_blocks=False,
+        )
+
+    def _list_shared_blocks(
+        self, count: torch.Tensor, table: torch.Tensor, entry_row: torch.Tensor, pages: torch.Tensor
+    ) -> None:
+        """Pages of one row may share a KV block: list each block once in count [rows] and
+        table [rows, width], without a device sync."""
+        rows, width = table.shape
+        listed = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
+        listed[entry_row, pages.long() // (self.kv_block_size // self.block_size)] = True
+        count.copy_(listed.sum(-1, dtype=torch.int32))
+        column = torch.where(listed, listed.cumsum(-1) - 1, width - 1)
+        blocks = torch.arange(width, dtype=torch.int32, device=self.device).expand(rows, -1)
+        table.zero_().scatter_(1, column, blocks)
+
+    def _mask_mod(self, plan: CallPlan, mask_seq: torch.Tensor, mask_pos: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """`visible_slot` over persistent copies of the call's query sequences and positions."""
+        inv, page = self._buffers["inv"], self._page
+        if plan.kind == "decode":
+            rows = plan.rows
+            seq = self._buffer("decode_seq", (capacity(rows, MIN_ROW_CAPACITY),))
+            seq[:rows].copy_(mask_seq)
+            pos = self._buffer("decode_pos", (capacity(rows, MIN_ROW_CAPACITY), MAX_DECODE_QUERY))
+            pos[:rows, : plan.q_len].copy_(mask_pos.view(rows, -1))
+
+            def visible(b, h, q_idx, kv_idx):
+                return visible_slot(inv, page, seq[b], kv_idx, pos[b, q_idx])
+        else:
+            seq = self._buffer("prefill_seq", (capacity(len(mask_seq), MIN_TOKEN_CAPACITY),))
+            seq[: len(mask_seq)].copy_(mask_seq)
+            pos = self._buffer("prefill_pos", (capacity(len(mask_pos), MIN_TOKEN_CAPACITY),))
+            pos[: len(mask_pos)].copy_(mask_pos)
+
+            def visible(b, h, q_idx, kv_idx):
+                return visible_slot(inv, page, seq[q_idx], kv_idx, pos[q_idx])
+
+        return visible
+
+    def tile_counts(self, mask: BlockMask, kind: str, real_rows: np.ndarray) -> tuple[int, int]:
+        """(kept, computed) score entries of one call, over its real query rows: each BlockMask row
+        computes real rows x (full + masked blocks) x kv_block and keeps real rows x full blocks x
+        kv_block plus the slots of its masked blocks that the mask_mod keeps. Syncs: diagnostics only."""
+        kv_block, rows = self.kv_block_size, len(real_rows)
+        masked = mask.kv_num_blocks.reshape(-1)[:rows].long().cpu()
+        full = (
+            mask.full_kv_num_blocks.reshape(-1)[:rows].long().cpu()
+            if mask.full_kv_num_blocks is not None
+            else torch.zeros(rows, dtype=torch.long)
+        )
+        real = torch.as_tensor(real_rows, dtype=torch.long)
+        computed = int((real * (masked + full)).sum()) * kv_block
+        kept = int((real * full).sum()) * kv_block
+        if not int(masked.sum()):
+            return kept, computed
+        # Masked blocks: evaluate the mask_mod on every (real query, slot) pair of every listed block.
+        row = torch.repeat_interleave(torch.arange(rows), masked)
+        column = torch.from_numpy(index_in_group(masked.numpy()))
+        block = mask.kv_indices.reshape(rows, -1).cpu()[row, column].long()
+        slot = block[:, None, None] * kv_block + torch.arange(kv_block)  # [E, 1, kv_block]
+        q_in_row = torch.arange(int(real.max()))[None, :, None]  # [1, Q, 1]
+        if kind == "decode":
+            b, q_idx = row[:, None, None], q_in_row
+        else:
+            b, q_idx = torch.zeros(1, dtype=torch.long), row[:, None, None] * self.q_block_size + q_in_row
+        h = torch.zeros(1, dtype=torch.long)
+        keep = mask.mask_mod(*(t.to(self.device) for t in (b, h, q_idx, slot))).cpu()
+        return kept + int((keep & (q_in_row < real[row][:, None, None])).sum()), computed
