@@ -115,6 +115,12 @@ class AttentionBackend(ABC):
         whose provider depends on them; without them, the one it would try first."""
         return f"torch {torch.__version__}"
 
+    @classmethod
+    def timing_caveat(cls, device: torch.device | str) -> str | None:
+        """Why this backend's timings on `device` are not a kernel's speed (it is interpreted), or
+        None. Benchmarks time such a backend only when it is named, once, with this as the reason."""
+        return None
+
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Per-step state derived from `meta`; called once per step, shared by all layers."""

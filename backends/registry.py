@@ -17,6 +17,7 @@ _BUILTIN = {
     "sdpa": "pagedbench.backends.sdpa:SDPABackend",
     "flex": "pagedbench.backends.flex:FlexBackend",
     "flash-attn": "pagedbench.backends.flash_attn:FlashAttnBackend",
+    "triton": "pagedbench.backends.triton:TritonBackend",
 }
 _loaded: dict[str, type[AttentionBackend]] = {}  # imported classes by name
 

@@ -265,6 +265,7 @@ def cuda_reason(backend: str, head_dim: int, num_heads: int, num_kv_heads: int) 
 CUDA_GRAPH_CASES = [
     ("flash-attn", "qwen3-0.6b", (128, 16, 8), [1, 2, 4, 8]),
     ("flex", "tiny-llama", (32, 8, 4), [2, 4, 8]),
+    ("triton", "qwen3-0.6b", (128, 16, 8), [1, 2, 4, 8]),
 ]
 
 

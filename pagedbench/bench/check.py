@@ -49,6 +49,8 @@ def _batches(block_size: int, long_context: int) -> dict[str, tuple[list[tuple[i
         "prefill": ([(0, p), (0, p + 1), (0, 3 * p - 1), (0, 45)], {}),
         "mixed": ([(p - 2, 1), (3 * p, 1), (0, 2 * p + 1), (p + 3, 7), (2 * p - 1, p + 2)], {}),
         "chunked prefill": ([(3 * p + 5, 2 * p), (p, p - 1), (4 * p, 3)], {}),
+        # Speculative decoding's verify step: a few query tokens after a long context, no one-token decodes.
+        "multi-token decode": ([(5 * p + 3, 4), (p - 1, 2), (7 * p, 5), (2 * p, 3)], {}),
         "one long sequence": ([(long_context - 33, 33)], {}),
         "many short": ([(i % 7, 1 + i % 3) for i in range(48)], {}),
         "length one": ([(0, 1), (0, 1), (1, 1), (0, 1)], {}),

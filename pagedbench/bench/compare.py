@@ -264,7 +264,7 @@ def _compare_backends(
         for name in backends
     ]
     measured = {}
-    for name, _, provider, reason in found:
+    for name, cls, provider, reason in found:
         head = {**env, "backend": name, "provider": provider, **workload}
         if reason:
             out.unavailable[name] = reason
@@ -272,8 +272,9 @@ def _compare_backends(
             continue
         max_model_len, runs = run_backend(scenario, requests, name, device, dtype, repeats, warmup)
         measured[name] = runs
+        caveat = cls.timing_caveat(device) or ""  # an interpreted backend: its times are not a kernel's
         for repeat, m in enumerate(runs):
-            row = {**head, "status": "ok", "reason": "", "max_model_len": max_model_len, "repeat": repeat, **m.row}
+            row = {**head, "status": "ok", "reason": caveat, "max_model_len": max_model_len, "repeat": repeat, **m.row}
             out.rows.append(row)
             out.request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
             out.kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]

@@ -10,7 +10,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -221,10 +221,14 @@ def run_kernels(
                 continue
             if batch is None:  # built once per point, shared by the backends
                 batch = random_attention_batch(spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev)
+            caveat = cls.timing_caveat(dev)
+            # An interpreted backend's times say nothing of a kernel's speed: one call, no warm-up.
+            timing = replace(grid, warmup=0, repeats=1) if caveat else grid
             try:
-                timed = _time_backend(cls, batch, point, grid, dev, dt)
+                timed = _time_backend(cls, batch, point, timing, dev, dt)
                 timed["vs_dense"] = timed["forward_median_ms"] / dense["forward_median_ms"]
-                rows.append({**head, "status": "ok", "reason": "", **timed})
+                counts = {"warmup": timing.warmup, "repeats": timing.repeats}
+                rows.append({**head, "status": "ok", "reason": caveat or "", **timed, **counts})
             except torch.cuda.OutOfMemoryError:
                 rows.append({**head, "status": "error", "reason": "out of device memory"})
                 torch.cuda.empty_cache()
@@ -257,7 +261,8 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device: torch.devic
         dtype,
     )
     state = backend.prepare(batch.metadata)
-    backend.forward(batch.q, batch.k_cache, batch.v_cache, state)  # a JIT-compiling first call is never timed
+    if grid.warmup:
+        backend.forward(batch.q, batch.k_cache, batch.v_cache, state)  # a JIT-compiling first call is never timed
     prepare = time_call(lambda: backend.prepare(batch.metadata), device, grid.warmup, grid.repeats)
     state = backend.prepare(batch.metadata)
     forward = time_call(

@@ -361,8 +361,12 @@ def markdown(df: pd.DataFrame) -> str:
 
 
 def not_run_lines(df: pd.DataFrame) -> list[str]:
+    """What the table does not say: backends that did not run and why, and timings with a caveat
+    (an ok row with a reason: an interpreted backend)."""
     bad = df.loc[df["status"] != "ok", ["backend", "status", "reason"]].drop_duplicates()
-    return [f"{backend}: {status}: {reason}" for backend, status, reason in bad.values]
+    lines = [f"{backend}: {status}: {reason}" for backend, status, reason in bad.values]
+    caveats = df.loc[(df["status"] == "ok") & (df["reason"].fillna("") != ""), ["backend", "reason"]].drop_duplicates()
+    return lines + [f"{backend}: caveat: {reason}" for backend, reason in caveats.values]
 
 
 def _parallel(df: pd.DataFrame) -> dict[str, pd.Series]:

@@ -1,0 +1,300 @@
+"""Our own fused paged attention in Triton (`backends/triton_kernels.py`): pages read in place
+through the block table, no gather; decode and prefill in one kernel.
+
+A step is at most two launches: its one-token decodes with the keys split into segments
+processed in parallel and merged by a second kernel (flash-decoding), and its other sequences
+(prefill chunks, or a few query tokens each as in speculative decoding) as tiles of query
+tokens x the query heads of one KV head, split too when they are short. Launch shapes depend
+only on host counts that a CUDA graph bucket fixes (sequences, tokens, the longest sequence),
+and every per-sequence length is read on the device, so a decode graph captures it.
+
+On CUDA the kernels are JIT-compiled; on CPU they run in Triton's interpreter (numpy, one
+program at a time): correct and slow, for tests and `check`, never for timings.
+"""
+
+import functools
+import time
+from dataclasses import dataclass, field, replace
+from importlib import import_module
+from typing import Any
+
+import torch
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata, one_line
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; a [BLOCK_M, 256] fp32 accumulator is the ceiling
+SHORT_QUERY = 16  # sequences with at most this many query tokens are split along their keys like decodes
+INSTALL_HINT = "pip install 'pagedbench[triton]'"
+
+
+def _triton() -> Any:
+    """The triton module, or a one-line reason it cannot be imported."""
+    try:
+        return import_module("triton")
+    except ModuleNotFoundError as e:
+        return f"{e.name or 'triton'} not installed ({INSTALL_HINT})"
+    except Exception as e:  # a broken install raises anything at import time
+        return f"import triton: {one_line(e)}"
+
+
+@functools.cache
+def kernels(device_type: str) -> tuple[Any, Any]:
+    """(paged_attention, combine_segments) compiled for CUDA, or interpreted for CPU tensors."""
+    import triton
+    from pagedbench.backends import triton_kernels as src
+
+    if device_type == "cuda":
+        return triton.jit(src.paged_attention), triton.jit(src.combine_segments)
+    return _Interpreted(src.paged_attention), _Interpreted(src.combine_segments)
+
+
+class _Interpreted:
+    """A kernel run by Triton's interpreter whatever TRITON_INTERPRET said when triton was imported.
+
+    Without it, triton.language's own helpers (tl.zeros, tl.max, tl.sum) were built compile-only
+    and refuse to be called from Python; during an interpreted launch they run interpreted too.
+    (Compiled kernels never call `JITFunction.__call__`: the code generator inlines helpers.)
+    The interpreter's int32 overflow sanitizer is off during our launches, as it is in compiled
+    kernels: it triples the run time (cache addresses are int64; token rows stay far below 2**31)."""
+
+    def __init__(self, fn):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.kernel = InterpretedFunction(fn)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            from triton.language import standard
+            from triton.runtime.interpreter import _patch_lang, interpreter_builder
+            from triton.runtime.jit import JITFunction
+
+            compiled_only, options = JITFunction.__call__, interpreter_builder.options
+            JITFunction.__call__ = lambda helper, *a, **k: _interpreted_body(helper.fn)(*a, **k)
+            interpreter_builder.options = replace(options, sanitize_overflow=False)
+            helpers_scope = _patch_lang(standard.zeros.fn)  # what the helpers' module sees (tl.core), once
+            try:
+                self.kernel[grid](*args, **kwargs)
+            finally:
+                helpers_scope.restore()
+                interpreter_builder.options = options
+                JITFunction.__call__ = compiled_only
+
+        return launch
+
+
+@functools.cache
+def _interpreted_body(fn):
+    """`fn` rewritten for the interpreter; the launch has already patched triton.language."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn).rewrite()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """The rule that sizes launches on one device (recorded in the provider string)."""
+
+    block_n: int  # keys per inner step
+    prefill_block_m: int  # query rows (tokens x heads of a group) per prefill program
+    target_programs: int  # split keys until a launch has about this many programs
+    min_segment_keys: int  # ... but never into segments shorter than this
+    max_segments: int
+    combine_heads: int  # heads per program of the segment merge (0: all)
+
+    def describe(self) -> str:
+        return (
+            f"BLOCK_N {self.block_n}, prefill BLOCK_M {self.prefill_block_m}, "
+            f"split-KV <= {self.max_segments} segments of >= {self.min_segment_keys} keys"
+        )
+
+
+def cuda_tuning(dtype: torch.dtype, head_dim: int, num_sms: int) -> Tuning:
+    # Tiles sized to stay well inside an SM's shared memory with the default 3-stage pipeline
+    # (sm_90 compiles: fp16/bf16 d128 128x64 -> 64 KiB; fp32 d256 64x32 fits, 64x64 needs 209 KiB).
+    wide = head_dim > 128 or dtype == torch.float32
+    return Tuning(
+        block_n=32 if head_dim > 128 and dtype == torch.float32 else 64,
+        prefill_block_m=64 if wide else 128,
+        target_programs=2 * num_sms,
+        min_segment_keys=256,
+        max_segments=16,
+        combine_heads=1,
+    )
+
+
+def tuning(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> Tuning:
+    if device.type == "cuda":
+        return cuda_tuning(dtype, head_dim, torch.cuda.get_device_properties(device).multi_processor_count)
+    # The interpreter runs programs one by one: big tiles, and splits only as deep as tests need to cover them.
+    return Tuning(
+        block_n=64, prefill_block_m=64, target_programs=64, min_segment_keys=64, max_segments=4, combine_heads=0
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One kernel launch over sequences seq_start..seq_start+num_seqs-1 (tokens token_start..+num_tokens)."""
+
+    seq_start: int
+    num_seqs: int
+    token_start: int
+    num_tokens: int
+    block_m: int
+    block_q: int
+    num_segments: int
+    num_warps: int
+    # Scratch of the split: partial outputs, maxima and sums (None when the launch is not split).
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(compare=False)
+
+    @property
+    def num_tiles(self) -> int:
+        """Query tiles the launch numbers (an upper bound: surplus programs exit at once)."""
+        return (self.num_tokens - self.num_seqs) // self.block_q + self.num_seqs
+
+
+@dataclass(slots=True)
+class TritonState:
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    launches: list[Launch]
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    cuda_graph_reason = None
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype)
+        reason = self.unavailable_reason(device, dtype, head_dim, block_size, num_heads=num_heads)
+        if reason:
+            raise ValueError(f"triton backend: {reason}")
+        self.group = num_heads // num_kv_heads
+        self.tuning = tuning(torch.device(device), dtype, head_dim)
+        self._attend, self._combine = kernels(torch.device(device).type)
+        self._compiled: set[tuple] = set()
+
+    @classmethod
+    def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
+        triton = _triton()
+        if isinstance(triton, str):
+            return triton
+        device = torch.device(device)
+        if device.type not in ("cuda", "cpu"):
+            return f"Triton runs on CUDA (or interpreted on CPU), not {device.type}"
+        if dtype not in DTYPES:
+            return f"{dtype} is not one of fp32/fp16/bf16"
+        if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+            return f"head_dim {head_dim} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}"
+        if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
+            return "bf16 needs compute capability 8.0+"
+        return None
+
+    @classmethod
+    def provider(cls, **settings) -> str:
+        triton = _triton()
+        if isinstance(triton, str):
+            return f"none ({triton})"
+        device = torch.device(settings.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        rule = tuning(device, settings.get("dtype") or torch.bfloat16, settings.get("head_dim") or 128).describe()
+        if device.type != "cuda":
+            return f"triton {triton.__version__} interpreter (CPU: correct, not timed), {rule}"
+        return f"triton {triton.__version__} JIT, {rule}"
+
+    @classmethod
+    def timing_caveat(cls, device) -> str | None:
+        if torch.device(device).type == "cuda":
+            return None
+        return "Triton interpreter on CPU (numpy, one program at a time): correct, but not a kernel's speed"
+
+    def prepare(self, meta: AttentionMetadata) -> TritonState:
+        qsl, n, d = meta.query_start_loc_cpu, meta.num_seqs, meta.num_decodes
+        launches = []
+        if d:
+            launches.append(self._launch(meta, 0, d, qsl[0], qsl[d], max_query_len=1))
+        if n > d:
+            launches.append(self._launch(meta, d, n - d, qsl[d], qsl[n] - qsl[d], meta.max_query_len))
+        return TritonState(meta.query_start_loc, meta.seq_lens, meta.block_table, launches)
+
+    def _launch(self, meta, seq_start, num_seqs, token_start, num_tokens, max_query_len) -> Launch:
+        """Tile sizes and key segments for one launch, from host counts only (graph-stable)."""
+        group_p2 = _pow2(self.group)
+        t = self.tuning
+        short = max_query_len <= SHORT_QUERY
+        block_m = max(16, group_p2 * _pow2(max_query_len)) if short else max(t.prefill_block_m, group_p2)
+        block_m = min(block_m, max(t.prefill_block_m, group_p2))
+        block_q = block_m // group_p2
+        segments = 1
+        if short:
+            programs = (num_seqs + (num_tokens - num_seqs) // block_q) * self.num_kv_heads
+            wanted = _pow2(-(-t.target_programs // programs))
+            segments = min(wanted, t.max_segments, _floor_pow2(meta.max_seq_len // t.min_segment_keys))
+        partials = None
+        if segments > 1:
+            rows = (segments, num_tokens, self.num_heads)
+            f32 = dict(dtype=torch.float32, device=meta.seq_lens.device)
+            partials = (torch.empty(*rows, self.head_dim, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32))
+        warps = 8 if block_m >= 128 else 4
+        return Launch(seq_start, num_seqs, token_start, num_tokens, block_m, block_q, segments, warps, partials)
+
+    def forward(self, q, k_cache, v_cache, state: TritonState) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for launch in state.launches:
+            self._run(launch, q, k_cache, v_cache, out, state)
+        return out
+
+    def constants(self, launch: Launch, page_size: int) -> dict:
+        """The attention kernel's compile-time parameters for `launch`."""
+        return dict(
+            GROUP=self.group,
+            GROUP_P2=_pow2(self.group),
+            BLOCK_M=launch.block_m,
+            BLOCK_Q=launch.block_q,
+            BLOCK_N=self.tuning.block_n,
+            HEAD_DIM=self.head_dim,
+            HEAD_DIM_P2=max(16, _pow2(self.head_dim)),
+            PAGE_SIZE=page_size,
+            NUM_SEGMENTS=launch.num_segments,
+            # The interpreter has no bf16 dot: it multiplies bf16 tiles in fp32.
+            FP32_DOTS=self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.device.type != "cuda"),
+        )
+
+    def _run(self, launch: Launch, q, k_cache, v_cache, out, state: TritonState) -> None:
+        split = launch.partials is not None
+        dummy = out  # never touched when the launch is not split
+        part_out, part_max, part_sum = launch.partials if split else (dummy, dummy, dummy)
+        constants = self.constants(launch, page_size=k_cache.shape[1])
+        start = time.perf_counter()
+        self._attend[(launch.num_tiles, self.num_kv_heads, launch.num_segments)](
+            out, q, k_cache, v_cache, state.block_table, state.query_start_loc, state.seq_lens,
+            part_out, part_max, part_sum,
+            self.scale * 1.4426950408889634,  # log2(e): the kernel exponentiates with exp2
+            launch.seq_start, launch.num_seqs,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            state.block_table.stride(0), self.num_heads,
+            **constants, num_warps=launch.num_warps,
+        )  # fmt: skip
+        if split:
+            block_h = self.tuning.combine_heads or _pow2(self.num_heads)
+            self._combine[(launch.num_tokens, -(-self.num_heads // block_h))](
+                out, part_out, part_max, part_sum, launch.token_start, launch.num_tokens,
+                out.stride(0), out.stride(1), self.num_heads, BLOCK_H=block_h,
+                HEAD_DIM=self.head_dim, HEAD_DIM_P2=constants["HEAD_DIM_P2"], NUM_SEGMENTS=launch.num_segments,
+            )  # fmt: skip
+        self._count_compile(tuple(constants.items()), start)
+
+    def _count_compile(self, key: tuple, start: float) -> None:
+        """The first launch of each kernel configuration on CUDA pays its JIT compilation on the host."""
+        if self.device.type == "cuda" and key not in self._compiled:
+            self._compiled.add(key)
+            self.compile_seconds += time.perf_counter() - start

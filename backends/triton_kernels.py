@@ -1,0 +1,200 @@
+"""The Triton kernels of the `triton` backend, as plain functions: `backends/triton.py` compiles
+them with `triton.jit` for CUDA tensors or wraps them in Triton's interpreter for CPU ones.
+
+`paged_attention` is one kernel for every step kind. A program takes one query tile (up to
+BLOCK_Q tokens of one sequence x the GROUP query heads of one KV head, packed as BLOCK_M rows,
+so each K/V tile is read once per KV head) and one segment of that sequence's keys, and walks
+the keys BLOCK_N at a time through the block table (pages read in place, any page size), with
+an online softmax in fp32. Decode launches split the keys into NUM_SEGMENTS segments processed
+in parallel ("flash-decoding") and `combine_segments` merges them; prefill launches use one.
+
+Query tiles of a launch over sequences s0..s0+n-1 are numbered without host work: sequence j's
+tiles start at `(qsl[s0+j] - qsl[s0] - j) // BLOCK_Q + j`, which never undercounts the tiles of
+the sequences before it, and a program finds its sequence by binary search over that.
+"""
+
+import triton.language as tl
+
+
+def paged_attention(
+    out_ptr,  # [T, H, D]
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [num_blocks, PAGE_SIZE, H_kv, D]
+    v_cache_ptr,
+    block_table_ptr,  # [B, max_blocks]
+    query_start_loc_ptr,  # [B+1]
+    seq_lens_ptr,  # [B]: tokens in the cache after this step's write
+    part_out_ptr,  # [NUM_SEGMENTS, tokens of the launch, H, D] fp32: unnormalised partial outputs
+    part_max_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: running max (log2 units)
+    part_sum_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: softmax denominators
+    scale_log2e,  # softmax scale * log2(e): scores go through exp2
+    seq_start,  # the launch's first sequence
+    num_seqs,  # and how many it covers
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_table,
+    num_heads,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows of a program: BLOCK_Q tokens x GROUP_P2 heads
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # keys per inner step (any multiple or fraction of a page)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    FP32_DOTS: tl.constexpr,  # exact fp32 dots: fp32 inputs (not TF32), bf16 in the interpreter (no bf16 dot)
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    # Which sequence owns query tile `tile`: the last j whose first tile is <= tile.
+    first_token = tl.load(query_start_loc_ptr + seq_start).to(tl.int32)
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        mid_first = tl.load(query_start_loc_ptr + seq_start + mid).to(tl.int32)
+        mid_first_tile = (mid_first - first_token - mid) // BLOCK_Q + mid
+        if mid_first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid
+    seq = seq_start + lo
+    q_begin = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32)
+    tile_q_start = q_begin + (tile - ((q_begin - first_token - lo) // BLOCK_Q + lo)) * BLOCK_Q
+    if tile_q_start < q_end:
+        seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        context_len = seq_len - (q_end - q_begin)
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = tile_q_start + rows // GROUP_P2  # [BLOCK_M] flat token index of each row
+        head = kv_head * GROUP + rows % GROUP_P2
+        row_ok = (tok < q_end) & (rows % GROUP_P2 < GROUP)
+        dims = tl.arange(0, HEAD_DIM_P2)
+        dim_ok = dims < HEAD_DIM
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        if FP32_DOTS:
+            q = q.to(tl.float32)
+        q_pos = context_len + (tok - q_begin)  # [BLOCK_M] position of each row's token
+
+        # Keys the tile's last token sees, split evenly into segments of whole BLOCK_N steps.
+        last_tok = tl.minimum(tile_q_start + BLOCK_Q, q_end) - 1
+        kv_len = context_len + (last_tok - q_begin) + 1
+        num_steps = (kv_len + BLOCK_N - 1) // BLOCK_N
+        steps_per_segment = (num_steps + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        step_lo = segment * steps_per_segment
+        step_hi = tl.minimum(num_steps, step_lo + steps_per_segment)
+
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+        table_row = block_table_ptr + seq * stride_table
+        for step in range(step_lo, step_hi):
+            pos = step * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+            pos_ok = pos < kv_len
+            page = tl.load(table_row + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            slot = pos % PAGE_SIZE
+            k = tl.load(  # [HEAD_DIM_P2, BLOCK_N]
+                k_cache_ptr
+                + page[None, :] * stride_k_block
+                + slot[None, :] * stride_k_slot
+                + kv_head * stride_k_head
+                + dims[:, None],
+                mask=pos_ok[None, :] & dim_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(  # [BLOCK_N, HEAD_DIM_P2]
+                v_cache_ptr
+                + page[:, None] * stride_v_block
+                + slot[:, None] * stride_v_slot
+                + kv_head * stride_v_head
+                + dims[None, :],
+                mask=pos_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+            if FP32_DOTS:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                scores = tl.dot(q, k, input_precision="ieee")
+            else:
+                scores = tl.dot(q, k)
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            scores = tl.where(visible, scores * scale_log2e, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            # A row that has seen no key yet keeps max -inf; subtracting 0 keeps exp2 finite.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            p = tl.exp2(scores - shift[:, None])
+            alpha = tl.exp2(row_max - shift)
+            row_sum = row_sum * alpha + tl.sum(p, 1)
+            if FP32_DOTS:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            row_max = new_max
+
+        if NUM_SEGMENTS == 1:
+            out = acc / row_sum[:, None]
+            tl.store(
+                out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & dim_ok[None, :],
+            )
+        else:
+            # Partials of launch-local token t, head h, segment s live at ((s * tokens + t) * H + h).
+            launch_tokens = tl.load(query_start_loc_ptr + seq_start + num_seqs).to(tl.int32) - first_token
+            row = (segment * launch_tokens + tok - first_token).to(tl.int64) * num_heads + head
+            tl.store(part_max_ptr + row, row_max, mask=row_ok)
+            tl.store(part_sum_ptr + row, row_sum, mask=row_ok)
+            tl.store(
+                part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :]
+            )
+
+
+def combine_segments(
+    out_ptr,  # [T, H, D]
+    part_out_ptr,  # [NUM_SEGMENTS, tokens, H, D] fp32
+    part_max_ptr,  # [NUM_SEGMENTS, tokens, H] fp32
+    part_sum_ptr,
+    token_start,  # the launch's first flat token
+    num_tokens,  # tokens of the launch
+    stride_o_tok,
+    stride_o_head,
+    num_heads,
+    BLOCK_H: tl.constexpr,  # heads per program
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    """One program per (token, BLOCK_H heads): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    tok = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    segs = tl.arange(0, NUM_SEGMENTS)
+    dims = tl.arange(0, HEAD_DIM_P2)
+    head_ok = heads < num_heads
+    row = (segs[:, None].to(tl.int64) * num_tokens + tok) * num_heads + heads[None, :]  # [NUM_SEGMENTS, BLOCK_H]
+    seg_max = tl.load(part_max_ptr + row, mask=head_ok[None, :], other=0.0)
+    seg_sum = tl.load(part_sum_ptr + row, mask=head_ok[None, :], other=1.0)
+    weight = tl.exp2(seg_max - tl.max(seg_max, 0)[None, :])  # an empty segment (max -inf) weighs 0
+    ok = head_ok[None, :, None] & (dims[None, None, :] < HEAD_DIM)
+    acc = tl.load(part_out_ptr + row[:, :, None] * HEAD_DIM + dims[None, None, :], mask=ok, other=0.0)
+    out = tl.sum(acc * weight[:, :, None], 0) / tl.sum(seg_sum * weight, 0)[:, None]  # [BLOCK_H, HEAD_DIM_P2]
+    tl.store(
+        out_ptr + (token_start + tok) * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None] & (dims[None, :] < HEAD_DIM),
+    )

@@ -1,0 +1,159 @@
+"""The triton backend beyond the shared matrix (tests/test_backends.py, `check`, generation against
+Hugging Face): its split-KV path and segment merge, graph safety (forward reads every length from
+the device), and that its kernels compile for Hopper and Ampere without a GPU."""
+
+import importlib.util
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from pagedbench.backends.registry import get_backend
+
+from pagedbench import SamplingParams
+from pagedbench.bench.problems import attend_dense, place, random_problem
+from tests.test_cuda_graphs import graph_engine
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
+
+
+def triton_backend(num_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.float32):
+    return get_backend("triton")(
+        num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size, torch.device("cpu"), dtype
+    )
+
+
+def attend(backend, batch, dtype):
+    state = backend.prepare(batch.metadata)
+    out = backend.forward(batch.q.to(dtype), batch.k_cache.to(dtype), batch.v_cache.to(dtype), state)
+    return out, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [(300, 1), (65, 1), (7, 1), (129, 1)],  # decodes: keys split into up to 4 segments, some empty
+        [(200, 3), (150, 5), (64, 2)],  # multi-token decode (a verify step): split as well
+        [(190, 1), (0, 40), (70, 9)],  # mixed: a split decode launch and an unsplit one
+    ],
+    ids=["decode", "multi-token", "mixed"],
+)
+def test_split_kv_segments_merge_to_the_oracle(spec, dtype):
+    problem = random_problem(spec, 8, 2, 64, seed=5)
+    batch = place(problem, 16, layout_seed=9)
+    backend = triton_backend(8, 2, 64, dtype=dtype)
+    out, state = attend(backend, batch, dtype)
+    assert state.launches[0].num_segments > 1  # the path under test ran
+    expected = attend_dense(problem, 64**-0.5, torch.float64)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size,head_dim,heads", [(8, 128, (4, 1)), (32, 96, (6, 2)), (16, 256, (2, 2))])
+def test_page_sizes_head_dims_and_groups(block_size, head_dim, heads):
+    """Pages of 8 and 32 tokens, head dims that are not powers of two, a group of 3 (padded to 4)."""
+    problem = random_problem([(3 * block_size + 1, 1), (0, 2 * block_size + 3), (block_size, 5)], *heads, head_dim)
+    batch = place(problem, block_size, layout_seed=2)
+    out, _ = attend(triton_backend(*heads, head_dim, block_size), batch, torch.float32)
+    torch.testing.assert_close(out.double(), attend_dense(problem, head_dim**-0.5, torch.float64), atol=2e-4, rtol=2e-4)
+
+
+def test_forward_reads_lengths_from_the_device():
+    """Graph safety: the state prepared for one decode step, reused after the step's tensors were
+    refilled in place with another step of the same shape (as a graph replay does), attends to the
+    new step -- nothing about lengths or pages is baked into the state on the host."""
+    first = place(random_problem([(40, 1), (100, 1), (3, 1)], 4, 2, 64, seed=1), 16, layout_seed=1)
+    second_problem = random_problem([(90, 1), (17, 1), (64, 1)], 4, 2, 64, seed=2)
+    second = place(second_problem, 16, layout_seed=2)
+    backend = triton_backend(4, 2, 64)
+    graph_shaped = replace(first.metadata, max_seq_len=512)
+    state = backend.prepare(graph_shaped)
+    assert backend.prepare(replace(second.metadata, max_seq_len=512)).launches == state.launches
+    for name in ("query_start_loc", "seq_lens", "block_table"):
+        old, new = getattr(first.metadata, name), getattr(second.metadata, name)
+        old.zero_()[tuple(slice(0, n) for n in new.shape)] = new
+    out = backend.forward(second.q, second.k_cache, second.v_cache, state)
+    torch.testing.assert_close(out.double(), attend_dense(second_problem, 0.125, torch.float64), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.slow
+def test_triton_replays_decode_steps_exactly(monkeypatch):
+    """Greedy tokens with (fake-captured) decode graphs equal eager ones; every bucket replays."""
+    from pagedbench.backends.triton import TritonBackend
+
+    assert TritonBackend.cuda_graph_reason is None
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 9 * i + 2))} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(5)]
+    eager_llm, _ = graph_engine(monkeypatch, backend_cls=TritonBackend, max_num_seqs=5)
+    expected = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+    llm, graphs = graph_engine(monkeypatch, backend_cls=TritonBackend, max_num_seqs=5)
+    assert graphs.verify() is None
+    llm.engine.runner.graphs = graphs
+    replayed = []
+    original = graphs.replay
+    graphs.replay = lambda inputs: replayed.append(inputs.graph) or original(inputs)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert set(replayed) == set(graphs.buckets)
+
+
+def _ptxas() -> str | None:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+def _arg_type(name: str, constants: dict, element: str) -> str:
+    """Triton's signature type of a kernel argument, by the kernels' naming."""
+    if name in constants:
+        return "constexpr"
+    if name.startswith("part_"):
+        return "*fp32"
+    if name in ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr"):
+        return "*i32"
+    if name.endswith("_ptr"):
+        return f"*{element}"
+    return "fp32" if name == "scale_log2e" else "i32"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or _ptxas() is None, reason="no bundled ptxas")
+@pytest.mark.parametrize(
+    "arch,dtype,head_dim,query_len",
+    [
+        (90, torch.bfloat16, 128, 1),
+        (90, torch.bfloat16, 128, 64),
+        (80, torch.float16, 64, 4),
+        pytest.param(90, torch.float32, 256, 64, marks=pytest.mark.slow),  # the most shared memory
+    ],
+)
+def test_kernels_compile_for_the_gpu(arch, dtype, head_dim, query_len):
+    """Triton's front end and ptxas accept the CUDA launch configurations (tuned for a 132-SM H100),
+    shared memory within an H100's 227 KiB: what the CPU interpreter cannot show."""
+    import triton
+    from pagedbench.backends import triton as backend_module
+    from pagedbench.backends import triton_kernels
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    backend = triton_backend(16, 4, head_dim, dtype=dtype)
+    backend.device = torch.device("cuda")  # constants as on a GPU (bf16 dots stay bf16)
+    backend.tuning = backend_module.cuda_tuning(dtype, head_dim, num_sms=132)
+    problem = random_problem([(2000, query_len)] * 4, 16, 4, head_dim)
+    meta = place(problem, 16, layout_seed=0).metadata
+    launch = backend.prepare(meta).launches[0]
+    assert (launch.num_segments > 1) == (query_len <= 16)
+    kernels = [(triton_kernels.paged_attention, backend.constants(launch, 16), launch.num_warps)]
+    if launch.num_segments > 1:
+        merge = dict(BLOCK_H=1, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, NUM_SEGMENTS=launch.num_segments)
+        kernels.append((triton_kernels.combine_segments, merge, 4))
+    element = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    for fn, constants, warps in kernels:
+        jit = triton.jit(fn)
+        signature = {name: _arg_type(name, constants, element) for name in jit.arg_names}
+        compiled = triton.compile(
+            ASTSource(jit, signature, constexprs=constants),
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": warps},
+        )
+        assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
