@@ -1,14 +1,74 @@
-"""The backend contract: per-step metadata shared by all layers, and the backend interface.
+"""The backend contract: per-step metadata shared by all layers, what a layer's attention
+computes (its variant), and the backend interface.
 
 KV cache layout (one for every backend): per layer K and V `[num_blocks, block_size, H_kv, D]`.
 Slot `s` is token `s % block_size` of block `s // block_size`.
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionVariant:
+    """What a layer's attention computes beyond causal softmax(scale * q k^T) v. Layers with the
+    same variant share one backend instance and its per-step state.
+
+    sliding_window: a query at position p sees keys p - sliding_window + 1 .. p (Hugging Face's and
+      Mistral's convention; flash-attn's window_size is (sliding_window - 1, 0)); None: all keys.
+    softcap: scores become softcap * tanh(scores / softcap) after scaling (Gemma 2); None: no cap.
+    sinks: the layer has a learned logit per query head in the softmax denominator (gpt-oss);
+      its values [H] fp32 come with each forward() call.
+    """
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+    def __post_init__(self):
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or None, got {self.sliding_window!r}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {self.softcap!r}")
+
+    def settings(self) -> dict:
+        """As keyword arguments of `unavailable_reason` and `provider`."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.sliding_window is not None:
+            parts.append(f"window {self.sliding_window}")
+        if self.softcap is not None:
+            parts.append(f"soft-cap {self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        return ", ".join(parts) or "plain"
+
+
+PLAIN = AttentionVariant()
+
+
+def visible(q_pos: torch.Tensor, kv_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """True where a query at q_pos sees the key at kv_pos (broadcast): causal, within the window."""
+    seen = kv_pos <= q_pos
+    return seen if sliding_window is None else seen & (q_pos - kv_pos < sliding_window)
+
+
+def cap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of scores [..., H, q, S]; with sinks [H], each head's sink logit
+    joins the denominator (a column that is then dropped)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 @dataclass(slots=True)
@@ -91,6 +151,7 @@ class AttentionBackend(ABC):
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        variant: AttentionVariant = PLAIN,
     ):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -99,14 +160,23 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.variant = variant
         self.compile_seconds = 0.0  # JIT compilation inside forward() so far (a backend that knows adds it)
 
     @classmethod
     def unavailable_reason(
         cls, device: torch.device | str, dtype: torch.dtype, head_dim: int, block_size: int, **kwargs
     ) -> str | None:
-        """Why this backend cannot run with these settings, or None when it can."""
-        return None
+        """Why this backend cannot run with these settings, or None when it can. `kwargs` may hold
+        num_heads, num_kv_heads and an AttentionVariant's settings (sliding_window, softcap, sinks);
+        a backend that implements no variant inherits `plain_only`'s answer."""
+        return cls.plain_only(**kwargs)
+
+    @staticmethod
+    def plain_only(sliding_window=None, softcap=None, sinks=False, **_) -> str | None:
+        """The reason for a backend that computes plain causal attention only."""
+        asked = AttentionVariant(sliding_window, softcap, sinks)
+        return None if asked == PLAIN else f"only plain causal attention is implemented (asked: {asked})"
 
     @classmethod
     def provider(cls, **settings) -> str:
@@ -126,5 +196,13 @@ class AttentionBackend(ABC):
         """Per-step state derived from `meta`; called once per step, shared by all layers."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: Any) -> torch.Tensor:
-        """q [T, H, D] attends causally to its sequence's cached K/V; returns [T, H, D]."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        state: Any,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D] attends causally to its sequence's cached K/V, as `self.variant` says (sinks:
+        [H] fp32, the layer's, when the variant has them); returns [T, H, D]."""

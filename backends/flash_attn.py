@@ -193,6 +193,43 @@ def _machine_reason(
     return None
 
 
+# The function each provider's paged calls go through, and the names its variant keywords take.
+ENTRY_POINT = {"fa3": "flash_attn_with_kvcache", "fa4": "flash_attn_varlen_func", "fa2": "flash_attn_varlen_func"}
+SINK_PARAMS = ("learnable_sink", "s_aux")  # FA4's; vLLM's FA3 fork's
+
+
+def _entry(found: Provider) -> Callable:
+    return found.api if found.kind == "torch" else getattr(found.api, ENTRY_POINT[found.kind])
+
+
+def sink_param(found: Provider) -> str | None:
+    """The keyword this provider takes sinks [H] by, or None when it has none."""
+    return next((name for name in SINK_PARAMS if _accepts_named(_entry(found), name)), None)
+
+
+def variant_reason(found: Provider, sliding_window=None, softcap=None, sinks=False) -> str | None:
+    """Why this provider cannot compute the variant (its API lacks the keyword), or None."""
+    fn = _entry(found)
+    if sliding_window is not None and not _accepts_named(fn, "window_size"):
+        return f"{found.label} takes no window_size"
+    if softcap is not None and not _accepts_named(fn, "softcap"):
+        return f"{found.label} takes no softcap"
+    if sinks and sink_param(found) is None:
+        return f"{found.label} takes no attention sinks ({' / '.join(SINK_PARAMS)})"
+    return None
+
+
+def variant_kwargs(found: Provider, sliding_window=None, softcap=None) -> dict:
+    """The window and soft-cap keywords of every call (none for plain attention). The torch
+    provider always passes window_size: causal is (-1, 0) there."""
+    kwargs = {}
+    if sliding_window is not None or found.kind == "torch":
+        kwargs["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
+    if softcap is not None:
+        kwargs["softcap"] = softcap
+    return kwargs
+
+
 def select_provider(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
@@ -200,6 +237,9 @@ def select_provider(
     block_size: int | None = None,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: bool = False,
     **_,
 ) -> tuple[Provider | None, str | None]:
     """(the first candidate provider that imports and runs these settings, None), or (None, why
@@ -223,6 +263,7 @@ def select_provider(
             return found, None
         else:
             reason = provider_reason(kind, torch.cuda.get_device_capability(device), block_size, head_dim)
+            reason = reason or variant_reason(found, sliding_window, softcap, sinks)
             if reason is None:
                 return found, None
             why_not.append(f"{kind}: {found.label}: {reason}")
@@ -283,6 +324,14 @@ class StepBuffers:
         )
 
 
+def _accepts_named(fn: Callable, name: str) -> bool:
+    """Whether `fn` names keyword `name` (a **kwargs catch-all does not count: it may drop it)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _accepts(fn: Callable, name: str) -> bool:
     """Whether `fn` takes keyword `name` (by name or through **kwargs); True when it cannot be told."""
     try:
@@ -323,7 +372,13 @@ class FlashAttnBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         found, reason = select_provider(
-            self.device, self.dtype, self.head_dim, self.block_size, self.num_heads, self.num_kv_heads
+            self.device,
+            self.dtype,
+            self.head_dim,
+            self.block_size,
+            self.num_heads,
+            self.num_kv_heads,
+            **self.variant.settings(),
         )
         if found is None and self.device.type != "cuda":  # CPU: fakes in tests; the kernels need CUDA
             found = select_provider()[0]
@@ -342,14 +397,20 @@ class FlashAttnBackend(AttentionBackend):
         self._fa4_announced = False
         # max_seqlen_k only where the installed FA4 names it (it sizes the split-KV scheduling).
         self._fa4_max_seqlen_k = found.kind == "fa4" and _accepts(self.impl.api.flash_attn_varlen_func, "max_seqlen_k")
+        self._variant = variant_kwargs(found, self.variant.sliding_window, self.variant.softcap)
+        self._sink_param = sink_param(found) if self.variant.sinks else None
 
     def prepare(self, meta: AttentionMetadata) -> FlashAttnState:
         return self.buffers.fill(meta)
 
-    def forward(self, q, k_cache, v_cache, state: FlashAttnState) -> torch.Tensor:
-        return self._attend(q, k_cache, v_cache, state)
+    def forward(self, q, k_cache, v_cache, state: FlashAttnState, sinks=None) -> torch.Tensor:
+        if sinks is None:
+            return self._attend(q, k_cache, v_cache, state, **self._variant)
+        # FA4 asserts learnable_sink is bf16, whatever q's dtype.
+        sinks = sinks.to(torch.bfloat16) if self._sink_param == "learnable_sink" else sinks
+        return self._attend(q, k_cache, v_cache, state, **self._variant, **{self._sink_param: sinks})
 
-    def _attend_fa3(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
+    def _attend_fa3(self, q, k_cache, v_cache, s: FlashAttnState, **variant) -> torch.Tensor:
         return self.impl.api.flash_attn_with_kvcache(
             q,
             k_cache,
@@ -360,9 +421,10 @@ class FlashAttnBackend(AttentionBackend):
             max_seqlen_q=s.max_query_len,
             softmax_scale=self.scale,
             causal=True,
+            **variant,
         )
 
-    def _attend_fa4(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
+    def _attend_fa4(self, q, k_cache, v_cache, s: FlashAttnState, **variant) -> torch.Tensor:
         # page_table excludes cu_seqlens_k; key lengths come from seqused_k. Whole pages are loaded,
         # so rows past seqused_k must be finite: the model runner's cache starts zeroed.
         before = _fa4_compiled_kernels(self.impl.api)
@@ -385,6 +447,7 @@ class FlashAttnBackend(AttentionBackend):
             causal=True,
             num_splits=self.fa4_num_splits,
             **({"max_seqlen_k": s.max_seq_len} if self._fa4_max_seqlen_k else {}),
+            **variant,
         )
         if before is not None and _fa4_compiled_kernels(self.impl.api) != before:
             seconds = time.perf_counter() - start
@@ -392,7 +455,7 @@ class FlashAttnBackend(AttentionBackend):
             logger.info("flash-attn (FA4): JIT-compiled a kernel in %.1f s", seconds)
         return result[0] if isinstance(result, tuple) else result  # (out, lse)
 
-    def _attend_fa2(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
+    def _attend_fa2(self, q, k_cache, v_cache, s: FlashAttnState, **variant) -> torch.Tensor:
         if s.decode_only:  # [B, 1, H, D]: the split-KV decode kernel
             return self.impl.api.flash_attn_with_kvcache(
                 q.unsqueeze(1),
@@ -402,6 +465,7 @@ class FlashAttnBackend(AttentionBackend):
                 block_table=s.block_table,
                 softmax_scale=self.scale,
                 causal=True,
+                **variant,
             ).squeeze(1)
         return self.impl.api.flash_attn_varlen_func(
             q,
@@ -414,9 +478,10 @@ class FlashAttnBackend(AttentionBackend):
             softmax_scale=self.scale,
             causal=True,
             block_table=s.block_table,
+            **variant,
         )
 
-    def _attend_torch(self, q, k_cache, v_cache, s: FlashAttnState) -> torch.Tensor:
+    def _attend_torch(self, q, k_cache, v_cache, s: FlashAttnState, **variant) -> torch.Tensor:
         return self.impl.api(
             q,
             k_cache,
@@ -426,8 +491,8 @@ class FlashAttnBackend(AttentionBackend):
             s.max_query_len,
             s.max_seq_len,
             scale=self.scale,
-            window_size=(-1, 0),
             enable_gqa=self.num_heads != self.num_kv_heads,
             seqused_k=s.seq_lens,
             block_table=s.block_table,
+            **variant,
         )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from einops import rearrange
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata
+from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant
 from pagedbench.backends.flex_compile import (
     attend,
     attend_compiled,
@@ -31,6 +31,7 @@ from pagedbench.backends.flex_compile import (
     flash_kernel_reason,
     kernel_choice,
     kernel_options,
+    softcap_score_mod,
 )
 from pagedbench.backends.flex_masks import MIN_KV_BLOCK, MIN_TOKEN_CAPACITY, PagedBlockMasks
 from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, plan_calls, sequence_pages
@@ -81,12 +82,14 @@ class FlexBackend(AttentionBackend):
         block_size,
         device,
         dtype,
+        variant: AttentionVariant = PLAIN,
         compile: bool = True,
         q_block_size: int | None = None,
     ):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant)
         cuda = self.device.type == "cuda"
-        self.compiled = compile and compile_enabled()
+        # Sinks need flex's log-sum-exp output, which compiled flex on CPU does not produce (torch 2.13).
+        self.compiled = compile and compile_enabled() and not (variant.sinks and not cuda)
         # Triton wants query tiles of 64+ rows; the CPU kernel is compute bound and takes short ones.
         self.q_block_size = q_block_size or (128 if cuda else 16)
         # KV blocks under 16 slots miscompute on CPU (torch 2.13's micro-GEMM N tail) and are below
@@ -97,7 +100,9 @@ class FlexBackend(AttentionBackend):
         # full blocks (with full blocks it splits the whole cache length), so on CUDA decodes are all masked.
         self.decode_full_blocks = not cuda
         self.static_decode_batch = cuda  # flex's decoding kernel needs a static batch
-        self._masks = PagedBlockMasks(block_size, self.kv_block_size, self.q_block_size, self.device)
+        window = variant.sliding_window
+        self._masks = PagedBlockMasks(block_size, self.kv_block_size, self.q_block_size, self.device, window)
+        self.score_mod = softcap_score_mod(variant.softcap) if variant.softcap is not None else None
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs):
@@ -130,8 +135,11 @@ class FlexBackend(AttentionBackend):
 
     @classmethod
     def provider(cls, **settings) -> str:
-        mode = "compiled" if compile_enabled() else "eager"
         device = settings.get("device")
+        cpu = device is not None and torch.device(device).type == "cpu"
+        mode = "compiled" if compile_enabled() else "eager"
+        if mode == "compiled" and settings.get("sinks") and cpu:
+            mode = "eager (sinks need the log-sum-exp compiled CPU flex lacks)"
         try:
             flash = kernel_choice() == "flash" and (device is None or torch.device(device).type == "cuda")
         except ValueError:
@@ -155,6 +163,7 @@ class FlexBackend(AttentionBackend):
             q_block_size=self.q_block_size,
             decode_full_blocks=self.decode_full_blocks,
             static_decode_batch=self.static_decode_batch,
+            sliding_window=self.variant.sliding_window,
         )
         # One host-to-device copy carries every index array of the step.
         arrays = [*sequence_pages(seq_lens, self.block_size), *(a for plan in plans for a in plan.host)]
@@ -191,7 +200,7 @@ class FlexBackend(AttentionBackend):
 
     # --- forward: once per layer ---------------------------------------------------------------
 
-    def forward(self, q, k_cache, v_cache, state: FlexState) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: FlexState, sinks=None) -> torch.Tensor:
         # [num_pages, bs, H_kv, D] -> [1, H_kv, num_pages * bs, D]: a view; flex takes any strides
         # with a unit last dim, and the CPU kernel reads this [B, L, H, D] layout natively.
         k = rearrange(k_cache, "n p h d -> 1 h (n p) d")
@@ -202,7 +211,7 @@ class FlexBackend(AttentionBackend):
             x = rearrange(rows, "(b q) h d -> b h q d", b=call.batch)
             if call.kind == "decode" and self.static_decode_batch:
                 torch._dynamo.mark_static(x, 0)
-            y = rearrange(self._attend(x, k, v, call, state), "b h q d -> (b q) h d")
+            y = rearrange(self._attend(x, k, v, call, state, sinks), "b h q d -> (b q) h d")
             if call.gather is None and len(state.calls) == 1:
                 state.shapes_seen = True
                 return y
@@ -215,8 +224,8 @@ class FlexBackend(AttentionBackend):
         state.shapes_seen = True
         return out
 
-    def _attend(self, x, k, v, call: FlexCall, state: FlexState) -> torch.Tensor:
-        args = (x, k, v, call.block_mask, self.scale, self.kernel_options[call.kind])
+    def _attend(self, x, k, v, call: FlexCall, state: FlexState, sinks) -> torch.Tensor:
+        args = (x, k, v, call.block_mask, self.scale, self.kernel_options[call.kind], self.score_mod, sinks)
         if not self.compiled:
             return attend(*args)
         if state.shapes_seen:  # only the step's first layer can miss the compile cache

@@ -12,9 +12,10 @@ instead of Triton; decodes stay on flex's Triton decoding kernel (FLASH wants K/
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,33 @@ def kernel_options(device: torch.device, q_block_size: int, kv_block_size: int) 
     }
 
 
-def attend(q, k, v, block_mask: BlockMask, scale: float, kernel_options: dict | None) -> torch.Tensor:
-    """Eager flex: q [B, H, Q, D] over k, v [1, H_kv, N, D] (broadcast, GQA) -> [B, H, Q, D]."""
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
+def attend(
+    q,
+    k,
+    v,
+    block_mask: BlockMask,
+    scale: float,
+    kernel_options: dict | None,
+    score_mod: Callable | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager flex: q [B, H, Q, D] over k, v [1, H_kv, N, D] (broadcast, GQA) -> [B, H, Q, D].
+    Sinks [H] (a logit per head in the denominator, no value) rescale flex's output through its
+    log-sum-exp: out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink)."""
+    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
+    if sinks is None:
+        return flex_attention(q, k, v, score_mod, **kwargs)
+    out, aux = flex_attention(q, k, v, score_mod, return_aux=AuxRequest(lse=True), **kwargs)
+    return out * torch.sigmoid(aux.lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
+
+
+def softcap_score_mod(softcap: float) -> Callable:
+    """Gemma 2's logit soft-capping as a flex score_mod (applied to the scaled score)."""
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return capped
 
 
 def _inductor_counting(gm, example_inputs):

@@ -1,10 +1,10 @@
 """Device side of a flex step: each call's BlockMask over the paged cache's block table.
 
 One mask_mod rule for both call kinds: a key slot is visible if it is in the query's own sequence
-at a logical position <= the query's. An inverse page table `inv[seq, physical page]` (logical page,
-or -1), rewritten where it changed each step, answers it without any global page->sequence map, so
-pages shared by several sequences (prefix caching, forks) are right, and stale table entries past a
-sequence's length are never visible.
+at a logical position <= the query's (and, with a sliding window, within the window). An inverse
+page table `inv[seq, physical page]` (logical page, or -1), rewritten where it changed each step,
+answers it without any global page->sequence map, so pages shared by several sequences (prefix
+caching, forks) are right, and stale table entries past a sequence's length are never visible.
 
 Every tensor a BlockMask holds is a view of a persistent buffer that prepare() refills in place and
 that only grows, in power-of-two capacities: a CUDA graph replays it, and a compiled graph sees the
@@ -30,13 +30,21 @@ def capacity(n: int, minimum: int) -> int:
 
 
 def visible_slot(
-    inv: torch.Tensor, page: torch.Tensor, seq: torch.Tensor, kv_idx: torch.Tensor, pos: torch.Tensor
+    inv: torch.Tensor,
+    page: torch.Tensor,
+    seq: torch.Tensor,
+    kv_idx: torch.Tensor,
+    pos: torch.Tensor,
+    window: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mask_mod rule: cache slot `kv_idx` holds a token of sequence `seq` at a logical position
-    <= `pos`. `inv` [seqs, pages] is the inverse page table; `page` a marker of the page size."""
+    <= `pos` (and > pos - window). `inv` [seqs, pages] is the inverse page table; `page` and
+    `window` markers whose lengths are the page size and the window."""
     bs = page.shape[0]  # static: a constant in the compiled kernel
     logical = inv[seq, kv_idx // bs]
-    return (logical >= 0) & (logical * bs + kv_idx % bs <= pos)
+    key_pos = logical * bs + kv_idx % bs
+    seen = (logical >= 0) & (key_pos <= pos)
+    return seen if window is None else seen & (key_pos > pos - window.shape[0])
 
 
 def _as_mask_rows(t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -49,13 +57,24 @@ def _as_mask_rows(t: torch.Tensor, kind: str) -> torch.Tensor:
 class PagedBlockMasks:
     """The persistent buffers behind a backend's BlockMasks, and the builders that refill them."""
 
-    def __init__(self, block_size: int, kv_block_size: int, q_block_size: int, device: torch.device):
+    def __init__(
+        self,
+        block_size: int,
+        kv_block_size: int,
+        q_block_size: int,
+        device: torch.device,
+        sliding_window: int | None = None,
+    ):
         self.block_size, self.kv_block_size, self.q_block_size = block_size, kv_block_size, q_block_size
         self.device = device
-        # The page size must be a compile-time constant in the mask_mod (a captured int would become a
-        # dynamic symbol): it is the static length of this marker tensor.
+        # The page size and window must be compile-time constants in the mask_mod (a captured int would
+        # become a dynamic symbol): they are the static lengths of these marker tensors.
         self._page = torch.empty(block_size, dtype=torch.int8, device=device)
         torch._dynamo.mark_static(self._page)
+        self._window = None
+        if sliding_window is not None:
+            self._window = torch.empty(sliding_window, dtype=torch.int8, device=device)
+            torch._dynamo.mark_static(self._window)
         self._buffers: dict[str, torch.Tensor] = {}
         self._inv_written: tuple[torch.Tensor, ...] | None = None  # (inv, seq, page) entries of the last step
 
@@ -129,7 +148,7 @@ class PagedBlockMasks:
 
     def _mask_mod(self, plan: CallPlan, mask_seq: torch.Tensor, mask_pos: torch.Tensor) -> Callable[..., torch.Tensor]:
         """`visible_slot` over persistent copies of the call's query sequences and positions."""
-        inv, page = self._buffers["inv"], self._page
+        inv, page, window = self._buffers["inv"], self._page, self._window
         if plan.kind == "decode":
             rows = plan.rows
             seq = self._buffer("decode_seq", (capacity(rows, MIN_ROW_CAPACITY),))
@@ -138,7 +157,7 @@ class PagedBlockMasks:
             pos[:rows, : plan.q_len].copy_(mask_pos.view(rows, -1))
 
             def visible(b, h, q_idx, kv_idx):
-                return visible_slot(inv, page, seq[b], kv_idx, pos[b, q_idx])
+                return visible_slot(inv, page, seq[b], kv_idx, pos[b, q_idx], window)
         else:
             seq = self._buffer("prefill_seq", (capacity(len(mask_seq), MIN_TOKEN_CAPACITY),))
             seq[: len(mask_seq)].copy_(mask_seq)
@@ -146,7 +165,7 @@ class PagedBlockMasks:
             pos[: len(mask_pos)].copy_(mask_pos)
 
             def visible(b, h, q_idx, kv_idx):
-                return visible_slot(inv, page, seq[q_idx], kv_idx, pos[q_idx])
+                return visible_slot(inv, page, seq[q_idx], kv_idx, pos[q_idx], window)
 
         return visible
 

@@ -70,21 +70,31 @@ def plan_calls(
     q_block_size: int,
     decode_full_blocks: bool,
     static_decode_batch: bool,
+    sliding_window: int | None = None,
 ) -> list[CallPlan]:
-    """The step's flex calls from query_start_loc [B+1] and context lengths [B]."""
+    """The step's flex calls from query_start_loc [B+1] and context lengths [B]; with a sliding
+    window, the pages before every row's window are left out of its BlockMask row."""
     short = np.diff(qsl) <= MAX_DECODE_QUERY
     # Small pages sharing a KV block leave no block whose slots one row sees whole: all are masked.
     one_page_per_block = kv_block_size == block_size
     decode_full_blocks = decode_full_blocks and one_page_per_block
     plans = (
-        plan_decode(np.flatnonzero(short), qsl, ctx, block_size, decode_full_blocks, static_decode_batch),
-        plan_prefill(np.flatnonzero(~short), qsl, ctx, block_size, q_block_size, one_page_per_block),
+        plan_decode(
+            np.flatnonzero(short), qsl, ctx, block_size, decode_full_blocks, static_decode_batch, sliding_window
+        ),
+        plan_prefill(np.flatnonzero(~short), qsl, ctx, block_size, q_block_size, one_page_per_block, sliding_window),
     )
     return [plan for plan in plans if plan is not None]
 
 
 def plan_decode(
-    seqs: np.ndarray, qsl: np.ndarray, ctx: np.ndarray, block_size: int, full_blocks: bool, static_batch: bool
+    seqs: np.ndarray,
+    qsl: np.ndarray,
+    ctx: np.ndarray,
+    block_size: int,
+    full_blocks: bool,
+    static_batch: bool,
+    sliding_window: int | None = None,
 ) -> CallPlan | None:
     """Rows of the per-sequence decode call, one per sequence in `seqs`."""
     if not len(seqs):
@@ -102,7 +112,7 @@ def plan_decode(
     spare = q_lens == 0  # spare rows read no page
     first_pos = np.where(spare, -1, ctx[row_seq])
     last_pos = np.where(spare, -1, ctx[row_seq] + q_lens - 1)
-    entries = _page_entries(row_seq, first_pos, last_pos, block_size, full_blocks)
+    entries = _page_entries(row_seq, first_pos, last_pos, block_size, full_blocks, sliding_window)
     identity = q_len == 1 and len(seqs) == batch and np.array_equal(seqs, np.arange(batch)) and qsl[batch] == batch
     real = (np.arange(q_len)[None, :] < q_lens[:, None]).reshape(-1)
     host = _call_arrays(token.reshape(-1), real, row_seq, pos.reshape(-1), entries)
@@ -110,7 +120,13 @@ def plan_decode(
 
 
 def plan_prefill(
-    seqs: np.ndarray, qsl: np.ndarray, ctx: np.ndarray, block_size: int, q_block_size: int, full_blocks: bool
+    seqs: np.ndarray,
+    qsl: np.ndarray,
+    ctx: np.ndarray,
+    block_size: int,
+    q_block_size: int,
+    full_blocks: bool,
+    sliding_window: int | None = None,
 ) -> CallPlan | None:
     """Query blocks of the flat prefill call, each within one sequence's chunk."""
     if not len(seqs):
@@ -126,7 +142,7 @@ def plan_prefill(
     first_pos = np.append(ctx[block_seq] + block_q0, -1)
     last_pos = np.append(ctx[block_seq] + block_q0 + block_real - 1, -1)
     row_seq = np.append(block_seq, seqs[0])
-    entries = _page_entries(row_seq, first_pos, last_pos, block_size, full_blocks)
+    entries = _page_entries(row_seq, first_pos, last_pos, block_size, full_blocks, sliding_window)
     # Query rows: block r's rows are offsets block_q0[r] + 0..qb-1, past the chunk repeating its last token.
     offset = block_q0[:, None] + np.arange(qb)[None, :]
     real = (offset < block_q_len[:, None]).reshape(-1)
@@ -138,18 +154,34 @@ def plan_prefill(
 
 
 def _page_entries(
-    row_seq: np.ndarray, first_pos: np.ndarray, last_pos: np.ndarray, block_size: int, full_blocks: bool
+    row_seq: np.ndarray,
+    first_pos: np.ndarray,
+    last_pos: np.ndarray,
+    block_size: int,
+    full_blocks: bool,
+    sliding_window: int | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """Each mask row's pages up to its last query position (-1: none), the entry_* and num_* of
-    `CallArrays`. With `full_blocks`, pages wholly at or before the row's first query position are
-    full blocks: every query of the row sees them."""
-    pages = np.where(last_pos >= 0, last_pos // block_size + 1, 0)
-    num_full = np.minimum((first_pos + 1) // block_size, pages) if full_blocks else np.zeros_like(pages)
-    row = np.repeat(np.arange(len(row_seq)), pages)
-    logical = index_in_group(pages)
-    full = logical < num_full[row]
-    col = np.where(full, logical, logical - num_full[row])
-    return row, row_seq[row], logical, full.astype(np.int64), col, num_full, pages - num_full
+    """Each mask row's pages from its first query's window start (page 0 without a window) up to
+    its last query position (-1: none), the entry_* and num_* of `CallArrays`. With `full_blocks`,
+    pages every query of the row sees whole are full blocks: at or before the first query, and
+    (with a window) inside the last query's window."""
+    bs, rows = block_size, np.arange(len(row_seq))
+    end = np.where(last_pos >= 0, last_pos // bs + 1, 0)  # one past the row's last page
+    start = np.zeros_like(end)
+    full_start = np.zeros_like(end)
+    if sliding_window is not None:
+        start = np.minimum(np.maximum(first_pos - sliding_window + 1, 0) // bs, end)
+        full_start = -(-np.maximum(last_pos - sliding_window + 1, 0) // bs)
+    full_end = np.minimum((first_pos + 1) // bs, end) if full_blocks else full_start
+    num_full = np.maximum(full_end - full_start, 0)
+    row = np.repeat(rows, end - start)
+    logical = start[row] + index_in_group(end - start)
+    full = (logical >= full_start[row]) & (logical < full_end[row])
+    # Masked pages lie before and after the full run: those after skip the run's columns.
+    col = np.where(
+        full, logical - full_start[row], logical - start[row] - np.where(logical >= full_end[row], num_full[row], 0)
+    )
+    return row, row_seq[row], logical, full.astype(np.int64), col, num_full, end - start - num_full
 
 
 def _call_arrays(

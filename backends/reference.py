@@ -1,10 +1,18 @@
-"""The ground truth: one sequence at a time, its pages gathered, softmax in fp32."""
+"""The ground truth: one sequence at a time, its pages gathered, softmax in fp32; every variant
+(sliding window, soft-cap, sinks) in plain torch."""
 
 from dataclasses import dataclass
 
 import torch
 from einops import rearrange, repeat
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata, gather_kv_slots
+from pagedbench.backends.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    cap_scores,
+    gather_kv_slots,
+    softmax_with_sinks,
+    visible,
+)
 
 
 @dataclass(slots=True)
@@ -19,6 +27,10 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
     cuda_graph_reason = "it attends one sequence at a time, looping over host-side lengths"
 
+    @classmethod
+    def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
+        return None  # every variant
+
     def prepare(self, meta: AttentionMetadata) -> list[_Seq]:
         qsl = meta.query_start_loc_cpu
         return [
@@ -26,7 +38,7 @@ class ReferenceBackend(AttentionBackend):
             for i, seq_len in enumerate(meta.seq_lens_cpu)
         ]
 
-    def forward(self, q, k_cache, v_cache, state: list[_Seq]) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: list[_Seq], sinks=None) -> torch.Tensor:
         out = torch.empty_like(q)
         group = self.num_heads // self.num_kv_heads
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -35,9 +47,10 @@ class ReferenceBackend(AttentionBackend):
             qi = rearrange(q[s.q_start : s.q_end].float(), "q h d -> h q d")
             k = repeat(k_flat[s.kv_slots].float(), "s hkv d -> (hkv g) s d", g=group)  # each KV head serves g heads
             v = repeat(v_flat[s.kv_slots].float(), "s hkv d -> (hkv g) s d", g=group)
-            scores = (qi @ k.transpose(1, 2)) * self.scale  # [H, q, S]
+            scores = cap_scores((qi @ k.transpose(1, 2)) * self.scale, self.variant.softcap)  # [H, q, S]
             q_pos = s.context_len + torch.arange(qi.shape[1], device=q.device)
             kv_pos = torch.arange(k.shape[1], device=q.device)
-            scores.masked_fill_(kv_pos[None, :] > q_pos[:, None], float("-inf"))
-            out[s.q_start : s.q_end] = rearrange(scores.softmax(-1) @ v, "h q d -> q h d").to(q.dtype)
+            scores.masked_fill_(~visible(q_pos[:, None], kv_pos[None, :], self.variant.sliding_window), float("-inf"))
+            probs = softmax_with_sinks(scores, sinks)
+            out[s.q_start : s.q_end] = rearrange(probs @ v, "h q d -> q h d").to(q.dtype)
         return out

@@ -2,9 +2,13 @@
 `scaled_dot_product_attention` call with a causal + length mask.
 
 Decodes and prefills are separate padded groups, so one long prefill does not pad every
-decode to its query length. On CUDA the kernel is chosen, not left to the dispatcher: the
-memory-efficient kernel (it takes the boolean mask), never cuDNN, which builds a plan for
-every new shape (~1.7 ms of host time per call on an H100, 28 calls a step).
+decode to its query length. A sliding window is part of the boolean mask; soft-capping and sinks
+have no hook in SDPA, so a layer with either takes an explicit score path (matmul, cap, softmax
+with the sink column, matmul) over the same padded gather, and the provider says so.
+
+On CUDA the kernel is chosen, not left to the dispatcher: the memory-efficient kernel (it takes
+the boolean mask), never cuDNN, which builds a plan for every new shape (~1.7 ms of host time
+per call on an H100, 28 calls a step).
 """
 
 from dataclasses import dataclass
@@ -12,7 +16,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata, gather_kv_slots
+from pagedbench.backends.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    cap_scores,
+    gather_kv_slots,
+    softmax_with_sinks,
+    visible,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
@@ -34,6 +45,10 @@ class SDPABackend(AttentionBackend):
     name = "sdpa"
     cuda_graph_reason = "prepare() sizes its padded K/V gather by each step's longest sequence"
 
+    @classmethod
+    def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
+        return None  # every variant (soft-cap and sinks on the explicit score path)
+
     def prepare(self, meta: AttentionMetadata) -> list[_Group]:
         groups = []
         qsl = meta.query_start_loc_cpu
@@ -48,7 +63,8 @@ class SDPABackend(AttentionBackend):
             q_dest = (seq - start) * max_q + q_local
             q_pos = meta.context_lens[start:end, None] + torch.arange(max_q, device=seq.device)  # [n, max_q]
             kv_pos = torch.arange(max_kv, device=seq.device)
-            mask = (kv_pos <= q_pos[..., None]) & (kv_pos < meta.seq_lens[start:end, None, None])
+            in_seq = kv_pos < meta.seq_lens[start:end, None, None]
+            mask = visible(q_pos[..., None], kv_pos, self.variant.sliding_window) & in_seq
             groups.append(
                 _Group(t0, t1, q_dest, gather_kv_slots(meta, start, end, max_kv), mask.unsqueeze(1), end - start, max_q)
             )
@@ -56,18 +72,22 @@ class SDPABackend(AttentionBackend):
 
     @classmethod
     def provider(cls, **settings) -> str:
+        if settings.get("softcap") is not None or settings.get("sinks"):
+            return f"torch {torch.__version__} explicit scores (SDPA has no soft-cap or sink hook)"
         device = settings.get("device")
         on_cuda = device is not None and torch.device(device).type == "cuda"
         return f"torch {torch.__version__}" + (" SDPA memory-efficient kernel (cuDNN excluded)" if on_cuda else "")
 
-    def forward(self, q, k_cache, v_cache, state: list[_Group]) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return self._forward(q, k_cache, v_cache, state, enable_gqa=self.num_heads != self.num_kv_heads)
+    def forward(self, q, k_cache, v_cache, state: list[_Group], sinks=None) -> torch.Tensor:
+        explicit = self.variant.softcap is not None or sinks is not None
+        if self.device.type != "cuda" or explicit:
+            gqa = self.num_heads != self.num_kv_heads and not explicit
+            return self._forward(q, k_cache, v_cache, state, gqa, sinks)
         # The memory-efficient kernel has no GQA: the gather repeats each KV head for its query heads.
         with sdpa_kernel(CUDA_KERNELS):
             return self._forward(q, k_cache, v_cache, state, enable_gqa=False)
 
-    def _forward(self, q, k_cache, v_cache, state: list[_Group], enable_gqa: bool) -> torch.Tensor:
+    def _forward(self, q, k_cache, v_cache, state: list[_Group], enable_gqa: bool, sinks=None) -> torch.Tensor:
         out = torch.empty_like(q)
         repeat = 1 if enable_gqa else self.num_heads // self.num_kv_heads
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -80,6 +100,11 @@ class SDPABackend(AttentionBackend):
             v = rearrange(v_flat[g.kv_slots], "n s h d -> n h s d")
             if repeat > 1:
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-            o = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=enable_gqa)
+            if self.variant.softcap is None and sinks is None:
+                o = F.scaled_dot_product_attention(q_pad, k, v, g.mask, scale=self.scale, enable_gqa=enable_gqa)
+            else:
+                scores = cap_scores((q_pad.float() @ k.float().transpose(-1, -2)) * self.scale, self.variant.softcap)
+                probs = softmax_with_sinks(scores.masked_fill(~g.mask, float("-inf")), sinks)
+                o = (probs @ v.float()).to(q.dtype)
             out[g.token_start : g.token_end] = rearrange(o, "n h q d -> (n q) h d")[g.q_dest]
         return out

@@ -19,7 +19,7 @@ from importlib import import_module
 from typing import Any
 
 import torch
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata, one_line
+from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, one_line
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; a [BLOCK_M, 256] fp32 accumulator is the ceiling
@@ -172,8 +172,8 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     cuda_graph_reason = None
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype)
+    def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant=PLAIN):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant)
         reason = self.unavailable_reason(device, dtype, head_dim, block_size, num_heads=num_heads)
         if reason:
             raise ValueError(f"triton backend: {reason}")
@@ -245,10 +245,10 @@ class TritonBackend(AttentionBackend):
         warps = 8 if block_m >= 128 else 4
         return Launch(seq_start, num_seqs, token_start, num_tokens, block_m, block_q, segments, warps, partials)
 
-    def forward(self, q, k_cache, v_cache, state: TritonState) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: TritonState, sinks=None) -> torch.Tensor:
         out = torch.empty_like(q)
         for launch in state.launches:
-            self._run(launch, q, k_cache, v_cache, out, state)
+            self._run(launch, q, k_cache, v_cache, out, state, out if sinks is None else sinks)
         return out
 
     def constants(self, launch: Launch, page_size: int) -> dict:
@@ -263,20 +263,22 @@ class TritonBackend(AttentionBackend):
             HEAD_DIM_P2=max(16, _pow2(self.head_dim)),
             PAGE_SIZE=page_size,
             NUM_SEGMENTS=launch.num_segments,
+            WINDOW=self.variant.sliding_window or 0,
+            SOFTCAP=float(self.variant.softcap or 0.0),
+            HAS_SINKS=self.variant.sinks,
             # The interpreter has no bf16 dot: it multiplies bf16 tiles in fp32.
             FP32_DOTS=self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.device.type != "cuda"),
         )
 
-    def _run(self, launch: Launch, q, k_cache, v_cache, out, state: TritonState) -> None:
+    def _run(self, launch: Launch, q, k_cache, v_cache, out, state: TritonState, sinks: torch.Tensor) -> None:
         split = launch.partials is not None
         dummy = out  # never touched when the launch is not split
         part_out, part_max, part_sum = launch.partials if split else (dummy, dummy, dummy)
         constants = self.constants(launch, page_size=k_cache.shape[1])
         start = time.perf_counter()
         self._attend[(launch.num_tiles, self.num_kv_heads, launch.num_segments)](
-            out, q, k_cache, v_cache, state.block_table, state.query_start_loc, state.seq_lens,
-            part_out, part_max, part_sum,
-            self.scale * 1.4426950408889634,  # log2(e): the kernel exponentiates with exp2
+            out, q, k_cache, v_cache, state.block_table, state.query_start_loc, state.seq_lens, sinks,
+            part_out, part_max, part_sum, self.scale,
             launch.seq_start, launch.num_seqs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -24,10 +24,11 @@ def paged_attention(
     block_table_ptr,  # [B, max_blocks]
     query_start_loc_ptr,  # [B+1]
     seq_lens_ptr,  # [B]: tokens in the cache after this step's write
+    sinks_ptr,  # [H] fp32: each head's sink logit (read when HAS_SINKS)
     part_out_ptr,  # [NUM_SEGMENTS, tokens of the launch, H, D] fp32: unnormalised partial outputs
     part_max_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: running max (log2 units)
     part_sum_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: softmax denominators
-    scale_log2e,  # softmax scale * log2(e): scores go through exp2
+    scale,  # softmax scale
     seq_start,  # the launch's first sequence
     num_seqs,  # and how many it covers
     stride_q_tok,
@@ -51,6 +52,9 @@ def paged_attention(
     HEAD_DIM_P2: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window in keys (0: none): a query at p sees p - WINDOW + 1 .. p
+    SOFTCAP: tl.constexpr,  # scores -> SOFTCAP * tanh(scores / SOFTCAP) (0: none)
+    HAS_SINKS: tl.constexpr,
     FP32_DOTS: tl.constexpr,  # exact fp32 dots: fp32 inputs (not TF32), bf16 in the interpreter (no bf16 dot)
 ):
     tile = tl.program_id(0)
@@ -92,16 +96,24 @@ def paged_attention(
             q = q.to(tl.float32)
         q_pos = context_len + (tok - q_begin)  # [BLOCK_M] position of each row's token
 
-        # Keys the tile's last token sees, split evenly into segments of whole BLOCK_N steps.
+        # Keys the tile sees: up to its last token's, from its first token's window start; the
+        # BLOCK_N steps over them split evenly into segments. Pages before the window are never read.
         last_tok = tl.minimum(tile_q_start + BLOCK_Q, q_end) - 1
         kv_len = context_len + (last_tok - q_begin) + 1
-        num_steps = (kv_len + BLOCK_N - 1) // BLOCK_N
+        first_step = 0
+        if WINDOW > 0:
+            first_step = tl.maximum(context_len + (tile_q_start - q_begin) - WINDOW + 1, 0) // BLOCK_N
+        num_steps = (kv_len + BLOCK_N - 1) // BLOCK_N - first_step
         steps_per_segment = (num_steps + NUM_SEGMENTS - 1) // NUM_SEGMENTS
-        step_lo = segment * steps_per_segment
-        step_hi = tl.minimum(num_steps, step_lo + steps_per_segment)
+        step_lo = first_step + segment * steps_per_segment
+        step_hi = tl.minimum(first_step + num_steps, step_lo + steps_per_segment)
 
         row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink is one more logit in the denominator: segment 0 starts with it
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            row_max = tl.where(segment == 0, sink, row_max)
+            row_sum = tl.where(segment == 0, 1.0, row_sum)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
         table_row = block_table_ptr + seq * stride_table
         for step in range(step_lo, step_hi):
@@ -133,8 +145,13 @@ def paged_attention(
                 scores = tl.dot(q, k, input_precision="ieee")
             else:
                 scores = tl.dot(q, k)
+            scores = scores * scale
+            if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (e^2x + 1), exact at both infinities
+                scores = SOFTCAP * (1.0 - 2.0 / (tl.exp2(scores * (2.8853900817779268 / SOFTCAP)) + 1.0))
             visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-            scores = tl.where(visible, scores * scale_log2e, float("-inf"))
+            if WINDOW > 0:
+                visible = visible & (q_pos[:, None] - pos[None, :] < WINDOW)
+            scores = tl.where(visible, scores * 1.4426950408889634, float("-inf"))  # log2(e): exp2 below
             new_max = tl.maximum(row_max, tl.max(scores, 1))
             # A row that has seen no key yet keeps max -inf; subtracting 0 keeps exp2 finite.
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -148,7 +165,7 @@ def paged_attention(
             row_max = new_max
 
         if NUM_SEGMENTS == 1:
-            out = acc / row_sum[:, None]
+            out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # 0 only in rows never stored
             tl.store(
                 out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
                 out.to(out_ptr.dtype.element_ty),

@@ -11,6 +11,7 @@ from pagedbench.backends import registry
 from pagedbench.backends.reference import ReferenceBackend
 
 from pagedbench.bench import check
+from pagedbench.bench.capabilities import YES, capability_row, variant_columns
 from pagedbench.bench.problems import attend_dense, place, random_problem
 from pagedbench.entrypoints.cli.main import main
 from tests.helpers import DEVICES
@@ -29,6 +30,12 @@ def test_quick_matrix(case, device):
     for r in rows:
         if r["status"] == "skipped":
             assert r["reason"], r
+    # `pagedbench backends` promises exactly what check runs: the case's cells are all ✓ iff it ran
+    # (its variant's columns, and "shared pages": ✓ where the base settings run at all).
+    columns = ["shared pages", *variant_columns(case.variant)]
+    for r in rows:
+        cells = capability_row(r["backend"], torch.device(device), case.dtype, case.head_dim, case.block_size)
+        assert (r["status"] != "skipped") == all(cells[c] == YES for c in columns), (r["backend"], cells)
 
 
 def test_oracle_is_plain_causal_attention():

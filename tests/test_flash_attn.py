@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.attention.varlen
 from pagedbench.backends import flash_attn
+from pagedbench.backends.base import AttentionVariant
 from pagedbench.backends.flash_attn import FlashAttnBackend
 from pagedbench.backends.registry import get_backend
 
@@ -22,11 +23,26 @@ from tests.test_backends import HEADS, ragged_batch_spec, run_backend
 SCALE = 0.3  # not head_dim ** -0.5, so a dropped scale argument shows
 
 
-def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, causal):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    seq_lens,
+    block_table,
+    scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    sink=None,
+):
     """What every kernel computes, from its own arguments: q [T, H, D]; sequence i's queries
     attend to its first seq_lens[i] keys, found through block_table [B, max_blocks], with the
-    causal mask aligned to the bottom right (FlashAttention's convention). Returns [T, H, D]."""
+    causal mask aligned to the bottom right (FlashAttention's convention), a query at p seeing
+    keys from p - window_size[0] (-1: all), scores soft-capped, a sink logit per head [H] in the
+    denominator. Returns [T, H, D]."""
     assert causal is True and isinstance(scale, float)
+    left = -1 if window_size[0] is None else window_size[0]
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     bounds = cu_seqlens_q.tolist()
@@ -36,9 +52,16 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sc
         k = k_cache[pages, pos % block_size].float().repeat_interleave(group, dim=1)  # [S, H, D]
         v = v_cache[pages, pos % block_size].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = len(pos) - (end - start) + torch.arange(end - start)
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        if left >= 0:
+            scores.masked_fill_(pos[None, None, :] < q_pos[None, :, None] - left, float("-inf"))
+        if sink is not None:
+            scores = torch.cat([scores, sink.float()[:, None, None].expand(-1, end - start, 1)], dim=-1)
+        probs = scores.softmax(-1)[..., : len(pos)]
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
 
@@ -76,7 +99,9 @@ def fake_fa2(calls):
         check_index_tensors(cu_seqlens_q, cu_seqlens_k, block_table)
         seq_lens = cu_seqlens_k.diff()  # no seqused_k here: key lengths come from cu_seqlens_k
         check_max_lengths(cu_seqlens_q, seq_lens, max_seqlen_q, max_seqlen_k)
-        return paged_attention(q, k, v, cu_seqlens_q, seq_lens, block_table, softmax_scale, causal)
+        return paged_attention(
+            q, k, v, cu_seqlens_q, seq_lens, block_table, softmax_scale, causal, window_size, softcap
+        )
 
     def flash_attn_with_kvcache(
         q,
@@ -106,7 +131,16 @@ def fake_fa2(calls):
         check_index_tensors(cache_seqlens, block_table)
         cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
         return paged_attention(
-            q[:, 0], k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table, softmax_scale, causal
+            q[:, 0],
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            cache_seqlens,
+            block_table,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
         ).unsqueeze(1)
 
     module = types.ModuleType("flash_attn")
@@ -155,7 +189,9 @@ def fake_fa3(calls):
         assert q.dim() == 3 and k is None and v is None  # [T, H, D] with cu_seqlens_q
         check_index_tensors(cu_seqlens_q, cache_seqlens, page_table)
         check_max_lengths(cu_seqlens_q, cache_seqlens, max_seqlen_q, int(cache_seqlens.max()))
-        return paged_attention(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, softmax_scale, causal)
+        return paged_attention(
+            q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, softmax_scale, causal, window_size, softcap
+        )
 
     module = types.ModuleType("flash_attn_interface")
     module.flash_attn_with_kvcache = flash_attn_with_kvcache
@@ -229,7 +265,12 @@ def fake_fa4(calls, compile_cache=None):
                 )
         if compile_cache is not None:
             compile_cache.setdefault((q.dtype, head_dim, page_size, max_seqlen_q == 1), "compiled kernel")
-        out = paged_attention(q, k, v, cu_seqlens_q, seqused_k, page_table, softmax_scale, causal)
+        assert learnable_sink is None or (
+            learnable_sink.dtype == torch.bfloat16 and learnable_sink.shape == (num_heads,)
+        )
+        out = paged_attention(
+            q, k, v, cu_seqlens_q, seqused_k, page_table, softmax_scale, causal, window_size, softcap, learnable_sink
+        )
         return out, torch.zeros(num_heads, total_q, dtype=torch.float32)
 
     module = types.ModuleType("flash_attn.cute")
@@ -266,7 +307,8 @@ def fake_varlen_attn(calls):
         assert enable_gqa == (query.shape[1] != key.shape[2])
         check_index_tensors(cu_seq_q, seqused_k, block_table)
         check_max_lengths(cu_seq_q, seqused_k, max_q, max_k)
-        return paged_attention(query, key, value, cu_seq_q, seqused_k, block_table, scale, window_size == (-1, 0))
+        causal = window_size[1] == 0
+        return paged_attention(query, key, value, cu_seq_q, seqused_k, block_table, scale, causal, window_size)
 
     return varlen_attn
 
@@ -640,6 +682,41 @@ def test_dispatch_passes_the_right_arguments(monkeypatch, kind, phase, heads):
         assert got.shape == batch.q.shape and got.dtype == batch.q.dtype
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         calls.clear()
+
+
+VARIANT_SUPPORT = {  # what each provider's real signature offers
+    "fa3": {"window", "softcap"},
+    "fa4": {"window", "softcap", "sinks"},
+    "fa2": {"window", "softcap"},
+    "torch": {"window"},
+}
+
+
+@pytest.mark.parametrize("feature", ["window", "softcap", "sinks"])
+@pytest.mark.parametrize("kind", ["fa3", "fa4", "fa2", "torch"])
+def test_variants_reach_the_kernel_or_say_why_not(monkeypatch, kind, feature):
+    """A window becomes window_size=(window - 1, 0), soft-cap softcap=, sinks FA4's bf16
+    learnable_sink; the kernel's answer equals the reference's. A provider whose signature lacks
+    the keyword is passed over with that as the reason."""
+    install_only(monkeypatch, kind)
+    variant = {
+        "window": AttentionVariant(sliding_window=9),
+        "softcap": AttentionVariant(softcap=2.0),
+        "sinks": AttentionVariant(sinks=True),
+    }[feature]
+    if feature not in VARIANT_SUPPORT[kind]:
+        with monkeypatch.context() as m:
+            fake_cuda(m)
+            wanted = "attention sinks" if feature == "sinks" else feature
+            assert f"takes no {wanted}" in reason(num_heads=8, num_kv_heads=2, **variant.settings())
+        return
+    batch, num_heads, num_kv_heads = make_batch("mixed", "gqa", seed=3)
+    sinks = torch.randn(num_heads).to(torch.bfloat16).float() if variant.sinks else None  # bf16-exact for FA4
+    outputs = []
+    for name in ("flash-attn", "reference"):
+        backend = get_backend(name)(num_heads, num_kv_heads, 64, SCALE, 16, torch.device("cpu"), torch.float32, variant)
+        outputs.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata), sinks))
+    torch.testing.assert_close(*outputs, atol=1e-4, rtol=1e-4)
 
 
 def test_state_is_built_once_and_reused_by_every_layer(monkeypatch):

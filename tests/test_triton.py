@@ -108,13 +108,13 @@ def _arg_type(name: str, constants: dict, element: str) -> str:
     """Triton's signature type of a kernel argument, by the kernels' naming."""
     if name in constants:
         return "constexpr"
-    if name.startswith("part_"):
+    if name.startswith("part_") or name == "sinks_ptr":
         return "*fp32"
     if name in ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr"):
         return "*i32"
     if name.endswith("_ptr"):
         return f"*{element}"
-    return "fp32" if name == "scale_log2e" else "i32"
+    return "fp32" if name == "scale" else "i32"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or _ptxas() is None, reason="no bundled ptxas")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from pagedbench.backends.base import PLAIN, AttentionVariant
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.problems import attend_dense, place, random_problem
 from pagedbench.device.dtypes import dtype_name
@@ -31,10 +32,18 @@ class CheckCase:
     block_size: int = 16
     dtype: torch.dtype = torch.float32
     shared: dict[int, tuple[int, int]] = field(default_factory=dict)
+    variant: AttentionVariant = PLAIN
 
     @property
     def name(self) -> str:
-        return f"{self.batch} {self.heads} d{self.head_dim} page{self.block_size} {dtype_name(self.dtype)}"
+        variant = "" if self.variant == PLAIN else f" [{self.variant}]"
+        return f"{self.batch} {self.heads} d{self.head_dim} page{self.block_size} {dtype_name(self.dtype)}{variant}"
+
+    def sinks(self, num_heads: int) -> torch.Tensor | None:
+        """The case's sink logits [H] (fp32, spread around the scores' range), or None."""
+        if not self.variant.sinks:
+            return None
+        return torch.randn(num_heads, generator=torch.Generator().manual_seed(self.seed)) * 2
 
     @property
     def seed(self) -> int:  # stable across processes (never Python's hash())
@@ -62,9 +71,22 @@ def _batches(block_size: int, long_context: int) -> dict[str, tuple[list[tuple[i
     }
 
 
+# Where backends differ: a window shorter than most contexts (Mistral/Gemma's, scaled down), Gemma 2's
+# soft-cap values, gpt-oss's sinks, and all three at once.
+VARIANTS = {
+    "window": AttentionVariant(sliding_window=37),
+    "soft-cap 50": AttentionVariant(softcap=50.0),
+    "soft-cap 30": AttentionVariant(softcap=30.0),
+    "sinks": AttentionVariant(sinks=True),
+    "window + soft-cap + sinks": AttentionVariant(sliding_window=20, softcap=30.0, sinks=True),
+}
+
+
 def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
     """--quick: every batch shape on one configuration, then heads, head_dim and page size varied
-    one at a time on the mixed and shared-prefix batches. --full: the whole cross product."""
+    one at a time on the mixed and shared-prefix batches, then each variant on the mixed batch (and
+    the window on the chunked-prefill and shared-prefix ones). --full: the whole cross product,
+    then every variant on every batch."""
     cases = []
     for dtype in dtypes:
         if full:
@@ -73,6 +95,9 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
                     for head_dim in (64, 128, 256):
                         for batch, (seqs, shared) in _batches(block_size, 16384).items():
                             cases.append(CheckCase(batch, seqs, heads, head_dim, block_size, dtype, shared))
+            for variant in VARIANTS.values():
+                for batch, (seqs, shared) in _batches(16, 2048).items():
+                    cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, variant=variant))
             continue
         for batch, (seqs, shared) in _batches(16, 2048).items():
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared))
@@ -86,11 +111,17 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             ):
                 seqs, shared = _batches(change.get("block_size", 16), 2048)[batch]
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **change))
+        batches = _batches(16, 2048)
+        for name, variant in VARIANTS.items():
+            for batch in ("mixed", "chunked prefill", "shared prefix") if name == "window" else ("mixed",):
+                seqs, shared = batches[batch]
+                cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, variant=variant))
     return cases
 
 
-def tolerance(problem, scale: float, dtype: torch.dtype, device: torch.device, expected: torch.Tensor) -> float:
-    naive = attend_dense(problem, scale, dtype, device)
+def tolerance(problem, scale: float, case: CheckCase, device: torch.device, expected: torch.Tensor, sinks) -> float:
+    dtype = case.dtype
+    naive = attend_dense(problem, scale, dtype, device, case.variant, sinks)
     return TOLERANCE_FACTOR * float((naive.to(expected.dtype) - expected).abs().max()) + TOLERANCE_FLOOR[dtype]
 
 
@@ -100,8 +131,9 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
     scale = case.head_dim**-0.5
     oracle_dtype = torch.float64 if device.type == "cpu" else torch.float32
     problem = random_problem(case.seqs, num_heads, num_kv_heads, case.head_dim, case.dtype, case.seed, case.shared)
-    expected = attend_dense(problem, scale, oracle_dtype, device)
-    tol = tolerance(problem, scale, case.dtype, device, expected)
+    sinks = case.sinks(num_heads)
+    expected = attend_dense(problem, scale, oracle_dtype, device, case.variant, sinks)
+    tol = tolerance(problem, scale, case, device, expected, sinks)
     layouts = None
     head = {
         "case": case.name,
@@ -112,6 +144,7 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
         "head_dim": case.head_dim,
         "block_size": case.block_size,
         "dtype": dtype_name(case.dtype),
+        "variant": str(case.variant),
         "num_seqs": len(case.seqs),
         "num_query_tokens": problem.q.shape[0],
         "tolerance": tol,
@@ -119,7 +152,14 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
     rows = []
     for name in backends:
         cls, provider, reason = resolve(
-            name, device, case.dtype, case.head_dim, case.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
+            name,
+            device,
+            case.dtype,
+            case.head_dim,
+            case.block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            **case.variant.settings(),
         )[1:]
         row = {**head, "backend": name, "provider": provider}
         if reason:
@@ -129,7 +169,7 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
             place(problem, case.block_size, device, layout_seed=seed, spare_blocks=5) for seed in (1, 2)
         ]
         try:
-            outs = [_attend(cls, batch, num_heads, num_kv_heads, case, scale) for batch in layouts]
+            outs = [_attend(cls, batch, num_heads, num_kv_heads, case, scale, sinks) for batch in layouts]
         except Exception as e:  # a backend that raises fails this case; the others go on
             rows.append({**row, "status": "fail", "reason": f"raised {type(e).__name__}: {str(e).splitlines()[0]}"})
             continue
@@ -148,9 +188,14 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
     return rows
 
 
-def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scale: float) -> torch.Tensor:
-    backend = cls(num_heads, num_kv_heads, case.head_dim, scale, case.block_size, batch.q.device, case.dtype)
-    return backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata))
+def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scale: float, sinks) -> torch.Tensor:
+    device = batch.q.device
+    variant = {} if case.variant == PLAIN else {"variant": case.variant}  # third-party backends may predate it
+    backend = cls(num_heads, num_kv_heads, case.head_dim, scale, case.block_size, device, case.dtype, **variant)
+    state = backend.prepare(batch.metadata)
+    if sinks is None:  # a backend that implements no variant need not know the keyword
+        return backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
+    return backend.forward(batch.q, batch.k_cache, batch.v_cache, state, sinks=sinks.to(device))
 
 
 def run_check(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedbench.backends.base import AttentionMetadata, write_kv
+from pagedbench.backends.base import PLAIN, AttentionMetadata, AttentionVariant, write_kv
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.engine.sequence import Sequence
 from pagedbench.sample.sampling_params import SamplingParams
@@ -128,11 +128,17 @@ def causal_mask(cached: int, new: int, device: torch.device | str = "cpu") -> to
 
 
 def attend_dense(
-    problem: AttentionProblem, scale: float, dtype: torch.dtype, device: torch.device | str = "cpu"
+    problem: AttentionProblem,
+    scale: float,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    variant: AttentionVariant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per sequence, causal attention (aligned to the end of its keys) on the logical tensors,
     every operation in `dtype` on `device`: [T, H, D] in `dtype`. In fp64 it is the oracle; in the
-    problem's dtype, the naive computation whose error sets that dtype's tolerance."""
+    problem's dtype, the naive computation whose error sets that dtype's tolerance. The variant is
+    written out here again, on purpose: the oracle shares no code with the backends it judges."""
     out, start = [], 0
     for (ctx, qlen), k, v in zip(problem.seqs, problem.k, problem.v):
         q = problem.q[start : start + qlen].to(device, dtype).transpose(0, 1)  # [H, q, D]
@@ -140,8 +146,16 @@ def attend_dense(
         k = k.to(device, dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         v = v.to(device, dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * scale
-        visible = causal_mask(ctx, qlen, device)
-        out.append((scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1))
+        if variant.softcap is not None:
+            scores = torch.tanh(scores / variant.softcap) * variant.softcap
+        seen = causal_mask(ctx, qlen, device)
+        if variant.sliding_window is not None:  # key j is too old for query i once ctx + i - j >= window
+            age = ctx + torch.arange(qlen, device=device)[:, None] - torch.arange(ctx + qlen, device=device)
+            seen &= age < variant.sliding_window
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is not None:  # one more logit per head in the denominator, no value
+            scores = torch.cat([scores, sinks.to(device, dtype)[:, None, None].expand(-1, qlen, 1)], dim=-1)
+        out.append((scores.softmax(-1)[..., : ctx + qlen] @ v).transpose(0, 1))
         start += qlen
     return torch.cat(out)
 

@@ -1,0 +1,70 @@
+"""What each backend can run here: one row per backend (and its provider), one column per feature,
+each cell ✓ or the short reason it cannot. Every cell comes from the backend's own
+`unavailable_reason` (or its CUDA-graph reason), the same answer `check`, `compare` and the
+engine act on, so the table cannot promise what they would skip."""
+
+import pandas as pd
+import torch
+
+from pagedbench.backends.base import AttentionVariant
+from pagedbench.backends.registry import get_backend, list_backends, probe
+from pagedbench.device.dtypes import dtype_name
+
+YES = "✓"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_SIZES = (1, 8, 16, 32, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+# The variant a feature column asks for (check's VARIANTS use the same kinds).
+VARIANT_FEATURES = {
+    "sliding window": AttentionVariant(sliding_window=4096),
+    "soft-cap": AttentionVariant(softcap=50.0),
+    "sinks": AttentionVariant(sinks=True),
+}
+# What the backend contract requires of every backend (check's multi-token decode and shared-prefix
+# cases hold each one to it): no backend may opt out, so these cells are the contract's, not a probe's.
+CONTRACT_FEATURES = ("multi-token decode", "shared pages")
+
+
+def variant_columns(variant: AttentionVariant) -> list[str]:
+    """The feature columns a variant exercises."""
+    asked = variant.settings()
+    return [feature for feature, v in VARIANT_FEATURES.items() if any(asked[k] for k, on in v.settings().items() if on)]
+
+
+def short(reason: str) -> str:
+    """A reason's first clause, for a table cell."""
+    return reason.split(";")[0].strip()
+
+
+def _listed(values, reason_of, label=str) -> str:
+    """The values the backend runs, or the first one's reason when it runs none."""
+    reasons = {value: reason_of(value) for value in values}
+    ok = [label(v) for v, why in reasons.items() if why is None]
+    return ", ".join(ok) if ok else short(next(iter(reasons.values())))
+
+
+def capability_row(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> dict:
+    """The table's row of backend `name` around one base setting (device, dtype, head_dim, block_size)."""
+    cls = get_backend(name)
+
+    def reason(**change) -> str | None:
+        settings = dict(device=device, dtype=dtype, head_dim=head_dim, block_size=block_size) | change
+        return probe(cls, **settings)[1]
+
+    base = reason()
+    row = {"backend": name, "provider": probe(cls, device, dtype, head_dim, block_size)[0]}
+    row["dtypes"] = _listed(DTYPES, lambda d: reason(dtype=d), dtype_name)
+    row["KV block sizes"] = _listed(BLOCK_SIZES, lambda b: reason(block_size=b))
+    row["head dims"] = _listed(HEAD_DIMS, lambda d: reason(head_dim=d))
+    for feature, variant in VARIANT_FEATURES.items():
+        why = reason(**variant.settings())
+        row[feature] = YES if why is None else short(why)
+    for feature in CONTRACT_FEATURES:
+        row[feature] = YES if base is None else short(base)
+    # ✓: prepare() refills static buffers and forward() has no host work (captured where there is CUDA).
+    row["CUDA graphs"] = short(cls.cuda_graph_reason or base or "") or YES
+    return row
+
+
+def capability_table(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> pd.DataFrame:
+    return pd.DataFrame([capability_row(name, device, dtype, head_dim, block_size) for name in list_backends()])
