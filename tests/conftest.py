@@ -53,6 +53,40 @@ TINY_MODELS = {
     ),
 }
 VOCAB = 320
+# Models whose attention is not plain causal: a sliding window (16, far shorter than prompt +
+# output), Gemma 2's soft-caps and alternating layers, Gemma 3's q/k norms, 5:1 local/global
+# pattern (here 2:1) and per-layer-type RoPE bases.
+WINDOW = 16
+VARIANT_MODELS = {
+    "mistral": (
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=5.0,  # low enough to bite with these weights (Gemma 2's is 50)
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+}
 
 
 def train_tokenizer(path):
@@ -71,11 +105,11 @@ def train_tokenizer(path):
     return fast
 
 
-def build_hf_model(name, path):
+def build_hf_model(name, path, specs=TINY_MODELS):
     import transformers
 
-    cls_name, extra = TINY_MODELS[name]
-    config = getattr(transformers, cls_name)(
+    cls_name, extra = specs[name]
+    base = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -85,8 +119,8 @@ def build_hf_model(name, path):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        **extra,
     )
+    config = getattr(transformers, cls_name)(**(base | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(str(path))
@@ -99,6 +133,13 @@ def tiny_models(tmp_path_factory):
     """name -> (model directory, HF model in fp32)."""
     root = tmp_path_factory.mktemp("models")
     return {name: (str(root / name), build_hf_model(name, root / name)) for name in TINY_MODELS}
+
+
+@pytest.fixture(scope="session")
+def variant_models(tmp_path_factory):
+    """name -> (model directory, HF model in fp32) of VARIANT_MODELS."""
+    root = tmp_path_factory.mktemp("variant-models")
+    return {name: (str(root / name), build_hf_model(name, root / name, VARIANT_MODELS)) for name in VARIANT_MODELS}
 
 
 CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"

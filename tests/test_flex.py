@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 from pagedbench.backends import flex
+from pagedbench.backends.base import AttentionVariant
 from pagedbench.backends.flex import FlexBackend
 
 from pagedbench import LLM, SamplingParams
@@ -378,3 +379,33 @@ def test_page_size_is_a_compile_time_constant():
     before = flex.compile_stats["graphs"]
     check_flex([(20, 1), (0, 40)], block_size=64, heads=(2, 1), head_dim=32)
     assert flex.compile_stats["graphs"] - before == 2  # decode and prefill graphs for pages of 64
+
+
+@pytest.mark.parametrize("block_size", [16, 8])  # 8: pages share a KV block of 16
+def test_a_window_leaves_the_pages_before_it_out_of_the_block_mask(block_size):
+    """Pages wholly before every query's window are not listed (not merely masked): a decode at
+    position 300 with a 33-token window lists the 3 pages of keys 268..300, not all 19; a prefill
+    block lists pages from its first query's window start. Pages inside every query's window and
+    before the first query are full blocks (no mask_mod)."""
+    window = AttentionVariant(sliding_window=33)
+    meta = paged_metadata([(300, 1), (40, 1), (200, 20)], block_size)
+    counts = {}
+    for variant in (window, AttentionVariant()):
+        backend = FlexBackend(8, 2, 64, 0.125, block_size, torch.device("cpu"), torch.float32, variant, compile=False)
+        state = backend.prepare(meta)
+        for call in state.calls:
+            mask = call.block_mask
+            full = (
+                mask.full_kv_num_blocks if mask.full_kv_num_blocks is not None else torch.zeros_like(mask.kv_num_blocks)
+            )
+            counts[variant, call.kind] = (mask.kv_num_blocks + full).reshape(-1).tolist()
+
+    def pages(first: int, last: int) -> int:  # pages holding keys first..last
+        return last // block_size - first // block_size + 1
+
+    # Pages of 8 share KV blocks of 16 (listed once per block): at most one listing per page.
+    listed = (lambda got, want: got == want) if block_size >= 16 else (lambda got, want: 0 < got <= want)
+    assert listed(counts[window, "decode"][0], pages(268, 300)) and listed(counts[window, "decode"][1], pages(8, 40))
+    assert counts[AttentionVariant(), "decode"][0] > 2 * pages(268, 300)
+    # The chunk (positions 200..219) starts its window at key 168.
+    assert listed(counts[window, "prefill"][0], pages(168, 219))

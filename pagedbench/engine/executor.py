@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pagedbench.backends.base import AttentionBackend, one_line
+from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.device.timer import DeviceTimer
@@ -21,7 +21,8 @@ from pagedbench.model.config import ModelConfig
 from pagedbench.model.loader import build_model, weights_path
 from pagedbench.model.parallel import TPShard
 from pagedbench.worker.cuda_graphs import DecodeGraphs, decode_buckets
-from pagedbench.worker.model_runner import ModelRunner, build_backend, kv_bytes_per_block
+from pagedbench.worker.layer_attention import LayerAttention, build_layer_attention
+from pagedbench.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedbench.worker.step_plan import StepInputs
 from pagedbench.worker.tp_workers import ParallelRunner, Workers, rank_device
 
@@ -35,9 +36,12 @@ class Executor:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # graph capture, events and syncs act on the current device
         self.tp = self._tensor_parallel_shard()
-        backend = build_backend(config.backend, model_config, config.block_size, self.device, self.dtype, self.tp)
+        backend = build_layer_attention(
+            config.backend, model_config, config.block_size, self.device, self.dtype, self.tp
+        )
         cfg = model_config
-        max_len_cap = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+        # A sliding window no longer caps the length: each backend attends within its layers' windows.
+        max_len_cap = cfg.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_len_cap:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {max_len_cap}")
         rope_len = config.max_model_len or max_len_cap
@@ -70,7 +74,7 @@ class Executor:
         return tp
 
     @property
-    def backend(self) -> AttentionBackend:
+    def backend(self) -> LayerAttention:
         return self.runner.backend
 
     def shutdown(self) -> None:
@@ -80,7 +84,7 @@ class Executor:
 
     # ---- KV cache -----------------------------------------------------------------------------
 
-    def _size_kv_cache(self, backend: AttentionBackend, max_len_cap: int) -> tuple[int, int]:
+    def _size_kv_cache(self, backend: LayerAttention, max_len_cap: int) -> tuple[int, int]:
         """(num_blocks, max_model_len): max_model_len None is as long as the model allows and the
         cache holds; an explicit one the cache cannot hold is an error."""
         config, bs = self.config, self.config.block_size
@@ -94,7 +98,7 @@ class Executor:
             )
         return num_blocks, config.max_model_len
 
-    def _auto_num_blocks(self, backend: AttentionBackend, max_model_len: int) -> int:
+    def _auto_num_blocks(self, backend: LayerAttention, max_model_len: int) -> int:
         """KV blocks from the memory budget: vLLM's profiled rule on CUDA, cpu_kv_cache_bytes on CPU."""
         config = self.config
         per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.tp)
@@ -111,7 +115,7 @@ class Executor:
             budget = cuda_kv_budget(config, self.model, backend, max_model_len, *args)
         return num_kv_blocks(config, budget, per_block, max_model_len)
 
-    def _start_runner(self, backend: AttentionBackend) -> ModelRunner | ParallelRunner:
+    def _start_runner(self, backend: LayerAttention) -> ModelRunner | ParallelRunner:
         """The KV cache (and swap space) on every rank, and the runner that drives them."""
         config = self.config
         self.num_cpu_blocks = 0
@@ -129,7 +133,7 @@ class Executor:
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
-    def _graph_off_reason(self, backend: AttentionBackend) -> str | None:
+    def _graph_off_reason(self, backend: LayerAttention) -> str | None:
         if self.config.enforce_eager:
             return "enforce_eager"
         if self.device.type != "cuda":

@@ -1,16 +1,26 @@
-"""ModelConfig: what the engine needs of a Hugging Face config.json (either of its two forms)."""
+"""ModelConfig: what the engine needs of a Hugging Face config.json (either of its two forms).
+
+The per-layer attention settings (layer types, windows, soft-caps, RoPE bases) are read through
+transformers' own config class for the model type, so the defaults a checkpoint leaves out are
+the library's (Gemma 2's alternating windows, Gemma 3's 5-local-1-global pattern)."""
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# architecture name in config.json -> (q/k/v bias, per-head q/k RMSNorm)
+from pagedbench.backends.base import AttentionVariant
+
+# architecture name in config.json -> (q/k/v bias, per-head q/k RMSNorm, Gemma style)
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
+    "LlamaForCausalLM": (False, False, False),
+    "MistralForCausalLM": (False, False, False),
+    "Qwen2ForCausalLM": (True, False, False),
+    "Qwen3ForCausalLM": (False, True, False),
+    "Gemma2ForCausalLM": (False, False, True),
+    "Gemma3ForCausalLM": (False, True, True),
 }
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SLIDING = "sliding_attention"
 
 
 @dataclass(slots=True)
@@ -32,6 +42,31 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    hidden_act: str = "silu"
+    # Gemma: RMSNorm scales by (1 + weight), norms before and after attention and MLP, embeddings
+    # scaled by sqrt(hidden_size).
+    gemma: bool = False
+    layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention"; None: all alike
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None  # the softmax scale is its -1/2 power (head_dim's otherwise)
+    local_rope_theta: float | None = None  # RoPE base of sliding-window layers, where it differs (Gemma 3)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == SLIDING
+
+    def layer_variants(self) -> list[AttentionVariant]:
+        """What each layer's attention computes (its window and soft-cap)."""
+        return [
+            AttentionVariant(self.sliding_window if self.is_sliding(i) else None, self.attn_softcap)
+            for i in range(self.num_layers)
+        ]
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -42,15 +77,19 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu is supported")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported mlp_bias=true")
-        qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        qkv_bias, qk_norm, gemma = SUPPORTED_ARCHITECTURES[arch]
+        layers = _layer_attention(cfg)
         # transformers 5 nests rope settings under rope_parameters; older checkpoints use
         # top-level rope_theta and rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         legacy = cfg.get("rope_scaling") or {}
+        if layers["global_rope"] is not None:  # Gemma 3: the global layers' RoPE settings
+            rope = dict(layers["global_rope"])
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type") or rope.get("type") or legacy.get("rope_type") or legacy.get("type")
         scaling = None
@@ -62,7 +101,6 @@ class ModelConfig:
                 raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -80,7 +118,14 @@ class ModelConfig:
             qkv_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=qk_norm,
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            sliding_window=sliding,
+            sliding_window=layers["sliding_window"],
+            hidden_act=act,
+            gemma=gemma,
+            layer_types=layers["layer_types"],
+            attn_softcap=cfg.get("attn_logit_softcapping"),
+            final_softcap=cfg.get("final_logit_softcapping"),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            local_rope_theta=layers["local_rope_theta"],
         )
 
     @classmethod
@@ -106,3 +151,34 @@ class ModelConfig:
             if eos is not None:
                 cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
         return cfg
+
+
+def _layer_attention(cfg: dict) -> dict:
+    """Sliding window, layer types and per-layer-type RoPE as transformers' config class for the
+    model type fills them in (a config.json may leave them to the class defaults)."""
+    from transformers import AutoConfig
+
+    model_type = cfg.get("model_type")
+    hf = None
+    if model_type:
+        try:
+            fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+            hf = AutoConfig.for_model(model_type, **fields)
+        except (KeyError, ValueError, TypeError):  # a model type this transformers does not know
+            hf = None
+    get = (lambda key: getattr(hf, key, None)) if hf is not None else cfg.get
+    window = get("sliding_window")
+    layer_types = get("layer_types")
+    if hf is None and window is not None and not cfg.get("use_sliding_window", True):
+        window = None  # an old Qwen2 config without its model type
+    if layer_types is not None and SLIDING not in layer_types:
+        window = None  # every layer global (e.g. Qwen2 with use_sliding_window false)
+    rope = get("rope_parameters") or {}
+    per_type = isinstance(rope, dict) and SLIDING in rope
+    local_theta = rope[SLIDING].get("rope_theta") if per_type else get("rope_local_base_freq")
+    return {
+        "sliding_window": window,
+        "layer_types": list(layer_types) if layer_types is not None and window is not None else None,
+        "global_rope": rope.get("full_attention") if per_type else None,
+        "local_rope_theta": float(local_theta) if local_theta is not None else None,
+    }

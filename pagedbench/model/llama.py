@@ -1,11 +1,16 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over one flat, unpadded token batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) over one flat, unpadded
+token batch.
 
-Module names match Hugging Face's so checkpoints load by name. Attention goes through the
-step's `AttentionContext`: the KV write is shared code, the attention itself is the backend's.
+Module names match Hugging Face's so checkpoints load by name. Gemma differs in a few switches
+(`cfg.gemma`): RMSNorm scales by 1 + weight, every block has norms before and after, embeddings
+are scaled by sqrt(hidden_size), the MLP uses GeLU-tanh, final logits may be soft-capped, and
+Gemma 3's sliding-window layers have their own RoPE base. Attention goes through the step's
+`AttentionContext`: the KV write is shared code, the attention itself is the layer's backend's.
 """
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,20 +25,23 @@ from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab, 
 
 @dataclass(slots=True)
 class AttentionContext:
-    """What every layer needs for one step: the backend, its per-step state, and the cache."""
+    """What every layer needs for one step: its backend and that backend's per-step state (layers
+    of one attention variant share both), and the cache."""
 
-    backend: AttentionBackend
-    state: Any
+    backends: list[AttentionBackend]  # per layer
+    states: list[Any]  # per layer
     slot_mapping: torch.Tensor  # [T] int64
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, H_kv, D]
     timer: Any = None  # a DeviceTimer: each layer's attention call becomes an "attention" span
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied (`local`: a Gemma 3
+    sliding-window layer's own base, unscaled)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = cfg.rope_scaling or {}
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = {} if local else cfg.rope_scaling or {}
     kind = scaling.get("rope_type")
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -50,9 +58,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, local: bool = False):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg, local))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, D] fp32
         self.register_buffer("sin", emb.sin(), persistent=False)
@@ -69,15 +77,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Llama's: weight * norm(x) in x's dtype; Gemma's (`offset`): norm(x) * (1 + weight) in fp32."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -111,8 +123,8 @@ class Attention(nn.Module):
         self.v_proj = _column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
         self.o_proj = _row_parallel(cfg.num_heads * d, h, h0 * d, self.num_heads * d)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
@@ -125,7 +137,7 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         start = ctx.timer.mark() if ctx.timer is not None else None
-        out = ctx.backend.forward(q, k_cache, v_cache, ctx.state)
+        out = ctx.backends[self.layer_idx].forward(q, k_cache, v_cache, ctx.states[self.layer_idx])
         if start is not None:
             ctx.timer.span("attention", start)
         return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
@@ -140,9 +152,10 @@ class MLP(nn.Module):
         self.gate_proj = _column_parallel(h, n, start, length, bias=False)
         self.up_proj = _column_parallel(h, n, start, length, bias=False)
         self.down_proj = _row_parallel(n, h, start, length)
+        self.act = F.silu if cfg.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
+        return all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)), self.tp)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -167,27 +180,47 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, tp)
         self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gemma = cfg.gemma
+
+        def norm():
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+
+        self.input_layernorm = norm()
+        # Llama: the norm before the MLP. Gemma: the norm after attention, with two around the MLP.
+        self.post_attention_layernorm = norm()
+        if cfg.gemma:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.gemma:
+            x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg, max_positions)
+        # Gemma 3's sliding-window layers rotate with their own base.
+        self.local_rope = cfg.local_rope_theta is not None and cfg.local_rope_theta != cfg.rope_theta
+        if self.local_rope:
+            self.rotary_emb_local = RotaryEmbedding(cfg, max_positions, local=True)
+        self.sliding = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma rounds the scale to the activations' dtype first
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, ctx)
+        local = self.rotary_emb_local(positions, x.dtype) if self.local_rope else rope
+        for layer, sliding in zip(self.layers, self.sliding):
+            x = layer(x, local if sliding else rope, ctx)
         return self.norm(x)
 
 
@@ -208,4 +241,6 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> fp32 logits [len(logits_indices), vocab] of the chosen tokens
         only (on tensor-parallel rank 0; None on the other ranks)."""
         hidden = self.model(input_ids, positions, ctx)
-        return gather_vocab(self.lm_head(hidden[logits_indices]).float(), self.config.vocab_size, self.tp)
+        logits = gather_vocab(self.lm_head(hidden[logits_indices]).float(), self.config.vocab_size, self.tp)
+        cap = self.config.final_softcap
+        return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap

@@ -7,11 +7,11 @@ import numpy as np
 import torch
 
 from pagedbench.backends.base import AttentionBackend, one_line
-from pagedbench.backends.registry import resolve
 from pagedbench.device.transfer import to_device, to_host
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.llama import AttentionContext, CausalLM
 from pagedbench.model.parallel import NO_TP, TPShard
+from pagedbench.worker.layer_attention import LayerAttention, LayerStates
 from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan, plan_step
 
 
@@ -20,23 +20,11 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp
     return 2 * cfg.num_layers * block_size * tp.local_heads(cfg)[1] * cfg.head_dim * dtype.itemsize
 
 
-def build_backend(
-    name: str, cfg: ModelConfig, block_size: int, device: torch.device, dtype: torch.dtype, tp: TPShard = NO_TP
-) -> AttentionBackend:
-    """Backend `name` for this rank's heads, or a ValueError saying why it cannot run here."""
-    num_heads, num_kv_heads = tp.local_heads(cfg)
-    d = cfg.head_dim
-    found = resolve(name, device, dtype, d, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
-    if not found.runnable:
-        raise ValueError(f"backend {name!r} is unavailable here: {found.reason}")
-    return found.cls(num_heads, num_kv_heads, d, d**-0.5, block_size, device, dtype)
-
-
 class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        backend: AttentionBackend,
+        backend: LayerAttention | AttentionBackend,
         num_blocks: int,
         block_size: int,
         device: torch.device,
@@ -104,6 +92,20 @@ class ModelRunner:
             return self.graphs.replay(inputs)
         return self.run_eager(inputs, backend_state, timer)
 
-    def run_eager(self, inputs: StepInputs, backend_state, timer=None) -> torch.Tensor | None:
-        ctx = AttentionContext(self.backend, backend_state, inputs.metadata.slot_mapping, self.kv_caches, timer)
+    def run_eager(self, inputs: StepInputs, backend_state: LayerStates, timer=None) -> torch.Tensor | None:
+        ctx = AttentionContext(
+            backend_state.backends, backend_state.states, inputs.metadata.slot_mapping, self.kv_caches, timer
+        )
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)
+
+    @property
+    def backend(self) -> LayerAttention:
+        """Every layer's backend, prepared once per step for all of them (`prepare` -> LayerStates)."""
+        return self._attention
+
+    @backend.setter
+    def backend(self, backend: LayerAttention | AttentionBackend) -> None:
+        """A single backend serves every layer (what tests and a plain model use)."""
+        if not isinstance(backend, LayerAttention):
+            backend = LayerAttention.uniform(backend, self.model.config.num_layers)
+        self._attention = backend

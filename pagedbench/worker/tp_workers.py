@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
 from pagedbench.model.parallel import TPShard
-from pagedbench.worker.model_runner import ModelRunner, build_backend
+from pagedbench.worker.layer_attention import build_layer_attention
+from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.step_plan import StepInputs
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # a first step may JIT-compile for minutes on a CPU
@@ -82,7 +83,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         else:  # the ranks share the CPU's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
         cfg, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
-        backend = build_backend(config.backend, cfg, config.block_size, device, dtype, tp)
+        backend = build_layer_attention(config.backend, cfg, config.block_size, device, dtype, tp)
         model = build_model(
             cfg, weights_path(path, config), device, dtype, spec.rope_len, config.seed, tp, config.preset_init
         )

@@ -1,0 +1,67 @@
+"""Models whose attention is not plain causal -- Mistral's sliding window, Gemma 2 (soft-caps,
+alternating windowed layers), Gemma 3 (q/k norms, local/global layers with their own RoPE
+bases) -- generate Hugging Face's greedy tokens in fp32 through every CPU backend that claims
+their variants, with prompt + output far beyond the window, also under a small KV budget
+(preemption, chunked prefill) with prefix caching."""
+
+import random
+
+import pytest
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.model.loader import resolve_model_config
+from tests.conftest import VARIANT_MODELS, VOCAB, WINDOW, hf_greedy
+from tests.helpers import backend_params
+
+PROMPT_LENS = [64, 23, 40]
+MAX_NEW = 64
+SETUPS = {
+    "roomy": dict(block_size=16),
+    # KV for about one sequence, a token budget under the prompts: preemption and chunked prefill.
+    "pressure": dict(block_size=8, num_blocks=18, max_num_batched_tokens=24, enable_prefix_caching=True),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    shared = [rng.randrange(3, VOCAB) for _ in range(20)]  # a common prefix: prefix-cache hits
+    return [shared + [rng.randrange(3, VOCAB) for _ in range(n - 20)] for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(variant_models, prompts):
+    return {name: [hf_greedy(model, p, MAX_NEW) for p in prompts] for name, (_, model) in variant_models.items()}
+
+
+def test_configs_read_the_variants(variant_models):
+    """What the engine reads of each config: windows on the right layers, soft-caps, scale, RoPE."""
+    mistral, gemma2, gemma3 = (resolve_model_config(variant_models[n][0])[0] for n in ("mistral", "gemma2", "gemma3"))
+    assert [v.sliding_window for v in mistral.layer_variants()] == [WINDOW, WINDOW]
+    assert [(v.sliding_window, v.softcap) for v in gemma2.layer_variants()] == [(WINDOW, 5.0), (None, 5.0)]
+    assert gemma2.final_softcap == 3.0 and gemma2.attention_scale == 24**-0.5 and gemma2.gemma
+    assert [v.sliding_window for v in gemma3.layer_variants()] == [WINDOW, None, WINDOW]
+    assert gemma3.qk_norm and (gemma3.local_rope_theta, gemma3.rope_theta) == (10000.0, 1000000.0)
+    assert mistral.max_position_embeddings > WINDOW  # the window no longer caps the length
+
+
+def engine_backends():
+    """Every backend on every device; beyond sdpa on CPU, the slow tier (minutes in all)."""
+    return [
+        p if p.values == ("sdpa", "cpu") else pytest.param(*p.values, marks=[*p.marks, pytest.mark.slow], id=p.id)
+        for p in backend_params()
+    ]
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("model_name", VARIANT_MODELS)
+@pytest.mark.parametrize("backend,device", engine_backends())
+def test_greedy_matches_hf_past_the_window(variant_models, prompts, hf_outputs, backend, device, model_name, setup):
+    llm = LLM(variant_models[model_name][0], backend=backend, device=device, dtype="float32", **SETUPS[setup])
+    assert llm.engine.max_model_len >= max(PROMPT_LENS) + MAX_NEW > 4 * WINDOW
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_outputs[model_name]
+    if setup == "pressure":
+        stats = llm.engine.stats
+        assert stats.preemptions > 0 and llm.engine.block_manager.prefix_cache.hits > 0
