@@ -9,6 +9,7 @@ import random
 import pytest
 
 from pagedbench import LLM, SamplingParams
+from pagedbench.engine.block_manager import NO_BLOCK
 from pagedbench.model.loader import resolve_model_config
 from tests.conftest import VARIANT_MODELS, VOCAB, WINDOW, hf_greedy
 from tests.helpers import backend_params
@@ -63,5 +64,49 @@ def test_greedy_matches_hf_past_the_window(variant_models, prompts, hf_outputs, 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_outputs[model_name]
     if setup == "pressure":
-        stats = llm.engine.stats
-        assert stats.preemptions > 0 and llm.engine.block_manager.prefix_cache.hits > 0
+        assert llm.engine.block_manager.prefix_cache.hits > 0
+        # Mistral's pages leave with its window, so the same budget needs no preemption there.
+        windowed = llm.engine.model_config.window_of_every_layer is not None
+        assert (llm.engine.stats.preemptions > 0) != windowed
+
+
+def test_a_window_releases_the_pages_behind_it(variant_models, prompts, hf_outputs):
+    """Every Mistral layer is windowed: between steps each sequence holds only the pages its next
+    token's window reaches (plus the step's chunk), however long it grows; Gemma keeps them all."""
+    block_size, chunk = 8, 24
+    llm = LLM(
+        variant_models["mistral"][0], backend="sdpa", device="cpu", dtype="float32", block_size=block_size,
+        num_blocks=40, max_num_batched_tokens=chunk,
+    )  # fmt: skip
+    engine, bound = llm.engine, (WINDOW + chunk) // block_size + 2
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request({"prompt_token_ids": p}, params, request_id=str(i))
+    peak, outputs = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            peak = max(peak, sum(b != NO_BLOCK for b in seq.block_table))
+            assert sum(b != NO_BLOCK for b in seq.block_table) <= bound, (seq.num_computed_tokens, seq.block_table)
+    assert [outputs[str(i)] for i in range(len(prompts))] == hf_outputs["mistral"]
+    assert peak <= bound < (max(PROMPT_LENS) + MAX_NEW) // block_size  # bounded well below a full sequence
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    gemma = resolve_model_config(variant_models["gemma2"][0])[0]
+    assert gemma.window_of_every_layer is None  # global layers read every page: none released
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_windowed_sequences_survive_preemption(variant_models, prompts, hf_outputs, mode):
+    """Too few pages even for windowed sequences: preempted by swap (released pages stay released,
+    only held ones move) or by recompute, they still generate Hugging Face's tokens."""
+    llm = LLM(
+        variant_models["mistral"][0], backend="sdpa", device="cpu", dtype="float32", block_size=8, num_blocks=7,
+        max_num_batched_tokens=24, preemption_mode=mode, max_model_len=MAX_NEW + max(PROMPT_LENS),
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_outputs["mistral"]
+    assert llm.engine.stats.preemptions > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks

@@ -16,6 +16,12 @@ sequence's next tokens go; when that page is shared, the writer first gets a pri
 engine, which copies the K/V before the step runs. Only a partial last page can be written while
 shared, so a fork costs at most one page copy per sequence.
 
+Sliding windows (as vLLM v1): when every layer of the model is windowed (Mistral), a page whose
+tokens have all fallen out of the window of the sequence's next token is released; its table
+entry becomes NO_BLOCK (the step plan points it at the padding page, and no backend reads keys
+outside the window). Models that mix global and local layers (Gemma 2/3) keep every page: one
+page holds a block of tokens for all layers, and the global layers read every one.
+
 Swap space (preemption by swap): a pool of CPU blocks. `swap_out` moves a sequence's pages there
 (queued (device block, CPU block) copies, the device blocks freed), `swap_in` back into fresh
 device blocks; the engine runs the copies before the step, swap-outs first.
@@ -34,8 +40,16 @@ def _needs_prompt_logits(seq: Sequence) -> bool:
     return len(seq.prompt_logprobs or ()) < seq.num_prompt_tokens - 1
 
 
+NO_BLOCK = -1  # a block-table entry whose page a sliding window released
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def _held(table: list[int]) -> list[int]:
+    """The pages a block table (or swap table) actually holds."""
+    return [block for block in table if block != NO_BLOCK]
 
 
 class BlockManager:
@@ -43,8 +57,16 @@ class BlockManager:
     (unreferenced, still registered; LRU), a reference count per block, and each sequence's block
     table (`Sequence.block_table`, logical block i -> physical block)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        sliding_window: int | None = None,
+    ):
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window  # set only when every layer is windowed
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
         self.pending_swap_out: list[tuple[int, int]] = []  # (device block, CPU block)
@@ -99,7 +121,8 @@ class BlockManager:
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still needs so that its first `num_tokens` tokens fit in the cache
         (new pages, plus private copies of shared pages it will write into)."""
-        grow = max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
+        released = seq.cpu_block_table.count(NO_BLOCK)  # a swapped-out sequence's released pages stay released
+        grow = max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table) - released)
         return grow + len(self._shared_writes(seq, num_tokens))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
@@ -129,7 +152,7 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` reads all of `parent`'s pages (one more reference each; nothing is copied)."""
         assert not child.block_table, "a fork starts with no blocks of its own"
-        for block in parent.block_table:
+        for block in _held(parent.block_table):
             self.ref_counts[block] += 1
             self._num_shared += self.ref_counts[block] == 2
         child.block_table = list(parent.block_table)
@@ -143,9 +166,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; an unreferenced block becomes free, evictable if cached."""
-        for block in reversed(seq.block_table):
+        for block in reversed(_held(seq.block_table)):
             self._unref(block)
-        self._cpu_free.extend(seq.cpu_block_table)
+        self._cpu_free.extend(_held(seq.cpu_block_table))
         seq.block_table, seq.cpu_block_table = [], []
         seq.block_keys = []
 
@@ -156,15 +179,16 @@ class BlockManager:
         return len(self._cpu_free)
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < len(seq.block_table) <= len(self._cpu_free)
+        return 0 < len(_held(seq.block_table)) <= len(self._cpu_free)
 
     def swap_out(self, seq: Sequence) -> None:
         """Move `seq`'s pages to swap space (shared pages are copied; its references dropped)."""
         for block in seq.block_table:
-            cpu = self._cpu_free.popleft()
-            self.pending_swap_out.append((block, cpu))
+            cpu = NO_BLOCK if block == NO_BLOCK else self._cpu_free.popleft()
+            if block != NO_BLOCK:
+                self.pending_swap_out.append((block, cpu))
             seq.cpu_block_table.append(cpu)
-        for block in reversed(seq.block_table):
+        for block in reversed(_held(seq.block_table)):
             self._unref(block)
         seq.block_table = []
         seq.block_keys = []  # its pages come back as fresh blocks, registered again once cached
@@ -172,10 +196,11 @@ class BlockManager:
     def swap_in(self, seq: Sequence) -> None:
         """Bring a swapped-out sequence's pages back into fresh device blocks (check can_allocate first)."""
         for cpu in seq.cpu_block_table:
-            block = self._take()
-            self.pending_swap_in.append((cpu, block))
+            block = NO_BLOCK if cpu == NO_BLOCK else self._take()
+            if cpu != NO_BLOCK:
+                self.pending_swap_in.append((cpu, block))
             seq.block_table.append(block)
-        self._cpu_releasing += seq.cpu_block_table
+        self._cpu_releasing += _held(seq.cpu_block_table)
         seq.cpu_block_table = []
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -185,6 +210,19 @@ class BlockManager:
         self._cpu_free.extend(self._cpu_releasing)
         self._cpu_releasing = []
         return swaps
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """With every layer windowed: release `seq`'s pages that hold no key its next token's
+        window reaches (positions before num_computed_tokens - sliding_window + 1)."""
+        if self.sliding_window is None:
+            return
+        first_needed = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        table = seq.block_table
+        for index in range(min(first_needed, len(table)) - 1, -1, -1):  # back to the last page released
+            if table[index] == NO_BLOCK:
+                break
+            self._unref(table[index])
+            table[index] = NO_BLOCK
 
     def _unref(self, block: int) -> None:
         assert self.ref_counts[block] > 0, f"double free of block {block}"

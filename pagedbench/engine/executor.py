@@ -89,9 +89,15 @@ class Executor:
         cache holds; an explicit one the cache cannot hold is an error."""
         config, bs = self.config, self.config.block_size
         num_blocks = config.num_blocks or self._auto_num_blocks(backend, config.max_model_len or max_len_cap)
+        # A sequence holds its whole length in pages, or, when every layer is windowed, only the pages
+        # of its window and the step's chunk (the rest are released as it goes).
+        window = self.model_config.window_of_every_layer
+        held = None if window is None else blocks_needed(window + config.max_num_batched_tokens, bs) + 1
         if config.max_model_len is None:
-            return num_blocks, min(max_len_cap, num_blocks * bs)
-        if num_blocks < blocks_needed(config.max_model_len, bs):
+            return num_blocks, max_len_cap if held is not None and num_blocks >= held else min(
+                max_len_cap, num_blocks * bs
+            )
+        if num_blocks < (held or blocks_needed(config.max_model_len, bs)):
             raise ValueError(
                 f"KV cache of {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens cannot hold one "
                 f"sequence of max_model_len={config.max_model_len}; raise num_blocks or lower max_model_len"

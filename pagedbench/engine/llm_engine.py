@@ -39,7 +39,7 @@ class LLMEngine:
         self.device, self.dtype = ex.device, ex.dtype
         self.max_model_len, self.num_blocks = ex.max_model_len, ex.num_blocks  # the executor sized the cache
         self.block_manager = BlockManager(
-            ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks
+            ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks, cfg.window_of_every_layer
         )
         self.scheduler = Scheduler(
             self.block_manager,

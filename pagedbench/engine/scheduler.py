@@ -230,6 +230,7 @@ class Scheduler:
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
+            self.block_manager.release_out_of_window(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Stop `seq` for good (stop, length, abort), wherever it is queued, and free its blocks."""

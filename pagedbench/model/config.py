@@ -61,6 +61,13 @@ class ModelConfig:
             return False
         return self.layer_types is None or self.layer_types[layer] == SLIDING
 
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The sliding window when every layer has it (its pages can then be released), else None."""
+        if self.sliding_window is None or not all(self.is_sliding(i) for i in range(self.num_layers)):
+            return None
+        return self.sliding_window
+
     def layer_variants(self) -> list[AttentionVariant]:
         """What each layer's attention computes (its window and soft-cap)."""
         return [

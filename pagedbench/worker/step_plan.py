@@ -119,6 +119,9 @@ def plan_step(seqs: list[ScheduledSequence], num_new: list[int], block_size: int
     block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
     for i, s in enumerate(seqs):
         block_table[i, : len(s.block_table)] = s.block_table
+    # Pages a sliding window released (-1) point at the padding page, the cache's last: no backend
+    # reads a key outside the window, and a gather-based one masks what it reads there.
+    block_table[block_table < 0] = num_cache_blocks - 1
     slot_mapping = (
         block_table[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )
