@@ -321,3 +321,23 @@ def test_enforce_eager_is_a_run_setting_outside_the_workload_hash(tmp_path, comp
     eager = pd.read_csv(tmp_path / "run-mixed.csv")
     assert eager["enforce_eager"].all() and (eager["cuda_graphs"] == "off: enforce_eager").all()
     assert eager["scenario_hash"].iloc[0] == ok["scenario_hash"].iloc[0]
+
+
+def test_kernels_variants_count_only_the_keys_a_window_reaches():
+    """A window-1024 decode at context 2048 must read half the keys (its bytes and FLOPs say so);
+    variant rows have no unpaged yardstick (plain SDPA computes something else)."""
+    from dataclasses import replace
+
+    from pagedbench.bench.kernels import GRID_PRESETS, run_kernels
+
+    grid = replace(
+        GRID_PRESETS["cpu"], batch_sizes=[1], context_lens=[2048], phases=["decode"], heads=[(4, 2)], head_dim=16,
+        warmup=0, repeats=1, variants=["plain", "window-1024", "softcap-50", "sinks"],
+    )  # fmt: skip
+    df = pd.DataFrame(run_kernels(["sdpa"], grid, "cpu", "float32"))
+    sdpa = df[df["backend"] == "sdpa"].set_index("variant")
+    assert (sdpa["status"] == "ok").all() and set(sdpa.index) == {"plain", "window-1024", "softcap-50", "sinks"}
+    assert sdpa.loc["window-1024", "kv_bytes"] * 2 == sdpa.loc["plain", "kv_bytes"]
+    assert sdpa.loc["window-1024", "flops"] * 2 == sdpa.loc["plain", "flops"]
+    assert list(df.loc[df["backend"] == "dense-sdpa", "variant"]) == ["plain"]
+    assert sdpa.loc["plain", "vs_dense"] > 0 and sdpa.drop("plain")["vs_dense"].isna().all()

@@ -10,12 +10,13 @@ import re
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from pagedbench.backends.base import PLAIN, AttentionVariant
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.problems import causal_mask, random_attention_batch
@@ -24,6 +25,13 @@ from pagedbench.device.dtypes import resolve_device_dtype
 PHASES = ("decode", "prefill", "mixed")
 MIXED_CHUNK = 512  # the prefill chunk a mixed step carries next to its decodes
 DENSE = "dense-sdpa"  # the unpaged yardstick's row name
+# Where backends differ (`--variants`): Gemma 3's window (Gemma 2's is 4096), Gemma 2's soft-cap, gpt-oss's sinks.
+VARIANTS = {
+    "plain": PLAIN,
+    "window-1024": AttentionVariant(sliding_window=1024),
+    "softcap-50": AttentionVariant(softcap=50.0),
+    "sinks": AttentionVariant(sinks=True),
+}
 
 # Spec-sheet HBM bandwidth (TB/s), matched against torch.cuda.get_device_name in order.
 PEAK_BANDWIDTH_TBPS = [
@@ -48,6 +56,7 @@ class KernelGrid:
     max_query_tokens: int  # ... and so are those with more query tokens (prefill time)
     warmup: int
     repeats: int
+    variants: list[str] = field(default_factory=lambda: ["plain"])  # names in VARIANTS
 
     def validate(self) -> None:
         for name in ("batch_sizes", "context_lens", "block_sizes"):
@@ -57,6 +66,8 @@ class KernelGrid:
         for num_heads, num_kv_heads in self.heads:
             if min(num_heads, num_kv_heads) < 1 or num_heads % num_kv_heads:
                 raise ValueError(f"heads {num_heads}/{num_kv_heads}: query heads must be a multiple of KV heads")
+        if not self.variants or set(self.variants) - set(VARIANTS):
+            raise ValueError(f"variants must be among {', '.join(VARIANTS)}, got {', '.join(self.variants)}")
         unknown = set(self.phases) - set(PHASES)
         if unknown or not self.phases:
             raise ValueError(f"phases must be among {', '.join(PHASES)}, got {', '.join(self.phases)}")
@@ -64,9 +75,11 @@ class KernelGrid:
             raise ValueError("head_dim, max_kv_tokens, max_query_tokens and repeats must be >= 1, warmup >= 0")
 
     def points(self):
-        """(phase, (heads, kv heads), block size, context, batch) within the token limits."""
-        for point in itertools.product(self.phases, self.heads, self.block_sizes, self.context_lens, self.batch_sizes):
-            spec = batch_spec(point[0], point[4], point[3])
+        """(variant, phase, (heads, kv heads), block size, context, batch) within the token limits."""
+        for point in itertools.product(
+            self.variants, self.phases, self.heads, self.block_sizes, self.context_lens, self.batch_sizes
+        ):
+            spec = batch_spec(point[1], point[5], point[4])
             if sum(map(sum, spec)) <= self.max_kv_tokens and sum(q for _, q in spec) <= self.max_query_tokens:
                 yield point
 
@@ -110,10 +123,18 @@ def batch_spec(phase: str, batch_size: int, context_len: int) -> list[tuple[int,
     return decodes + [(context_len - chunk, chunk)]
 
 
-def attention_flops(spec: list[tuple[int, int]], num_heads: int, head_dim: int) -> int:
-    """QK^T and PV over the causally visible keys: 4 * H * D per (query, key) pair."""
-    pairs = sum(q * ctx + q * (q + 1) // 2 for ctx, q in spec)
+def attention_flops(spec: list[tuple[int, int]], num_heads: int, head_dim: int, window: int | None = None) -> int:
+    """QK^T and PV over the visible keys (causal, within the window): 4 * H * D per (query, key) pair."""
+    if window is None:
+        pairs = sum(q * ctx + q * (q + 1) // 2 for ctx, q in spec)
+    else:  # the query at position p sees min(p + 1, window) keys
+        pairs = sum(int(torch.arange(ctx, ctx + q).add(1).clamp(max=window).sum()) for ctx, q in spec)
     return 4 * num_heads * head_dim * pairs
+
+
+def visible_kv_tokens(spec: list[tuple[int, int]], window: int | None = None) -> int:
+    """Keys some query of each sequence sees: all of them, or those within the first query's window on."""
+    return sum(c + q if window is None else min(c + q, window + q - 1) for c, q in spec)
 
 
 def time_call(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
@@ -190,89 +211,106 @@ def run_kernels(
     if not points:
         raise ValueError("every grid point exceeds max_kv_tokens or max_query_tokens")
     rows = [] if rows is None else rows
-    for phase, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(
+    for variant_name, phase, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(
         points, desc="kernels", disable=None
     ):
+        variant = VARIANTS[variant_name]
         spec = batch_spec(phase, batch_size, context_len)
         point = {
+            "variant": variant_name,
             "phase": phase,
             "batch_size": batch_size,
             "context_len": context_len,
             "block_size": block_size,
-            **_shape_columns(spec, num_heads, num_kv_heads, grid, dt),
+            **_shape_columns(spec, num_heads, num_kv_heads, grid, dt, variant.sliding_window),
             "peak_bandwidth_gbps": peak_gbps,
             "peak_bandwidth_source": peak_source,
             "copy_bandwidth_gbps": copy_gbps,
         }
-        try:
-            dense = _time_dense(spec, point, grid, dev, dt)
-        except torch.cuda.OutOfMemoryError:
-            dense = {"status": "error", "reason": "out of device memory", "forward_median_ms": float("nan")}
-            torch.cuda.empty_cache()
-        rows.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **point, **dense})
+        # The unpaged yardstick computes plain attention: variant rows have no "x dense".
+        dense_ms = float("nan")
+        if variant == PLAIN:
+            dense = _dense_row(spec, point, grid, dev, dt)
+            rows.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **dense})
+            dense_ms = dense["forward_median_ms"]
         batch = None
         for name in backends:
-            _, cls, provider, reason = resolve(
-                name, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
-            )
-            head = {**env, "backend": name, "provider": provider, **point}
-            if reason:
-                rows.append({**head, "status": "unavailable", "reason": reason})
+            found = resolve(
+                name, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                **variant.settings(),
+            )  # fmt: skip
+            head = {**env, "backend": name, "provider": found.provider, **point}
+            if found.reason:
+                rows.append({**head, "status": "unavailable", "reason": found.reason})
                 continue
             if batch is None:  # built once per point, shared by the backends
                 batch = random_attention_batch(spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev)
-            caveat = cls.timing_caveat(dev)
-            # An interpreted backend's times say nothing of a kernel's speed: one call, no warm-up.
-            timing = replace(grid, warmup=0, repeats=1) if caveat else grid
-            try:
-                timed = _time_backend(cls, batch, point, timing, dev, dt)
-                timed["vs_dense"] = timed["forward_median_ms"] / dense["forward_median_ms"]
-                counts = {"warmup": timing.warmup, "repeats": timing.repeats}
-                rows.append({**head, "status": "ok", "reason": caveat or "", **timed, **counts})
-            except torch.cuda.OutOfMemoryError:
-                rows.append({**head, "status": "error", "reason": "out of device memory"})
-                torch.cuda.empty_cache()
+            rows.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms))
     return rows
 
 
-def _shape_columns(spec, num_heads: int, num_kv_heads: int, grid: KernelGrid, dtype: torch.dtype) -> dict:
-    """Heads, the bytes of K/V and the FLOPs one forward of `spec` moves and does, and the timing."""
-    kv_tokens = sum(map(sum, spec))
+def _dense_row(spec, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
+    try:
+        return {**point, **_time_dense(spec, point, grid, device, dtype)}
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {**point, "status": "error", "reason": "out of device memory", "forward_median_ms": float("nan")}
+
+
+def _backend_row(cls, batch, head: dict, grid: KernelGrid, device, dtype, variant, dense_ms: float) -> dict:
+    """One backend's timed row at one point (an interpreted backend's once, with its caveat)."""
+    caveat = cls.timing_caveat(device)
+    # An interpreted backend's times say nothing of a kernel's speed: one call, no warm-up.
+    timing = replace(grid, warmup=0, repeats=1) if caveat else grid
+    try:
+        timed = _time_backend(cls, batch, head, timing, device, dtype, variant)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {**head, "status": "error", "reason": "out of device memory"}
+    timed["vs_dense"] = timed["forward_median_ms"] / dense_ms
+    counts = {"warmup": timing.warmup, "repeats": timing.repeats}
+    return {**head, "status": "ok", "reason": caveat or "", **timed, **counts}
+
+
+def _shape_columns(
+    spec, num_heads: int, num_kv_heads: int, grid: KernelGrid, dtype: torch.dtype, window: int | None = None
+) -> dict:
+    """Heads, the bytes of K/V and the FLOPs one forward of `spec` must move and do (only the keys
+    within a window count), and the timing."""
+    kv_tokens = visible_kv_tokens(spec, window)
     return {
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": grid.head_dim,
         "num_query_tokens": sum(q for _, q in spec),
         "kv_bytes": 2 * kv_tokens * num_kv_heads * grid.head_dim * dtype.itemsize,
-        "flops": attention_flops(spec, num_heads, grid.head_dim),
+        "flops": attention_flops(spec, num_heads, grid.head_dim, window),
         "warmup": grid.warmup,
         "repeats": grid.repeats,
     }
 
 
-def _time_backend(cls, batch, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
-    backend = cls(
-        point["num_heads"],
-        point["num_kv_heads"],
-        grid.head_dim,
-        grid.head_dim**-0.5,
-        point["block_size"],
-        device,
-        dtype,
-    )
+def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, variant: AttentionVariant = PLAIN) -> dict:
+    args = (point["num_heads"], point["num_kv_heads"], grid.head_dim, grid.head_dim**-0.5, point["block_size"])
+    backend = cls(*args, device, dtype, **({} if variant == PLAIN else {"variant": variant}))
+    sinks = {}
+    if variant.sinks:  # logits of the scores' size, fixed per point
+        sinks = {"sinks": torch.randn(point["num_heads"], generator=torch.Generator().manual_seed(0)).to(device)}
+
+    def forward(state):
+        return backend.forward(batch.q, batch.k_cache, batch.v_cache, state, **sinks)
+
     state = backend.prepare(batch.metadata)
     if grid.warmup:
-        backend.forward(batch.q, batch.k_cache, batch.v_cache, state)  # a JIT-compiling first call is never timed
+        forward(state)  # a JIT-compiling first call is never timed
     prepare = time_call(lambda: backend.prepare(batch.metadata), device, grid.warmup, grid.repeats)
     state = backend.prepare(batch.metadata)
-    forward = time_call(
-        lambda: backend.forward(batch.q, batch.k_cache, batch.v_cache, state), device, grid.warmup, grid.repeats
-    )
+    forward_times = time_call(lambda: forward(state), device, grid.warmup, grid.repeats)
     efficiency = getattr(backend, "tile_efficiency", None)  # flex: share of computed scores its mask keeps
     return {
         "prepare_min_ms": 1e3 * min(prepare),
         "prepare_median_ms": 1e3 * statistics.median(prepare),
-        **_forward_columns(forward, point),
+        **_forward_columns(forward_times, point),
         "tile_efficiency": efficiency(state) if efficiency else float("nan"),
     }
 

@@ -98,6 +98,7 @@ KV_COLUMNS = REQUEST_COLUMNS[: REQUEST_COLUMNS.index("repeat") + 1] + [
     "wasted_slots",
 ]
 KERNEL_COLUMNS = ENVIRONMENT + [
+    "variant",  # plain, window-1024, softcap-50, sinks (kernels.VARIANTS)
     "phase",
     "batch_size",
     "context_len",
@@ -132,6 +133,7 @@ CHECK_COLUMNS = ENVIRONMENT + [
     "num_kv_heads",
     "head_dim",
     "block_size",
+    "variant",  # plain, or the AttentionVariant the case runs (window, soft-cap, sinks)
     "num_seqs",
     "num_query_tokens",
     "max_abs_error",
@@ -459,6 +461,7 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
         {
             "backend": ok["backend"],
             "device": ok["device_name"],
+            "variant": ok["variant"] if "variant" in ok else "plain",  # CSVs before variants are plain
             "phase": ok["phase"],
             "batch": ok["batch_size"],
             "context": ok["context_len"],
