@@ -17,7 +17,8 @@ def test_backends_lists_every_backend_with_status(capsys):
     out = capsys.readouterr().out
     from pagedbench.backends.registry import list_backends
 
-    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()[3:]]
+    first_table = out.split("\n\n")[0]  # the capability table follows
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in first_table.splitlines()[3:]]
     rows = {c[0]: c for c in cells}  # backend -> [backend, provider, status, reason]
     assert set(rows) == set(list_backends())
     assert rows["reference"][2:] == ["available", ""] and rows["sdpa"][2] == "available"

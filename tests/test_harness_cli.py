@@ -341,3 +341,28 @@ def test_kernels_variants_count_only_the_keys_a_window_reaches():
     assert sdpa.loc["window-1024", "flops"] * 2 == sdpa.loc["plain", "flops"]
     assert list(df.loc[df["backend"] == "dense-sdpa", "variant"]) == ["plain"]
     assert sdpa.loc["plain", "vs_dense"] > 0 and sdpa.drop("plain")["vs_dense"].isna().all()
+
+
+def test_interpreted_backends_are_timed_only_when_named(tmp_path, capsys):
+    """On CPU, Triton runs in its interpreter: `kernels` without --backends leaves it out and says
+    why; named, it is timed once and its rows carry the caveat."""
+    from pagedbench.backends.registry import get_backend
+
+    if get_backend("triton").unavailable_reason("cpu", torch.float32, 16, 16):
+        pytest.skip("triton not installed")
+    grid = ["--batch-sizes", "1", "--context-lens", "16", "--heads", "2/1", "--head-dim", "16", "--phases", "decode"]
+    assert main(["kernels", *grid, "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "triton not timed by default on cpu: Triton interpreter" in out
+    assert "triton" not in set(pd.read_csv(tmp_path / "kernels.csv")["backend"])
+    assert main(["kernels", *grid, "--backends", "triton,sdpa", "--out", str(tmp_path)]) == 0
+    rows = pd.read_csv(tmp_path / "kernels.csv").set_index("backend")
+    assert rows.loc["triton", "status"] == "ok" and "interpreter" in rows.loc["triton", "reason"]
+    assert rows.loc["triton", "repeats"] == 1 and "triton: caveat: Triton interpreter" in capsys.readouterr().out
+
+
+def test_backends_prints_the_capability_table(capsys):
+    assert main(["backends", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| sliding window" in out and "| soft-cap" in out and "| sinks" in out
+    assert "| reference  | float32, bfloat16, float16" in out

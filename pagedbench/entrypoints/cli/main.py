@@ -99,7 +99,7 @@ def cmd_run(args) -> None:
 
 
 def cmd_compare(args) -> None:
-    serving_report(args, backend_names(args.backends), "compare")
+    serving_report(args, timed_backend_names(args.backends, args.device, args.dtype), "compare")
 
 
 def backend_names(text: str | None) -> list[str]:
@@ -107,6 +107,25 @@ def backend_names(text: str | None) -> list[str]:
     from pagedbench.backends.registry import list_backends
 
     return [b.strip() for b in text.split(",") if b.strip()] if text else list_backends()
+
+
+def timed_backend_names(text: str | None, device: str | None, dtype: str | None) -> list[str]:
+    """`backend_names` for a timing command: without --backends, a backend whose timings here are
+    not a kernel's speed (Triton's interpreter on CPU) is left out, saying so; named, it runs."""
+    from pagedbench.backends.registry import get_backend
+
+    names = backend_names(text)
+    if text:
+        return names
+    dev = resolve_device_dtype(device, dtype)[0]
+    timed = []
+    for name in names:
+        caveat = get_backend(name).timing_caveat(dev)
+        if caveat:
+            print(f"pagedbench: note: {name} not timed by default on {dev.type}: {caveat} (--backends {name} times it)")
+        else:
+            timed.append(name)
+    return timed
 
 
 def prepare_out_dir(path: str) -> None:
@@ -207,12 +226,16 @@ def cmd_kernels(args) -> None:
         grid.heads = [_int_list(pair, "heads", sep="/", length=2) for pair in args.heads.split(",")]
     if args.phases:
         grid.phases = args.phases.split(",")
+    if args.variants:
+        grid.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for name in ("head_dim", "max_kv_tokens", "max_query_tokens", "warmup", "repeats"):
         if getattr(args, name) is not None:
             setattr(grid, name, getattr(args, name))
     log = CsvLog(args.out, "kernels", "kernels", "kernels")
     with keep_partial(log):
-        run_kernels(backend_names(args.backends), grid, args.device, args.dtype, rows=log)
+        run_kernels(
+            timed_backend_names(args.backends, args.device, args.dtype), grid, args.device, args.dtype, rows=log
+        )
     kernels = tidy(log, "kernels", "kernels")
     print("\n".join([markdown(kernel_table(kernels)), *not_run_lines(kernels)]))
     paths = write_reports({"kernels": kernels}, args.out, "kernels")
@@ -436,6 +459,14 @@ def cmd_backends(args) -> None:
         f"block_size {args.block_size}, torch {torch.__version__}"
     )
     print(pd.DataFrame(rows).to_markdown(index=False))
+    from pagedbench.bench.capabilities import capability_table
+
+    print("\nWhat each backend runs here (✓, or why not; from the same reasons check and compare act on):")
+    print(
+        capability_table(device, dtype, args.head_dim, args.block_size)
+        .drop(columns="provider")
+        .to_markdown(index=False)
+    )
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -492,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--block-sizes", help="e.g. 16,128")
     kern.add_argument("--heads", help="query/KV heads, e.g. 16/8,32/8")
     kern.add_argument("--phases", help="among decode,prefill,mixed")
+    kern.add_argument(
+        "--variants", help="attention variants, among plain,window-1024,softcap-50,sinks (default: plain)"
+    )
     kern.add_argument("--head-dim", type=int)
     kern.add_argument("--max-kv-tokens", type=int, help="skip grid points holding more KV tokens than this")
     kern.add_argument("--max-query-tokens", type=int, help="skip grid points with more query tokens than this")
