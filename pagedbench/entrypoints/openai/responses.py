@@ -1,0 +1,65 @@
+"""OpenAI's response bodies from RequestOutputs: choices, usage and logprobs (completion and chat
+forms), and vLLM's prompt_logprobs entries."""
+
+import itertools
+
+
+def usage(outputs) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def choice(index: int, c, chat: bool, top_k: int) -> dict:
+    common = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    logprobs = choice_logprobs(c, chat, top_k)
+    if chat:
+        return common | {"message": {"role": "assistant", "content": c.text}, "logprobs": logprobs}
+    return common | {"text": c.text, "logprobs": logprobs}
+
+
+def prompt_position(entry: dict | None) -> dict | None:
+    """vLLM's prompt_logprobs entry: token id -> {logprob, rank, decoded_token}."""
+    if entry is None:
+        return None
+    return {
+        str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in entry.items()
+    }
+
+
+def choice_logprobs(c, chat: bool, top_k: int, start: int = 0) -> dict | None:
+    """OpenAI's logprobs object for c's tokens from `start` on (a stream's new tokens), or None."""
+    if c.logprobs is None:
+        return None
+    entries, token_ids = c.logprobs[start:], c.token_ids[start:]
+    if chat:
+        return _chat_logprobs(entries, token_ids, top_k)
+    offset = sum(len(_token_text(entry, t)) for entry, t in zip(c.logprobs[:start], c.token_ids[:start]))
+    return _completion_logprobs(entries, token_ids, offset)
+
+
+def _token_text(entry: dict, token: int) -> str:
+    """A logprob entry's token as text; vLLM's "token_id:N" where it was not decoded (detokenize=False)."""
+    text = entry[token].decoded_token
+    return text if text is not None else f"token_id:{token}"
+
+
+def _completion_logprobs(entries: list[dict], token_ids: list[int], offset: int = 0) -> dict:
+    """OpenAI's completion logprobs; text_offset counts from the start of the completion."""
+    tokens = [_token_text(entry, t) for entry, t in zip(entries, token_ids)]
+    starts = list(itertools.accumulate(map(len, tokens), initial=offset))[: len(tokens)]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry[t].logprob for entry, t in zip(entries, token_ids)],
+        "top_logprobs": [{_token_text(entry, t): lp.logprob for t, lp in entry.items()} for entry in entries],
+        "text_offset": starts,
+    }
+
+
+def _chat_logprobs(entries: list[dict], token_ids: list[int], top_k: int) -> dict:
+    content = []
+    for entry, t in zip(entries, token_ids):
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+        top = [{"token": _token_text(entry, i), "logprob": lp.logprob} for i, lp in ranked if lp.rank <= top_k]
+        content.append({"token": _token_text(entry, t), "logprob": entry[t].logprob, "top_logprobs": top})
+    return {"content": content}
