@@ -1,0 +1,102 @@
+"""What several `pagedbench` commands share: backend lists, the output directory, partial
+results on Ctrl-C or SIGTERM, the busy-machine warning, integer-list flags."""
+
+import contextlib
+import os
+import signal
+
+import torch
+
+from pagedbench.device.dtypes import resolve_device_dtype
+
+
+def backend_names(text: str | None) -> list[str]:
+    """Comma-separated names; every registered backend when not given."""
+    from pagedbench.backends.registry import list_backends
+
+    return [b.strip() for b in text.split(",") if b.strip()] if text else list_backends()
+
+
+def timed_backend_names(text: str | None, device: str | None, dtype: str | None) -> list[str]:
+    """`backend_names` for a timing command: without --backends, a backend whose timings here are
+    not a kernel's speed (Triton's interpreter on CPU) is left out, saying so; named, it runs."""
+    from pagedbench.backends.registry import get_backend
+
+    names = backend_names(text)
+    if text:
+        return names
+    dev = resolve_device_dtype(device, dtype)[0]
+    timed = []
+    for name in names:
+        caveat = get_backend(name).timing_caveat(dev)
+        if caveat:
+            print(f"pagedbench: note: {name} not timed by default on {dev.type}: {caveat} (--backends {name} times it)")
+        else:
+            timed.append(name)
+    return timed
+
+
+def prepare_out_dir(path: str) -> None:
+    """Fail before a long run, not after it, when reports cannot be written."""
+    from pathlib import Path
+
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the output directory {path!r}: {e.strerror}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write reports to {path!r}: permission denied")
+
+
+class Interrupted(Exception):
+    """A long command stopped by Ctrl-C or SIGTERM after writing what it had measured."""
+
+
+@contextlib.contextmanager
+def keep_partial(log):
+    """On Ctrl-C or SIGTERM (a time limit), render the rows measured so far, then stop."""
+    from pagedbench.bench.report import render, tidy
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not len(log):
+            raise Interrupted("interrupted before any row was complete; nothing written") from None
+        paths = [log.path, *render(tidy(list(log), log.kind, log.command), log.path.parent, log.path.stem)]
+        raise Interrupted(f"interrupted after {len(log)} rows; kept: {', '.join(map(str, paths))}") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def warn_if_busy(device: torch.device) -> None:
+    from pagedbench.bench.environment import busy_warning
+
+    warning = busy_warning(device)
+    if warning:  # on stdout, beside the figures it qualifies (stderr is for errors: one line each)
+        print(f"pagedbench: warning: {warning}")
+
+
+def int_list(text: str, name: str, sep: str = ",", length: int | None = None) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(sep)]
+    except ValueError:
+        values = []
+    if not values or length not in (None, len(values)):
+        count = f"{length} " if length else ""
+        raise ValueError(f"{name} must be {count}integers separated by {sep!r}, got {text!r}")
+    return values
+
+
+def positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes positive integers, got {text!r}")
+    return values

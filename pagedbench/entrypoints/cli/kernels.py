@@ -1,0 +1,163 @@
+"""`pagedbench kernels`, `check` and `backends`: the attention backends on their own -- timed on a
+grid, held to a dense oracle, and what each runs here."""
+
+import dataclasses
+import sys
+
+import pandas as pd
+import torch
+
+from pagedbench.device.dtypes import dtype_name, resolve_device_dtype
+from pagedbench.entrypoints.cli.common import (
+    backend_names,
+    int_list,
+    keep_partial,
+    prepare_out_dir,
+    timed_backend_names,
+    warn_if_busy,
+)
+
+
+def cmd_kernels(args) -> None:
+    from pagedbench.bench.kernels import GRID_PRESETS, run_kernels
+    from pagedbench.bench.report import CsvLog, kernel_table, markdown, not_run_lines, tidy, write_reports
+
+    prepare_out_dir(args.out)
+    device, _ = resolve_device_dtype(args.device, args.dtype)
+    warn_if_busy(device)
+    grid = dataclasses.replace(GRID_PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")])
+    for name in ("batch_sizes", "context_lens", "block_sizes"):
+        if getattr(args, name):
+            setattr(grid, name, int_list(getattr(args, name), name))
+    if args.heads:
+        grid.heads = [int_list(pair, "heads", sep="/", length=2) for pair in args.heads.split(",")]
+    if args.phases:
+        grid.phases = args.phases.split(",")
+    if args.variants:
+        grid.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for name in ("head_dim", "max_kv_tokens", "max_query_tokens", "warmup", "repeats"):
+        if getattr(args, name) is not None:
+            setattr(grid, name, getattr(args, name))
+    log = CsvLog(args.out, "kernels", "kernels", "kernels")
+    with keep_partial(log):
+        run_kernels(
+            timed_backend_names(args.backends, args.device, args.dtype), grid, args.device, args.dtype, rows=log
+        )
+    kernels = tidy(log, "kernels", "kernels")
+    print("\n".join([markdown(kernel_table(kernels)), *not_run_lines(kernels)]))
+    paths = write_reports({"kernels": kernels}, args.out, "kernels")
+    print(f"reports: {', '.join(map(str, paths))}")
+
+
+def cmd_check(args) -> int:
+    from pagedbench.bench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, engine_check, run_check, summary
+    from pagedbench.bench.environment import environment
+    from pagedbench.bench.report import EnvCsvLog, tidy, write_reports
+
+    prepare_out_dir(args.out)
+    device, _ = resolve_device_dtype(args.device, None)
+    names = args.dtypes or ("fp32,bf16" if device.type == "cpu" else "bf16,fp16,fp32")
+    dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
+    env = environment(device, dtypes[0])
+    backends = backend_names(args.backends)
+    log = EnvCsvLog(env, args.out, "check", "check", "check")
+    with keep_partial(log):
+        run_check(backends, device, dtypes, full=args.full, rows=log)
+        if args.engine or args.full:
+            log += engine_check(backends, device, dtypes, model=args.model)
+    rows = list(log)
+    print(
+        f"device {env['device_name']}, torch {torch.__version__}, {'full' if args.full else 'quick'} grid, "
+        f"dtypes {', '.join(dtype_name(d) for d in dtypes)}"
+    )
+    print(
+        f"tolerance: {TOLERANCE_FACTOR:g} x the error of the naive computation in each dtype + "
+        + ", ".join(f"{dtype_name(d)} {f:g}" for d, f in TOLERANCE_FLOOR.items())
+    )
+    print(summary(rows))
+    paths = write_reports({"check": tidy(rows, "check", "check")}, args.out, "check")
+    print(f"reports: {', '.join(map(str, paths))}")
+    failed = sum(row["status"] == "fail" for row in rows)
+    if failed:
+        print(f"pagedbench: check failed: {failed} case(s)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_backends(args) -> None:
+    from pagedbench.backends.registry import list_backends, resolve
+
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    rows = []
+    for name in list_backends():
+        _, _, provider, reason = resolve(name, device, dtype, args.head_dim, args.block_size)
+        rows.append(
+            {
+                "backend": name,
+                "provider": provider,
+                "status": "unavailable" if reason else "available",
+                "reason": reason or "",
+            }
+        )
+    print(
+        f"device {device}, dtype {dtype_name(dtype)}, head_dim {args.head_dim}, "
+        f"block_size {args.block_size}, torch {torch.__version__}"
+    )
+    print(pd.DataFrame(rows).to_markdown(index=False))
+    from pagedbench.bench.capabilities import capability_table
+
+    print("\nWhat each backend runs here (✓, or why not; from the same reasons check and compare act on):")
+    print(
+        capability_table(device, dtype, args.head_dim, args.block_size)
+        .drop(columns="provider")
+        .to_markdown(index=False)
+    )
+
+
+def register(sub) -> None:
+    kern = sub.add_parser("kernels", help="attention-only microbenchmark: prepare and forward per backend")
+    kern.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
+    kern.add_argument("--preset", choices=["cpu", "gpu"], default=None, help="grid (default: gpu on cuda, else cpu)")
+    kern.add_argument("--batch-sizes", help="e.g. 1,8,32")
+    kern.add_argument("--context-lens", help="e.g. 512,2048")
+    kern.add_argument("--block-sizes", help="e.g. 16,128")
+    kern.add_argument("--heads", help="query/KV heads, e.g. 16/8,32/8")
+    kern.add_argument("--phases", help="among decode,prefill,mixed")
+    kern.add_argument(
+        "--variants", help="attention variants, among plain,window-1024,softcap-50,sinks (default: plain)"
+    )
+    kern.add_argument("--head-dim", type=int)
+    kern.add_argument("--max-kv-tokens", type=int, help="skip grid points holding more KV tokens than this")
+    kern.add_argument("--max-query-tokens", type=int, help="skip grid points with more query tokens than this")
+    kern.add_argument("--warmup", type=int)
+    kern.add_argument("--repeats", type=int)
+    kern.add_argument("--device", default=None)
+    kern.add_argument("--dtype", default=None)
+    kern.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
+    kern.set_defaults(func=cmd_kernels)
+
+    chk = sub.add_parser("check", help="every backend against a dense oracle on a grid of paged-attention problems")
+    chk.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
+    chk.add_argument("--device", default=None, help="cuda if available, else cpu")
+    chk.add_argument(
+        "--dtypes", default=None, help="comma-separated (default: fp32,bf16 on cpu; bf16,fp16,fp32 on cuda)"
+    )
+    grid = chk.add_mutually_exclusive_group()
+    grid.add_argument("--quick", dest="full", action="store_false", help="the default: minutes on a CPU")
+    grid.add_argument("--full", dest="full", action="store_true", help="every batch x heads x head_dim x page size")
+    chk.add_argument(
+        "--engine",
+        action="store_true",
+        help="also teacher-force the whole model through each backend and compare logits (in --full)",
+    )
+    chk.add_argument("--model", default="tiny-llama", help="model for --engine (a preset or HF directory)")
+    chk.add_argument("--out", default="reports", help="directory for check.csv and check.md")
+    chk.set_defaults(func=cmd_check, full=False)
+
+
+def register_backends(sub) -> None:
+    backends = sub.add_parser("backends", help="list registered backends and whether they run here")
+    backends.add_argument("--device", default=None)
+    backends.add_argument("--dtype", default=None)
+    backends.add_argument("--head-dim", type=int, default=128)
+    backends.add_argument("--block-size", type=int, default=16)
+    backends.set_defaults(func=cmd_backends)

@@ -1,0 +1,166 @@
+"""`pagedbench run`, `compare` and `scenarios`: a scenario's requests through the engine, on one
+backend or several (same requests, same KV budget), reported as CSV, markdown and plots."""
+
+import argparse
+import dataclasses
+
+import pandas as pd
+
+from pagedbench.bench.scenario import ENGINE_FIELDS, LengthRange, Scenario, builtin_scenarios, load_scenario
+from pagedbench.config import EngineConfig
+from pagedbench.device.dtypes import resolve_device_dtype
+from pagedbench.entrypoints.cli.common import keep_partial, prepare_out_dir, timed_backend_names, warn_if_busy
+from pagedbench.model.presets import PRESETS
+
+SCENARIO_OVERRIDES = (*ENGINE_FIELDS, "num_prompts", "input_len", "output_len", "n")
+
+
+def add_scenario_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", default="synthetic", help="built-in name (see `pagedbench scenarios`) or a TOML file")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="request counts, lengths and max_num_seqs times F, the KV budget times F^2",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="measured runs after the warmup")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
+    p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
+    p.add_argument("--device", default=None, help="cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, help="bf16 on cuda, fp32 on cpu")
+    overrides = p.add_argument_group("scenario overrides (default: the scenario's value)")
+    overrides.add_argument("--model", default=None, help=f"HF model directory or preset ({', '.join(PRESETS)})")
+    overrides.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share KV blocks of common prompt prefixes (default: on)",
+    )
+    overrides.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="no CUDA graphs: every step eager (default: graphs where the backend allows them, on CUDA)",
+    )
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineConfig)} | {
+        "num_blocks": "KV pages, the same for every backend",
+        "num_prompts": "requests",
+        "input_len": "every prompt this many tokens",
+        "output_len": "every output this many tokens",
+        "n": "samples per prompt (parallel sampling)",
+        "seed": "seed of the request set, the sampler and random weights",
+    }
+    for flag in SCENARIO_OVERRIDES:
+        if flag not in ("model", "enable_prefix_caching", "enforce_eager"):
+            overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
+
+
+CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model says otherwise
+
+
+def scenario_from_args(args) -> Scenario:
+    scenario = load_scenario(args.scenario).scaled(args.scale)
+    changes = {f: getattr(args, f) for f in SCENARIO_OVERRIDES if getattr(args, f) is not None}
+    device, _ = resolve_device_dtype(args.device, args.dtype)
+    if device.type == "cpu" and "model" not in changes and scenario.model != CPU_MODEL:
+        print(
+            f"pagedbench: note: on cpu, model {CPU_MODEL} instead of the scenario's {scenario.model} "
+            f"(pass --model {scenario.model} to run that)"
+        )
+        changes["model"] = CPU_MODEL
+    for length in {"input_len", "output_len"} & set(changes):
+        changes[length] = LengthRange(changes[length], changes[length])
+    if "num_blocks" in changes:
+        changes["kv_tokens"] = None
+    scenario = dataclasses.replace(scenario, **changes)
+    scenario.validate()
+    return scenario
+
+
+def cmd_run(args) -> None:
+    serving_report(args, [args.backend], "run")
+
+
+def cmd_compare(args) -> None:
+    serving_report(args, timed_backend_names(args.backends, args.device, args.dtype), "compare")
+
+
+def serving_report(args, backends: list[str], command: str) -> None:
+    from pagedbench.bench.compare import compare
+    from pagedbench.bench.report import CsvLog, console_table, tidy, write_reports
+
+    prepare_out_dir(args.out)
+    scenario = scenario_from_args(args)
+    warn_if_busy(resolve_device_dtype(args.device, args.dtype)[0])
+    log = CsvLog(args.out, f"{command}-{scenario.name}", "serving", command)
+    with keep_partial(log):
+        result = compare(
+            scenario,
+            backends,
+            args.scale,
+            args.device,
+            args.dtype,
+            args.repeats,
+            args.warmup,
+            rows=log,
+            peers=getattr(args, "peer", None) or [],
+        )
+    if command == "run" and result.unavailable:
+        raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
+    serving = tidy(result.rows, "serving", command)
+    print(
+        f"scenario {scenario.name} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): "
+        f"{scenario.num_prompts} requests, model {scenario.model}, KV budget {scenario.kv_blocks} blocks "
+        f"x {scenario.block_size} for every backend"
+    )
+    print(console_table(serving, cross_backend=command == "compare"))
+    frames = {
+        "serving": serving,
+        "requests": tidy(result.request_rows, "requests", command),
+        "kv": tidy(result.kv_rows, "kv", command),
+    }
+    paths = write_reports(frames, args.out, f"{command}-{scenario.name}")
+    print(f"reports: {', '.join(map(str, paths))}")
+
+
+def cmd_scenarios(args) -> None:
+    rows = []
+    for name in sorted(builtin_scenarios()):
+        s = load_scenario(name)
+        arrival = s.arrival if s.request_rate is None else f"{s.arrival} {s.request_rate:g}/s"
+        rows.append(
+            {
+                "scenario": name,
+                "description": s.description,
+                "requests": s.num_prompts,
+                "input": str(s.input_len),
+                "output": str(s.output_len),
+                "arrival": arrival,
+                "KV blocks": s.kv_blocks,
+                "model": s.model,
+            }
+        )
+    print(pd.DataFrame(rows).to_markdown(index=False))
+
+
+def register(sub) -> None:
+    run = sub.add_parser("run", help="run a scenario on one backend: throughput, latency, engine internals")
+    run.add_argument("--backend", default="sdpa", help="a name from `pagedbench backends`")
+    add_scenario_args(run)
+    run.set_defaults(func=cmd_run)
+
+    comp = sub.add_parser("compare", help="run a scenario on several backends: same requests, same KV budget")
+    comp.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
+    comp.add_argument(
+        "--peer",
+        action="append",
+        choices=["hf"],
+        help="also run a peer library on the same requests: hf = transformers' continuous batching (repeatable)",
+    )
+    add_scenario_args(comp)
+    comp.set_defaults(func=cmd_compare)
+
+
+def register_scenarios(sub) -> None:
+    scen = sub.add_parser("scenarios", help="list the built-in scenarios")
+    scen.set_defaults(func=cmd_scenarios)

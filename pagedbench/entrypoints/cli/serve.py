@@ -1,0 +1,152 @@
+"""`pagedbench serve` (the OpenAI-compatible server) and `bench-serve` (load a server with a
+scenario: TTFT, TPOT, ITL, goodput, over one or more request rates)."""
+
+import asyncio
+import dataclasses
+import sys
+from pathlib import Path
+
+from pagedbench.bench.scenario import build_requests, load_scenario
+from pagedbench.config import EngineConfig
+from pagedbench.entrypoints.cli.common import prepare_out_dir
+from pagedbench.model.presets import PRESETS
+
+
+def cmd_serve(args) -> None:
+    try:
+        import uvicorn
+
+        from pagedbench.entrypoints.openai.api_server import ServerLimits, build_app
+    except ImportError as e:
+        raise ValueError(f"serving needs the server extra (pip install 'pagedbench[server]'): {e}") from None
+    from pagedbench.engine.llm_engine import LLMEngine
+    from pagedbench.entrypoints.async_llm import AsyncLLM
+
+    config = EngineConfig.from_cli_args(args)
+    llm = AsyncLLM(LLMEngine(config), max_pending=args.max_pending)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit, max_n=args.max_n)
+    app = build_app(llm, args.served_model_name or args.model, args.api_key, limits)
+    print(f"pagedbench: serving {args.model} ({args.backend}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def cmd_bench_serve(args) -> None:
+    from pagedbench.bench.serve_client import parse_rates, parse_slos
+
+    scenario = load_scenario(args.scenario).scaled(args.scale)
+    default_rate = f"{scenario.request_rate:g}" if scenario.arrival == "poisson" else "inf"
+    rates, slos = parse_rates(args.request_rate or default_rate), parse_slos(args.goodput)
+    if args.num_prompts is not None:
+        scenario = dataclasses.replace(scenario, num_prompts=args.num_prompts)
+    url = args.base_url.rstrip("/")
+    card = _server_card(url, args.api_key, args.model)
+    model = args.model or card["id"]
+    backend = args.label or card.get("backend") or url  # pagedbench serve names its backend
+    prepare_out_dir(args.out)
+    requests = build_requests(scenario, _vocab_size(model))
+    head = {"backend": backend, "base_url": url, "model": model, "scenario": scenario.name, "scale": args.scale}
+    rows = [_load_at(rate, url, requests, scenario.seed, slos, args, head) for rate in rates]
+    _write_bench_serve(rows, Path(args.out) / f"bench-serve-{scenario.name}", url, model, scenario.name)
+
+
+def _server_card(url: str, api_key: str | None, model: str | None) -> dict:
+    """The server's first /v1/models card ({} when it cannot be read and --model names the model)."""
+    import json
+    import urllib.request
+
+    try:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=headers), timeout=10) as r:
+            return json.loads(r.read())["data"][0]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        if model is None:
+            raise ValueError(f"cannot read {url}/v1/models (or pass --model): {e}") from None
+        return {}
+
+
+def _vocab_size(model: str) -> int:
+    from pagedbench.model.loader import resolve_model_config
+
+    try:
+        return resolve_model_config(model)[0].vocab_size
+    except (ValueError, FileNotFoundError, OSError):
+        return 1000  # token ids every real vocabulary has
+
+
+def _load_at(rate: float, url: str, requests, seed: int, slos, args, head: dict) -> dict:
+    """One request rate's replay of the scenario against the server, as a bench-serve row."""
+    import math
+
+    import pandas as pd
+
+    from pagedbench.bench.serve_client import replay, summarize
+
+    results, duration = asyncio.run(
+        replay(url, head["model"], requests, rate, args.max_concurrency, args.api_key, seed)
+    )
+    failures = [r.error for r in results if not r.ok]
+    if failures:
+        print(f"pagedbench: {len(failures)} of {len(results)} requests failed, e.g. {failures[0]}", file=sys.stderr)
+    row = {
+        "kind": "bench-serve",
+        "timestamp": pd.Timestamp.now(tz="UTC").isoformat(timespec="seconds"),
+        **head,
+        "num_prompts": len(requests),
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "max_concurrency": args.max_concurrency,
+        "slos_ms": args.goodput or "",
+        **summarize(results, duration, slos),
+    }
+    print(f"rate {rate:g}/s: {row['output_throughput']:.1f} output tok/s, median TTFT {row['median_ttft_ms']:.1f} ms")
+    return row
+
+
+def _write_bench_serve(rows: list[dict], stem: Path, url: str, model: str, scenario: str) -> None:
+    import pandas as pd
+
+    from pagedbench.bench.report import BENCH_SERVE_COLUMNS, bench_serve_table, markdown, plot_rate_sweep
+
+    df = pd.DataFrame(rows).reindex(columns=BENCH_SERVE_COLUMNS)
+    df.to_csv(stem.with_suffix(".csv"), index=False)
+    table = markdown(bench_serve_table(df))
+    stem.with_suffix(".md").write_text(f"# bench-serve: {scenario} against {url} ({model})\n\n{table}\n")
+    plot_rate_sweep(df, Path(f"{stem}-latency-vs-throughput.png"))
+    print(table)
+    print(f"reports: {stem}.csv, {stem}.md, {stem}-latency-vs-throughput.png")
+
+
+def register(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("model", help=f"HF model directory or preset ({', '.join(PRESETS)})")
+    serve.add_argument("--backend", default="sdpa")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you say otherwise)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    EngineConfig.add_cli_args(serve.add_argument_group("engine"), skip=("model", "backend"))
+    serve.add_argument("--max-pending", type=int, default=None, help="requests in flight before 429 (4 x max-num-seqs)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (max-model-len)")
+    serve.add_argument("--max-n", type=int, default=16)
+    serve.add_argument("--log-level", default="warning")
+    serve.set_defaults(func=cmd_serve)
+
+    bs = sub.add_parser(
+        "bench-serve", help="load an OpenAI-compatible server with a scenario: TTFT, TPOT, ITL, goodput"
+    )
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bs.add_argument("--scenario", default="online", help="built-in name or TOML file (its requests and lengths)")
+    bs.add_argument("--scale", type=float, default=1.0)
+    bs.add_argument("--num-prompts", type=int, default=None)
+    bs.add_argument(
+        "--request-rate",
+        default=None,
+        help="requests/s, Poisson arrivals; comma-separated for a sweep (default: the scenario's rate, else inf)",
+    )
+    bs.add_argument("--max-concurrency", type=int, default=None)
+    bs.add_argument("--model", default=None, help="the model name the server knows (default: its first)")
+    bs.add_argument("--label", default=None, help="the backend column (default: the server's backend, else its URL)")
+    bs.add_argument("--api-key", default=None)
+    bs.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:500,tpot:50")
+    bs.add_argument("--out", default="reports")
+    bs.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,55 @@
+"""`pagedbench report` and `kv-calc`: re-render reports from CSVs, KV-cache memory arithmetic."""
+
+from pagedbench.entrypoints.cli.common import positive_ints
+from pagedbench.model.presets import PRESETS
+
+
+def cmd_report(args) -> None:
+    from pathlib import Path
+
+    from pagedbench.bench.report import load_csvs, render
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    paths = render(load_csvs(args.csv), Path(args.out), args.name)
+    print(f"reports: {', '.join(map(str, paths))}")
+
+
+def cmd_kv_calc(args) -> None:
+    from pagedbench.bench.kv_calc import GIB, kv_bytes_per_token, kv_table
+    from pagedbench.bench.report import markdown
+    from pagedbench.device.dtypes import DTYPES
+    from pagedbench.model.loader import resolve_model_config
+
+    if args.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if not args.memory > 0:
+        raise ValueError(f"--memory must be > 0 GiB, got {args.memory}")
+    cfg, _ = resolve_model_config(args.model)
+    block_sizes = positive_ints(args.block_size, "--block-size")
+    seq_lens = positive_ints(args.seq_len, "--seq-len") if args.seq_len else [cfg.max_position_embeddings]
+    dtype = DTYPES[args.dtype]
+    per_token = kv_bytes_per_token(cfg, dtype)
+    print(
+        f"{args.model}: {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim} x 2 (K, V) "
+        f"x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B ({per_token / 1024:g} KiB) per token; "
+        f"{args.memory:g} GiB of KV cache"
+    )
+    print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens)))
+
+
+def register_report(sub) -> None:
+    rep = sub.add_parser("report", help="re-render markdown and plots from CSVs (merging runs and machines)")
+    rep.add_argument("csv", nargs="+", help="CSV files written by run, compare, kernels, check or bench-serve")
+    rep.add_argument("--out", default="reports")
+    rep.add_argument("--name", default="report", help="file name stem of the markdown and PNGs")
+    rep.set_defaults(func=cmd_report)
+
+
+def register_kv_calc(sub) -> None:
+    kv = sub.add_parser("kv-calc", help="KV-cache memory: bytes per token and block, blocks, concurrent sequences")
+    kv.add_argument("model", help=f"HF model directory or preset ({', '.join(PRESETS)})")
+    kv.add_argument("--block-size", default="16", help="one or more, comma-separated (a sweep)")
+    kv.add_argument("--memory", type=float, default=40.0, help="GiB given to the KV cache")
+    kv.add_argument("--dtype", default="bf16", help="cache dtype")
+    kv.add_argument("--seq-len", default=None, help="sequence lengths, comma-separated (default: the model's max)")
+    kv.set_defaults(func=cmd_kv_calc)
