@@ -11,17 +11,20 @@ from pagedbench.model.llama import CausalLM
 from pagedbench.model.parallel import NO_TP, TPShard, full_shape, local_part
 from pagedbench.model.preset_init import decisive_reason, decisive_weights
 from pagedbench.model.presets import PRESETS
+from pagedbench.model.trained_pair import trained_models
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_model_config(model: str, need_weights: bool = True) -> tuple[ModelConfig, Path | None]:
-    """(config, model directory or None for a preset)."""
+    """(config, model directory or None for a preset). The trained pair (py-byte-target,
+    py-byte-draft) is found by name."""
     if model in PRESETS:
         return ModelConfig.from_dict(PRESETS[model]), None
-    path = Path(model)
+    path = trained_models().get(model, Path(model))
     if not path.exists():
-        raise FileNotFoundError(f"model {model!r} is neither a directory nor a preset ({', '.join(PRESETS)})")
+        known = ", ".join([*PRESETS, *trained_models()])
+        raise FileNotFoundError(f"model {model!r} is neither a directory nor a preset ({known})")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {model!r} has no config.json")
     if need_weights and not list(path.glob("*.safetensors")):
