@@ -151,3 +151,15 @@ def test_runs_of_different_scales_and_models_are_never_pooled():
     assert "sdpa · scale 0.5 · tiny-llama" in labels and "sdpa · scale 0.1 · qwen3-0.6b" in labels
     one = serving[(serving["scale"] == 0.5)]
     assert _title("Output throughput", one) == "Output throughput\nmixed, scale 0.5, tiny-llama, cpu, float32"
+
+
+def test_cpu_rows_name_the_machine():
+    """Two CPUs are two devices in a merged report: the model name and core count, not just "cpu"."""
+    import os
+
+    import torch
+
+    from pagedbench.bench.environment import device_name
+
+    name = device_name(torch.device("cpu"))
+    assert name.startswith("cpu: ") and name.endswith(f"({os.cpu_count()} cores)") and len(name) > len("cpu: ( cores)")

@@ -2,6 +2,7 @@
 
 import datetime
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -30,7 +31,22 @@ def git_sha() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    """The GPU's name, or the CPU's model and core count (so `report` never merges two machines'
+    CPU rows as one): "cpu: AMD EPYC 7B13 (2 cores)"."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu: {cpu_model()} ({os.cpu_count()} cores)"
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name (Linux), else what platform says, else "unknown"."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def synchronize(device: torch.device) -> None:
