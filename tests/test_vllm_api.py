@@ -207,3 +207,13 @@ def test_num_cached_tokens_survives_forks(tiny_models):
         while engine.has_unfinished_requests():
             finished += [o for o in engine.step() if o.finished]
         assert [o.num_cached_tokens for o in finished] == [32], type(params).__name__
+
+
+def test_presets_chat_with_their_template():
+    """A preset (and the trained pair) ships a small chat template: chat works without a model directory."""
+    from pagedbench.model.tokenizer import PRESET_CHAT_TEMPLATE
+
+    llm = LLM("tiny-llama", device="cpu", dtype="float32", num_blocks=32)
+    assert llm.get_tokenizer().chat_template == PRESET_CHAT_TEMPLATE
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "<|user|>\nhi\n<|assistant|>\n" and out.outputs[0].token_ids

@@ -24,6 +24,12 @@ def load_tokenizer(path: Path, required: bool = True):
 
 
 EOS_TEXT = "<|endoftext|>"
+# A preset's chat template (documented in the README), so llm.chat and /v1/chat/completions work on
+# presets and the trained pair: each message as "<|role|>\ncontent\n", then the assistant's turn.
+PRESET_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def preset_tokenizer(vocab_size: int, eos_token_ids: list[int]):
@@ -53,7 +59,9 @@ def preset_tokenizer(vocab_size: int, eos_token_ids: list[int]):
     tok.decoder = decoders.ByteLevel()
     if eos:
         tok.add_special_tokens(specials[: len(eos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT if eos else None)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT if eos else None)
+    fast.chat_template = PRESET_CHAT_TEMPLATE
+    return fast
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> dict:
