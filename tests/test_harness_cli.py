@@ -366,3 +366,25 @@ def test_backends_prints_the_capability_table(capsys):
     out = capsys.readouterr().out
     assert "| sliding window" in out and "| soft-cap" in out and "| sinks" in out
     assert "| reference  | float32, bfloat16, float16" in out
+
+
+def test_nothing_measured_is_not_success(tmp_path, capsys):
+    """compare where no backend runs writes its report and exits 1; --backends naming none is a
+    one-line error (exit 2)."""
+    args = ["compare", "--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--out", str(tmp_path)]
+    assert main([*args, "--backends", "flash-attn"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("pagedbench: error: no backend ran: flash-attn: no CUDA device") and len(err.splitlines()) == 1
+    )
+    assert (tmp_path / "compare-synthetic.csv").exists()
+    assert main([*args, "--backends", " , "]) == 2
+    assert capsys.readouterr().err == "pagedbench: error: --backends ' , ' names no backend\n"
+
+
+def test_bench_serve_with_every_request_failed_exits_1(tmp_path, capsys):
+    args = ["bench-serve", "--base-url", "http://127.0.0.1:9", "--model", "tiny-llama", "--num-prompts", "2"]
+    assert main([*args, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "pagedbench: error: every request to http://127.0.0.1:9 failed: nothing was measured"
+    assert (tmp_path / "bench-serve-online.csv").exists()  # the report of what happened is kept

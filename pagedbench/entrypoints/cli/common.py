@@ -14,7 +14,12 @@ def backend_names(text: str | None) -> list[str]:
     """Comma-separated names; every registered backend when not given."""
     from pagedbench.backends.registry import list_backends
 
-    return [b.strip() for b in text.split(",") if b.strip()] if text else list_backends()
+    if text is None:
+        return list_backends()
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    if not names:
+        raise ValueError(f"--backends {text!r} names no backend")
+    return names
 
 
 def timed_backend_names(text: str | None, device: str | None, dtype: str | None) -> list[str]:
@@ -47,6 +52,11 @@ def prepare_out_dir(path: str) -> None:
         raise ValueError(f"cannot create the output directory {path!r}: {e.strerror}") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write reports to {path!r}: permission denied")
+
+
+class NothingMeasured(Exception):
+    """A command that ran but measured nothing (every backend unavailable, every request failed):
+    its report is written, and it exits 1."""
 
 
 class Interrupted(Exception):

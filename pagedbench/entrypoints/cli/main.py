@@ -11,7 +11,7 @@ import sys
 import torch
 
 from pagedbench.entrypoints.cli import kernels, run, serve, tools
-from pagedbench.entrypoints.cli.common import Interrupted
+from pagedbench.entrypoints.cli.common import Interrupted, NothingMeasured
 from pagedbench.worker.tp_workers import WorkerError
 
 
@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"pagedbench {version('pagedbench')} (torch {torch.__version__})"
     )
-    parser.epilog = "Errors are one line on stderr with exit code 2; `check` exits 1 when a case fails."
+    parser.epilog = (
+        "Errors are one line on stderr with exit code 2; `check` exits 1 when a case fails, and run, "
+        "compare and bench-serve exit 1 when nothing was measured."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
     commands = (  # in the order `pagedbench --help` lists them
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedbench: error: {e}", file=sys.stderr)
         return 2
+    except NothingMeasured as e:
+        print(f"pagedbench: error: {e}", file=sys.stderr)
+        return 1
     except Interrupted as e:
         print(f"pagedbench: {e}", file=sys.stderr)
         return 130

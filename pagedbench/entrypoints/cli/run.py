@@ -9,7 +9,13 @@ import pandas as pd
 from pagedbench.bench.scenario import ENGINE_FIELDS, LengthRange, Scenario, builtin_scenarios, load_scenario
 from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
-from pagedbench.entrypoints.cli.common import keep_partial, prepare_out_dir, timed_backend_names, warn_if_busy
+from pagedbench.entrypoints.cli.common import (
+    NothingMeasured,
+    keep_partial,
+    prepare_out_dir,
+    timed_backend_names,
+    warn_if_busy,
+)
 from pagedbench.model.presets import PRESETS
 
 SCENARIO_OVERRIDES = (*ENGINE_FIELDS, "num_prompts", "input_len", "output_len", "n")
@@ -121,6 +127,8 @@ def serving_report(args, backends: list[str], command: str) -> None:
     }
     paths = write_reports(frames, args.out, f"{command}-{scenario.name}")
     print(f"reports: {', '.join(map(str, paths))}")
+    if not (serving["status"] == "ok").any():
+        raise NothingMeasured(f"no backend ran: {'; '.join(f'{b}: {r}' for b, r in result.unavailable.items())}")
 
 
 def cmd_scenarios(args) -> None:

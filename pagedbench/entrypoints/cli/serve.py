@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pagedbench.bench.scenario import build_requests, load_scenario
 from pagedbench.config import EngineConfig
-from pagedbench.entrypoints.cli.common import prepare_out_dir
+from pagedbench.entrypoints.cli.common import NothingMeasured, prepare_out_dir
 from pagedbench.model.presets import PRESETS
 
 
@@ -47,6 +47,8 @@ def cmd_bench_serve(args) -> None:
     head = {"backend": backend, "base_url": url, "model": model, "scenario": scenario.name, "scale": args.scale}
     rows = [_load_at(rate, url, requests, scenario.seed, slos, args, head) for rate in rates]
     _write_bench_serve(rows, Path(args.out) / f"bench-serve-{scenario.name}", url, model, scenario.name)
+    if not any(row["completed"] for row in rows):
+        raise NothingMeasured(f"every request to {url} failed: nothing was measured")
 
 
 def _server_card(url: str, api_key: str | None, model: str | None) -> dict:
