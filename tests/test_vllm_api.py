@@ -217,3 +217,15 @@ def test_presets_chat_with_their_template():
     assert llm.get_tokenizer().chat_template == PRESET_CHAT_TEMPLATE
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
     assert out.prompt == "<|user|>\nhi\n<|assistant|>\n" and out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompts", [5, None, 2.5, object()])
+def test_prompts_of_no_known_form_are_a_clear_error(llm, prompts):
+    with pytest.raises(TypeError, match=r"^prompts must be a str, .* got "):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, "greedy", [GREEDY, {"max_tokens": 3}]])
+def test_sampling_params_of_another_type_are_a_clear_error(llm, params):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+        llm.generate(["a", "b"], params, use_tqdm=False)

@@ -79,6 +79,18 @@ def is_single_prompt(prompts) -> bool:
     )
 
 
+def prompt_list(prompts) -> list:
+    """`prompts` as a list of prompts (one prompt, or a batch); TypeError for anything else."""
+    if is_single_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(
+            "prompts must be a str, a {'prompt': ...} or {'prompt_token_ids': [...]} dict, a list of token ids, "
+            f"or a list of those; got {type(prompts).__name__}"
+        )
+    return list(prompts)
+
+
 def tokenize(prompt, tokenizer, model_name: str) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt in any of vLLM's forms: a str, {'prompt': str},
     {'prompt_token_ids': [...]} (optionally with its 'prompt' text), or a list of token ids."""

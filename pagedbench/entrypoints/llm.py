@@ -3,7 +3,7 @@
 from tqdm.auto import tqdm
 
 from pagedbench.config import EngineConfig
-from pagedbench.engine.input_processor import is_single_prompt
+from pagedbench.engine.input_processor import prompt_list
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedbench.model.tokenizer import chat_prompt
@@ -66,13 +66,20 @@ class LLM:
         {"prompt_token_ids": [...]} or a list of token ids; `prompts` one of them or a list.
         Every prompt is validated before any is queued, so a bad one raises ValueError without
         starting the others."""
-        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
+        prompts = prompt_list(prompts)
         if isinstance(priority, int):
             priority = [priority] * len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them (SamplingParams(**your_dict)), "
+                f"got {type(sampling_params).__name__}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
@@ -83,7 +90,7 @@ class LLM:
         """Beam search per prompt (vLLM's API; Hugging Face's num_beams algorithm, see
         beam_search.py): each output holds beam_width sequences, best first, whose `tokens` are
         prompt + output."""
-        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
+        prompts = prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         outputs = self._run(prompts, [params] * len(prompts), "beam search", use_tqdm)
