@@ -196,6 +196,10 @@ def run_cli(*args):
         (["run", "--model", "/no/such/model"], "neither a directory nor a preset"),
         (["run", "--num-prompts", "0"], "num_prompts"),
         (["run", "--dtype", "float8"], "unknown dtype"),
+        (["serve", "tiny-llama", "--port", "99999"], "--port must be in 1..65535, got 99999"),
+        (["serve", "tiny-llama", "--port", "-1"], "--port must be in 1..65535, got -1"),
+        (["serve", "tiny-llama", "--host", "no.such.host.invalid"], "--host 'no.such.host.invalid' cannot be resolved"),
+        (["kv-calc", "tiny-llama", "--memory", "1e30"], "--memory must be in (0, 1048576] GiB"),
     ],
 )
 @pytest.mark.slow
@@ -232,3 +236,18 @@ def test_broken_model_directories_are_one_line_errors(tiny_models, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pagedbench: error: cannot read weights from"), proc.stderr
+
+
+def test_serve_refuses_an_address_in_use_before_building_the_engine(capsys):
+    import socket
+
+    from pagedbench.entrypoints.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "tiny-llama", "--port", str(port)]) == 2
+    err = capsys.readouterr()
+    assert err.err == f"pagedbench: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert "serving" not in err.out  # never announced

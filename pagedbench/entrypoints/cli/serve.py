@@ -12,7 +12,27 @@ from pagedbench.entrypoints.cli.common import NothingMeasured, prepare_out_dir
 from pagedbench.model.presets import PRESETS
 
 
+def check_address(host: str, port: int) -> None:
+    """Refuse a port out of range, an unknown host or an address in use before the engine is
+    built, so `serve` never announces an address it cannot serve."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args) -> None:
+    check_address(args.host, args.port)
     try:
         import uvicorn
 

@@ -3,6 +3,8 @@
 from pagedbench.entrypoints.cli.common import positive_ints
 from pagedbench.model.presets import PRESETS
 
+MAX_MEMORY_GIB = 2**20  # 1 PiB: far past any machine, short of numbers that print as nonsense
+
 
 def cmd_report(args) -> None:
     from pathlib import Path
@@ -22,8 +24,8 @@ def cmd_kv_calc(args) -> None:
 
     if args.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
-    if not args.memory > 0:
-        raise ValueError(f"--memory must be > 0 GiB, got {args.memory}")
+    if not 0 < args.memory <= MAX_MEMORY_GIB:
+        raise ValueError(f"--memory must be in (0, {MAX_MEMORY_GIB}] GiB, got {args.memory:g}")
     cfg, _ = resolve_model_config(args.model)
     block_sizes = positive_ints(args.block_size, "--block-size")
     seq_lens = positive_ints(args.seq_len, "--seq-len") if args.seq_len else [cfg.max_position_embeddings]
