@@ -35,6 +35,11 @@ ENGINE_FIELDS = (
 )
 
 
+MAX_PROMPTS = 1_000_000
+MAX_REQUEST_TOKENS = 1 << 22  # 4M tokens: past every model's context
+MAX_WORKLOAD_TOKENS = 1 << 31  # tokens of every request together
+
+
 @dataclass(slots=True)
 class LengthRange:
     """Token lengths drawn uniformly from [min, max] (inclusive); a TOML int means min == max."""
@@ -88,6 +93,7 @@ class Scenario:
             lengths = getattr(self, field)
             if not 1 <= lengths.min <= lengths.max:
                 self._fail(field, f"needs 1 <= min <= max, got min={lengths.min} max={lengths.max}")
+        self._check_sizes()
         if not 0 <= self.seed <= 2**63 - 1:  # a torch generator's seed is a signed 64-bit value
             self._fail("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
         if self.shared_prefix_len < 0:
@@ -104,6 +110,16 @@ class Scenario:
             self.sampling_params(1)
         except ValueError as e:
             self._fail("sampling", str(e))
+
+    def _check_sizes(self) -> None:
+        """Sane maxima, before any request array is built (--num-prompts 10**12 fails at once)."""
+        if self.num_prompts > MAX_PROMPTS:
+            self._fail("num_prompts", f"must be <= {MAX_PROMPTS:,}, got {self.num_prompts:,}")
+        if self.longest_request > MAX_REQUEST_TOKENS:
+            longest = f"{self.longest_request:,}"
+            self._fail("input_len + output_len", f"must be <= {MAX_REQUEST_TOKENS:,} tokens per request, got {longest}")
+        if self.num_prompts * self.longest_request > MAX_WORKLOAD_TOKENS:
+            self._fail("num_prompts x lengths", f"must be <= {MAX_WORKLOAD_TOKENS:,} tokens in all")
 
     def _fail(self, field: str, message: str):
         _fail(self.name, field, message)
