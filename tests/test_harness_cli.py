@@ -355,7 +355,7 @@ def test_interpreted_backends_are_timed_only_when_named(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "triton not timed by default on cpu: Triton interpreter" in out
     assert "triton" not in set(pd.read_csv(tmp_path / "kernels.csv")["backend"])
-    assert main(["kernels", *grid, "--backends", "triton,sdpa", "--out", str(tmp_path)]) == 0
+    assert main(["kernels", *grid, "--backends", "triton,sdpa", "--out", str(tmp_path), "--overwrite"]) == 0
     rows = pd.read_csv(tmp_path / "kernels.csv").set_index("backend")
     assert rows.loc["triton", "status"] == "ok" and "interpreter" in rows.loc["triton", "reason"]
     assert rows.loc["triton", "repeats"] == 1 and "triton: caveat: Triton interpreter" in capsys.readouterr().out
@@ -388,3 +388,27 @@ def test_bench_serve_with_every_request_failed_exits_1(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "pagedbench: error: every request to http://127.0.0.1:9 failed: nothing was measured"
     assert (tmp_path / "bench-serve-online.csv").exists()  # the report of what happened is kept
+
+
+def test_a_second_run_never_replaces_the_first(tmp_path, capsys):
+    """Same command, same --out: the second writes kernels-2.*, the third kernels-3.*; --overwrite
+    replaces kernels.* on purpose."""
+    grid = ["kernels", "--backends", "sdpa", "--batch-sizes", "1", "--context-lens", "16", "--heads", "2/1"]
+    grid += ["--head-dim", "16", "--phases", "decode", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(grid) == 0
+    first = (tmp_path / "kernels.csv").read_bytes()
+    assert main(grid) == 0 and main(grid) == 0
+    assert (tmp_path / "kernels.csv").read_bytes() == first
+    assert (tmp_path / "kernels-2.csv").exists() and (tmp_path / "kernels-3.md").exists()
+    assert "kernels.csv is an earlier run's; writing kernels-2.*" in capsys.readouterr().out
+    assert main([*grid, "--overwrite"]) == 0 and not (tmp_path / "kernels-4.csv").exists()
+
+
+def test_a_second_compare_leaves_the_first_in_place(tmp_path):
+    args = ["compare", "--backends", "sdpa", "--num-prompts", "1", "--input-len", "4", "--output-len", "2"]
+    args += ["--no-warmup", "--out", str(tmp_path)]
+    assert main(args) == 0
+    first = {p.name: p.read_bytes() for p in tmp_path.glob("compare-synthetic*")}
+    assert main(args) == 0
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("compare-synthetic*") if p.name in first} == first
+    assert (tmp_path / "compare-synthetic-2.csv").exists() and (tmp_path / "compare-synthetic-2-requests.csv").exists()

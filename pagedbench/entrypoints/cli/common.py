@@ -1,9 +1,11 @@
-"""What several `pagedbench` commands share: backend lists, the output directory, partial
-results on Ctrl-C or SIGTERM, the busy-machine warning, integer-list flags."""
+"""What several `pagedbench` commands share: backend lists, the output directory and report
+names that never replace an earlier run's, partial results on Ctrl-C or SIGTERM, the busy-machine
+warning, integer-list flags."""
 
 import contextlib
 import os
 import signal
+from pathlib import Path
 
 import torch
 
@@ -43,8 +45,6 @@ def timed_backend_names(text: str | None, device: str | None, dtype: str | None)
 
 def prepare_out_dir(path: str) -> None:
     """Fail before a long run, not after it, when reports cannot be written."""
-    from pathlib import Path
-
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -52,6 +52,27 @@ def prepare_out_dir(path: str) -> None:
         raise ValueError(f"cannot create the output directory {path!r}: {e.strerror}") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write reports to {path!r}: permission denied")
+
+
+def report_stem(out: str, base: str, overwrite: bool) -> str:
+    """The file stem a command writes under `out`: `base`, or -- when `base`.csv is there from an
+    earlier run and --overwrite is not given -- the first free `base-2`, `base-3`, ... (so a
+    second run never replaces the first one's results)."""
+    folder = Path(out)
+    if overwrite or not (folder / f"{base}.csv").exists():
+        return base
+    n = 2
+    while (folder / f"{base}-{n}.csv").exists():
+        n += 1
+    stem = f"{base}-{n}"
+    print(f"pagedbench: note: {folder / base}.csv is an earlier run's; writing {stem}.* (--overwrite replaces it)")
+    return stem
+
+
+def add_overwrite_flag(parser) -> None:
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier run's reports of the same name in --out"
+    )
 
 
 class NothingMeasured(Exception):

@@ -9,10 +9,12 @@ import torch
 
 from pagedbench.device.dtypes import dtype_name, resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
+    add_overwrite_flag,
     backend_names,
     int_list,
     keep_partial,
     prepare_out_dir,
+    report_stem,
     timed_backend_names,
     warn_if_busy,
 )
@@ -38,14 +40,15 @@ def cmd_kernels(args) -> None:
     for name in ("head_dim", "max_kv_tokens", "max_query_tokens", "warmup", "repeats"):
         if getattr(args, name) is not None:
             setattr(grid, name, getattr(args, name))
-    log = CsvLog(args.out, "kernels", "kernels", "kernels")
+    stem = report_stem(args.out, "kernels", args.overwrite)
+    log = CsvLog(args.out, stem, "kernels", "kernels")
     with keep_partial(log):
         run_kernels(
             timed_backend_names(args.backends, args.device, args.dtype), grid, args.device, args.dtype, rows=log
         )
     kernels = tidy(log, "kernels", "kernels")
     print("\n".join([markdown(kernel_table(kernels)), *not_run_lines(kernels)]))
-    paths = write_reports({"kernels": kernels}, args.out, "kernels")
+    paths = write_reports({"kernels": kernels}, args.out, stem)
     print(f"reports: {', '.join(map(str, paths))}")
 
 
@@ -60,7 +63,8 @@ def cmd_check(args) -> int:
     dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
     env = environment(device, dtypes[0])
     backends = backend_names(args.backends)
-    log = EnvCsvLog(env, args.out, "check", "check", "check")
+    stem = report_stem(args.out, "check", args.overwrite)
+    log = EnvCsvLog(env, args.out, stem, "check", "check")
     with keep_partial(log):
         run_check(backends, device, dtypes, full=args.full, rows=log)
         if args.engine or args.full:
@@ -75,7 +79,7 @@ def cmd_check(args) -> int:
         + ", ".join(f"{dtype_name(d)} {f:g}" for d, f in TOLERANCE_FLOOR.items())
     )
     print(summary(rows))
-    paths = write_reports({"check": tidy(rows, "check", "check")}, args.out, "check")
+    paths = write_reports({"check": tidy(rows, "check", "check")}, args.out, stem)
     print(f"reports: {', '.join(map(str, paths))}")
     failed = sum(row["status"] == "fail" for row in rows)
     if failed:
@@ -133,6 +137,7 @@ def register(sub) -> None:
     kern.add_argument("--device", default=None)
     kern.add_argument("--dtype", default=None)
     kern.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
+    add_overwrite_flag(kern)
     kern.set_defaults(func=cmd_kernels)
 
     chk = sub.add_parser("check", help="every backend against a dense oracle on a grid of paged-attention problems")
@@ -151,6 +156,7 @@ def register(sub) -> None:
     )
     chk.add_argument("--model", default="tiny-llama", help="model for --engine (a preset or HF directory)")
     chk.add_argument("--out", default="reports", help="directory for check.csv and check.md")
+    add_overwrite_flag(chk)
     chk.set_defaults(func=cmd_check, full=False)
 
 

@@ -11,8 +11,10 @@ from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     NothingMeasured,
+    add_overwrite_flag,
     keep_partial,
     prepare_out_dir,
+    report_stem,
     timed_backend_names,
     warn_if_busy,
 )
@@ -32,6 +34,7 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="measured runs after the warmup")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
     p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
+    add_overwrite_flag(p)
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="bf16 on cuda, fp32 on cpu")
     overrides = p.add_argument_group("scenario overrides (default: the scenario's value)")
@@ -98,7 +101,8 @@ def serving_report(args, backends: list[str], command: str) -> None:
     prepare_out_dir(args.out)
     scenario = scenario_from_args(args)
     warn_if_busy(resolve_device_dtype(args.device, args.dtype)[0])
-    log = CsvLog(args.out, f"{command}-{scenario.name}", "serving", command)
+    stem = report_stem(args.out, f"{command}-{scenario.name}", args.overwrite)
+    log = CsvLog(args.out, stem, "serving", command)
     with keep_partial(log):
         result = compare(
             scenario,
@@ -125,7 +129,7 @@ def serving_report(args, backends: list[str], command: str) -> None:
         "requests": tidy(result.request_rows, "requests", command),
         "kv": tidy(result.kv_rows, "kv", command),
     }
-    paths = write_reports(frames, args.out, f"{command}-{scenario.name}")
+    paths = write_reports(frames, args.out, stem)
     print(f"reports: {', '.join(map(str, paths))}")
     if not (serving["status"] == "ok").any():
         raise NothingMeasured(f"no backend ran: {'; '.join(f'{b}: {r}' for b, r in result.unavailable.items())}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pagedbench.bench.scenario import build_requests, load_scenario
 from pagedbench.config import EngineConfig
-from pagedbench.entrypoints.cli.common import NothingMeasured, prepare_out_dir
+from pagedbench.entrypoints.cli.common import NothingMeasured, add_overwrite_flag, prepare_out_dir, report_stem
 from pagedbench.model.presets import PRESETS
 
 
@@ -66,7 +66,8 @@ def cmd_bench_serve(args) -> None:
     requests = build_requests(scenario, _vocab_size(model))
     head = {"backend": backend, "base_url": url, "model": model, "scenario": scenario.name, "scale": args.scale}
     rows = [_load_at(rate, url, requests, scenario.seed, slos, args, head) for rate in rates]
-    _write_bench_serve(rows, Path(args.out) / f"bench-serve-{scenario.name}", url, model, scenario.name)
+    stem = report_stem(args.out, f"bench-serve-{scenario.name}", args.overwrite)
+    _write_bench_serve(rows, Path(args.out) / stem, url, model, scenario.name)
     if not any(row["completed"] for row in rows):
         raise NothingMeasured(f"every request to {url} failed: nothing was measured")
 
@@ -171,4 +172,5 @@ def register(sub) -> None:
     bs.add_argument("--api-key", default=None)
     bs.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:500,tpot:50")
     bs.add_argument("--out", default="reports")
+    add_overwrite_flag(bs)
     bs.set_defaults(func=cmd_bench_serve)
