@@ -412,3 +412,16 @@ def test_a_second_compare_leaves_the_first_in_place(tmp_path):
     assert main(args) == 0
     assert {p.name: p.read_bytes() for p in tmp_path.glob("compare-synthetic*") if p.name in first} == first
     assert (tmp_path / "compare-synthetic-2.csv").exists() and (tmp_path / "compare-synthetic-2-requests.csv").exists()
+
+
+def test_threads_sets_and_records_torch_threads(tmp_path, capsys):
+    before = torch.get_num_threads()
+    grid = ["kernels", "--backends", "sdpa", "--batch-sizes", "1", "--context-lens", "16", "--heads", "2/1"]
+    grid += ["--head-dim", "16", "--phases", "decode", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)]
+    try:
+        assert main([*grid, "--threads", "1"]) == 0
+        assert (pd.read_csv(tmp_path / "kernels.csv")["cpu_threads"] == 1).all()
+    finally:
+        torch.set_num_threads(before)
+    assert main([*grid, "--threads", "0"]) == 2
+    assert capsys.readouterr().err.startswith("pagedbench: error: --threads must be in 1..")

@@ -69,6 +69,21 @@ def report_stem(out: str, base: str, overwrite: bool) -> str:
     return stem
 
 
+def add_threads_flag(parser) -> None:
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's, from OMP_NUM_THREADS)"
+    )
+
+
+def apply_threads(threads: int | None) -> None:
+    """--threads: torch's CPU thread count for this command (recorded as cpu_threads in every row)."""
+    if threads is None:
+        return
+    if not 1 <= threads <= 4 * (os.cpu_count() or 1):
+        raise ValueError(f"--threads must be in 1..{4 * (os.cpu_count() or 1)}, got {threads}")
+    torch.set_num_threads(threads)
+
+
 def add_overwrite_flag(parser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an earlier run's reports of the same name in --out"

@@ -10,6 +10,7 @@ import torch
 from pagedbench.device.dtypes import dtype_name, resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     add_overwrite_flag,
+    add_threads_flag,
     backend_names,
     int_list,
     keep_partial,
@@ -138,6 +139,7 @@ def register(sub) -> None:
     kern.add_argument("--dtype", default=None)
     kern.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
     add_overwrite_flag(kern)
+    add_threads_flag(kern)
     kern.set_defaults(func=cmd_kernels)
 
     chk = sub.add_parser("check", help="every backend against a dense oracle on a grid of paged-attention problems")
@@ -157,6 +159,7 @@ def register(sub) -> None:
     chk.add_argument("--model", default="tiny-llama", help="model for --engine (a preset or HF directory)")
     chk.add_argument("--out", default="reports", help="directory for check.csv and check.md")
     add_overwrite_flag(chk)
+    add_threads_flag(chk)
     chk.set_defaults(func=cmd_check, full=False)
 
 

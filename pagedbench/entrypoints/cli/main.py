@@ -11,7 +11,7 @@ import sys
 import torch
 
 from pagedbench.entrypoints.cli import kernels, run, serve, tools
-from pagedbench.entrypoints.cli.common import Interrupted, NothingMeasured
+from pagedbench.entrypoints.cli.common import Interrupted, NothingMeasured, apply_threads
 from pagedbench.worker.tp_workers import WorkerError
 
 
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _log_to_stderr()
     try:
+        apply_threads(getattr(args, "threads", None))
         return args.func(args) or 0
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedbench: error: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     NothingMeasured,
     add_overwrite_flag,
+    add_threads_flag,
     keep_partial,
     prepare_out_dir,
     report_stem,
@@ -35,6 +36,7 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
     p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
     add_overwrite_flag(p)
+    add_threads_flag(p)
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="bf16 on cuda, fp32 on cpu")
     overrides = p.add_argument_group("scenario overrides (default: the scenario's value)")
