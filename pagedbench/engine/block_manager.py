@@ -269,7 +269,8 @@ class BlockManager:
         for index in range(len(seq.block_keys), upto // self.block_size):
             key = block_key(seq, index, self.block_size)
             seq.block_keys.append(key)
-            self.prefix_cache.register(key, seq.block_table[index])
+            if seq.block_table[index] != NO_BLOCK:  # a page released behind a window (swapped back in) holds nothing
+                self.prefix_cache.register(key, seq.block_table[index])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (evictable ones become fresh); blocks in use stay allocated."""
