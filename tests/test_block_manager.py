@@ -304,3 +304,31 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+def test_pages_released_behind_a_window_are_never_cached_after_a_swap():
+    """A windowed sequence swapped out and back in comes back with NO_BLOCK entries for the pages
+    its window released; registering its computed blocks again must skip them, so a later request
+    with the same prefix gets no hit on a page that holds nothing."""
+    from pagedbench.engine.block_manager import NO_BLOCK
+
+    bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=8, sliding_window=4)
+    prompt = list(range(1, 17))  # 4 full pages
+    seq = Sequence("0", None, prompt, SamplingParams())
+    bm.allocate(seq, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    bm.cache_computed_blocks(seq)
+    bm.release_out_of_window(seq)
+    assert seq.block_table[:2] == [NO_BLOCK, NO_BLOCK]
+    bm.swap_out(seq)
+    bm.take_swaps()
+    bm.swap_in(seq)
+    bm.take_swaps()
+    assert seq.block_table[:2] == [NO_BLOCK, NO_BLOCK]
+    bm.reset_prefix_cache()  # the released pages' old copies evicted: nothing holds their keys
+    bm.cache_computed_blocks(seq)  # registers the held pages again, never a NO_BLOCK entry
+    assert NO_BLOCK not in bm.prefix_cache.key_of
+    same = Sequence("1", None, prompt, SamplingParams())
+    assert bm.match_prefix(same) == 0  # its first page is cached nowhere: no prefix to share
+    bm.free(seq)
+    assert bm.num_free_blocks == bm.num_blocks

@@ -78,3 +78,26 @@ def test_tiny_preset_generates_from_token_ids():
     )[0]
     assert len(out.outputs[0].token_ids) == 5
     assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)  # the byte-level tokenizer
+
+
+def test_sparse_gemma_config_gets_transformers_defaults():
+    """A Gemma 2 config.json that leaves fields to the class defaults computes what transformers
+    computes: tied embeddings, soft-caps 50/30, head_dim and query_pre_attn_scalar 256, GELU."""
+    from transformers import AutoConfig
+
+    sparse = {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
+    cfg = ModelConfig.from_dict(sparse)
+    hf = AutoConfig.for_model(**{k: v for k, v in sparse.items() if k != "architectures"})
+    assert cfg.tie_word_embeddings is hf.tie_word_embeddings is True
+    assert (cfg.attn_softcap, cfg.final_softcap) == (hf.attn_logit_softcapping, hf.final_logit_softcapping) == (50, 30)
+    assert cfg.head_dim == hf.head_dim == 256 and cfg.attention_scale == 256**-0.5
+    assert cfg.hidden_act == hf.hidden_activation == "gelu_pytorch_tanh"

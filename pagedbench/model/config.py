@@ -84,13 +84,14 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        get, hf_known = _hf_getter(cfg)
+        act = get("hidden_activation") or get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported mlp_bias=true")
         qkv_bias, qk_norm, gemma = SUPPORTED_ARCHITECTURES[arch]
-        layers = _layer_attention(cfg)
+        layers = _layer_attention(cfg, get, hf_known)
         # transformers 5 nests rope settings under rope_parameters; older checkpoints use
         # top-level rope_theta and rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -116,12 +117,12 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            head_dim=get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=get("rms_norm_eps") or 1e-6,
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
             qkv_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=qk_norm,
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
@@ -129,9 +130,9 @@ class ModelConfig:
             hidden_act=act,
             gemma=gemma,
             layer_types=layers["layer_types"],
-            attn_softcap=cfg.get("attn_logit_softcapping"),
-            final_softcap=cfg.get("final_logit_softcapping"),
-            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            attn_softcap=get("attn_logit_softcapping"),
+            final_softcap=get("final_logit_softcapping"),
+            query_pre_attn_scalar=get("query_pre_attn_scalar"),
             local_rope_theta=layers["local_rope_theta"],
         )
 
@@ -160,9 +161,11 @@ class ModelConfig:
         return cfg
 
 
-def _layer_attention(cfg: dict) -> dict:
-    """Sliding window, layer types and per-layer-type RoPE as transformers' config class for the
-    model type fills them in (a config.json may leave them to the class defaults)."""
+def _hf_getter(cfg: dict):
+    """A lookup of config fields as transformers' config class for the model type fills them in: a
+    config.json may leave fields to the class defaults (Gemma's tied embeddings, soft-caps, head_dim
+    256 and query_pre_attn_scalar), and the engine must compute what transformers computes. Falls
+    back to the raw dict for a model type this transformers does not know."""
     from transformers import AutoConfig
 
     model_type = cfg.get("model_type")
@@ -171,12 +174,18 @@ def _layer_attention(cfg: dict) -> dict:
         try:
             fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
             hf = AutoConfig.for_model(model_type, **fields)
-        except (KeyError, ValueError, TypeError):  # a model type this transformers does not know
+        except (KeyError, ValueError, TypeError):
             hf = None
-    get = (lambda key: getattr(hf, key, None)) if hf is not None else cfg.get
+    if hf is None:
+        return cfg.get, False
+    return (lambda key: getattr(hf, key) if hasattr(hf, key) else cfg.get(key)), True
+
+
+def _layer_attention(cfg: dict, get, hf_known: bool) -> dict:
+    """Sliding window, layer types and per-layer-type RoPE (`get` reads the filled-in config)."""
     window = get("sliding_window")
     layer_types = get("layer_types")
-    if hf is None and window is not None and not cfg.get("use_sliding_window", True):
+    if not hf_known and window is not None and not cfg.get("use_sliding_window", True):
         window = None  # an old Qwen2 config without its model type
     if layer_types is not None and SLIDING not in layer_types:
         window = None  # every layer global (e.g. Qwen2 with use_sliding_window false)
