@@ -398,7 +398,7 @@ class FlashAttnBackend(AttentionBackend):
         # max_seqlen_k only where the installed FA4 names it (it sizes the split-KV scheduling).
         self._fa4_max_seqlen_k = found.kind == "fa4" and _accepts(self.impl.api.flash_attn_varlen_func, "max_seqlen_k")
         self._variant = variant_kwargs(found, self.variant.sliding_window, self.variant.softcap)
-        self._sink_param = sink_param(found) if self.variant.sinks else None
+        self._sink_param = sink_param(found)
 
     def prepare(self, meta: AttentionMetadata) -> FlashAttnState:
         return self.buffers.fill(meta)
@@ -406,6 +406,8 @@ class FlashAttnBackend(AttentionBackend):
     def forward(self, q, k_cache, v_cache, state: FlashAttnState, sinks=None) -> torch.Tensor:
         if sinks is None:
             return self._attend(q, k_cache, v_cache, state, **self._variant)
+        if self._sink_param is None:
+            raise ValueError(f"flash_attn: {self.impl.label} takes no attention sinks")
         # FA4 asserts learnable_sink is bf16, whatever q's dtype.
         sinks = sinks.to(torch.bfloat16) if self._sink_param == "learnable_sink" else sinks
         return self._attend(q, k_cache, v_cache, state, **self._variant, **{self._sink_param: sinks})

@@ -116,13 +116,27 @@ class Tuning:
         )
 
 
-def cuda_tuning(dtype: torch.dtype, head_dim: int, num_sms: int) -> Tuning:
-    # Tiles sized to stay well inside an SM's shared memory with the default 3-stage pipeline
-    # (sm_90 compiles: fp16/bf16 d128 128x64 -> 64 KiB; fp32 d256 64x32 fits, 64x64 needs 209 KiB).
+def shared_bytes(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int) -> int:
+    """Shared memory of one attention program as Triton 3.9 allots it (sm_80/86/90 compiles): the Q
+    tile, a K and a V tile, in fp32 the score tile, and up to 1 KiB of reduction scratch (the
+    gathered loads are not pipelined, so num_stages does not change it)."""
+    scores = 4 * block_m * block_n if dtype == torch.float32 else 0
+    return dtype.itemsize * head_dim * (block_m + 2 * block_n) + scores + 1024
+
+
+def cuda_tuning(dtype: torch.dtype, head_dim: int, num_sms: int, shared_limit: int = 227 * 1024) -> Tuning:
+    """Tiles for a GPU with `num_sms` SMs and `shared_limit` bytes of shared memory per block (227
+    KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89): halve the key tile, then the query tile,
+    until a program fits (fp32 head_dim 256 needs 136 KiB at 64x32)."""
     wide = head_dim > 128 or dtype == torch.float32
+    block_m, block_n = (64 if wide else 128), (32 if head_dim > 128 and dtype == torch.float32 else 64)
+    while shared_bytes(dtype, head_dim, block_m, block_n) > shared_limit and block_n > 16:
+        block_n //= 2
+    while shared_bytes(dtype, head_dim, block_m, block_n) > shared_limit and block_m > 16:
+        block_m //= 2
     return Tuning(
-        block_n=32 if head_dim > 128 and dtype == torch.float32 else 64,
-        prefill_block_m=64 if wide else 128,
+        block_n=block_n,
+        prefill_block_m=block_m,
         target_programs=2 * num_sms,
         min_segment_keys=256,
         max_segments=16,
@@ -132,7 +146,10 @@ def cuda_tuning(dtype: torch.dtype, head_dim: int, num_sms: int) -> Tuning:
 
 def tuning(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> Tuning:
     if device.type == "cuda":
-        return cuda_tuning(dtype, head_dim, torch.cuda.get_device_properties(device).multi_processor_count)
+        props = torch.cuda.get_device_properties(device)
+        # Older torch builds lack the opt-in limit: assume the smallest of sm_80+ (sm_86/89).
+        limit = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
+        return cuda_tuning(dtype, head_dim, props.multi_processor_count, limit)
     # The interpreter runs programs one by one: big tiles, and splits only as deep as tests need to cover them.
     return Tuning(
         block_n=64, prefill_block_m=64, target_programs=64, min_segment_keys=64, max_segments=4, combine_heads=0
@@ -236,7 +253,10 @@ class TritonBackend(AttentionBackend):
         if short:
             programs = (num_seqs + (num_tokens - num_seqs) // block_q) * self.num_kv_heads
             wanted = _pow2(-(-t.target_programs // programs))
-            segments = min(wanted, t.max_segments, _floor_pow2(meta.max_seq_len // t.min_segment_keys))
+            keys = meta.max_seq_len  # the most keys one query tile reads; a window caps it
+            if self.variant.sliding_window:
+                keys = min(keys, self.variant.sliding_window + max_query_len - 1)
+            segments = min(wanted, t.max_segments, _floor_pow2(keys // t.min_segment_keys))
         partials = None
         if segments > 1:
             rows = (segments, num_tokens, self.num_heads)
