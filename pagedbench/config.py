@@ -1,6 +1,82 @@
 """EngineConfig: every engine setting, once. The one module every room may import."""
 
-from dataclasses import dataclass, field, fields
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+SPEC_METHODS = ("draft_model", "ngram")
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config: `method` "draft_model" (a smaller model of the same vocabulary
+    proposes) or "ngram" (prompt lookup: the continuation of the latest earlier match of the
+    sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min), and
+    num_speculative_tokens (k) proposed per sequence per step."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # the draft (method "draft_model")
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    @classmethod
+    def parse(cls, value: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From vLLM's dict (a method may be left out: "model" means draft_model, "[ngram]" or
+        "ngram" as the model means ngram); ValueError naming what is wrong."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known_noops = {"draft_tensor_parallel_size": 1, "disable_by_batch_size": None}
+        unknown = sorted(set(value) - known - set(known_noops))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        for key, allowed in known_noops.items():
+            if key in value and value[key] != allowed and allowed is not None:
+                raise ValueError(f"speculative_config {key} may only be {allowed} here")
+        method, model = value.get("method"), value.get("model")
+        if model in ("[ngram]", "ngram"):
+            method, model = method or "ngram", None
+        method = method or ("draft_model" if model else None)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an int >= 1, got {k!r}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    'speculative_config method "draft_model" needs "model": the draft\'s directory or preset'
+                )
+            if lo is not None or hi is not None:
+                raise ValueError("speculative_config prompt_lookup_min/max are for method ngram")
+            return cls(method, k, model)
+        if model is not None:
+            raise ValueError(f'speculative_config method "ngram" takes no model, got {model!r}')
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"speculative_config {name} must be an int >= 1, got {n!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min {lo} > prompt_lookup_max {hi}")
+        return cls(method, k, None, lo, hi)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @property
+    def label(self) -> str:
+        """What reports call it: `ngram k=3 n=2..4`, `draft py-byte-draft k=3`."""
+        if self.method == "ngram":
+            return f"ngram k={self.num_speculative_tokens} n={self.prompt_lookup_min}..{self.prompt_lookup_max}"
+        return f"draft {self.model.rstrip('/').rsplit('/', 1)[-1]} k={self.num_speculative_tokens}"
+
+
+def speculation_label(value: "dict | SpeculativeConfig | None") -> str:
+    spec = SpeculativeConfig.parse(value)
+    return "off" if spec is None else spec.label
 
 
 def setting(default, help: str, choices: tuple = (), minimum: float | None = None, maximum: float | None = None):
@@ -54,6 +130,11 @@ class EngineConfig:
     max_logprobs: int = setting(20, "most logprobs / prompt_logprobs a request may ask for", minimum=0)
     enforce_eager: bool = setting(False, "never capture CUDA graphs: every step runs eagerly")
     cpu_kv_cache_bytes: int = setting(1 << 30, "KV cache bytes on CPU when num_blocks is None", minimum=1)
+    speculative_config: dict | None = setting(
+        None,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} '
+        'or {"method": "draft_model", "model": "py-byte-draft", "num_speculative_tokens": 3}',
+    )
 
     def validate(self) -> None:
         """TypeError or ValueError naming the field."""
@@ -75,6 +156,12 @@ class EngineConfig:
             maximum = f.metadata.get("maximum")
             if maximum is not None and not value <= maximum:
                 raise ValueError(f"{f.name} must be <= {maximum}, got {value}")
+        SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, parsed and checked."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -95,6 +182,7 @@ class EngineConfig:
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
                 )
             else:
+                kind = json_object if kind is dict else kind
                 parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"], **extra)
 
     @classmethod
@@ -106,6 +194,20 @@ def _kinds(annotation) -> tuple:
     """`int | None` -> (int, NoneType); `str` -> (str,). Annotations are strings here at times."""
     if isinstance(annotation, str):
         names = [a.strip() for a in annotation.split("|")]
-        table = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
+        table = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict, "None": type(None)}
         return tuple(table[n] for n in names)
     return tuple(getattr(annotation, "__args__", (annotation,)))
+
+
+def json_object(text: str) -> dict:
+    """A CLI value that is a JSON object (argparse reports the ValueError as a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
+json_object.__name__ = "JSON object"  # what argparse's error says: invalid JSON object value: ...

@@ -193,6 +193,7 @@ def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilizati
         device=torch.device("cuda"),
         dtype=torch.bfloat16,
         model=SimpleNamespace(config=model_config),
+        draft_config=None,
         _graph_off_reason=lambda backend: None if graphs else "enforce_eager",
     )
     backend = SimpleNamespace(cuda_graph_powers_of_two=False)

@@ -500,3 +500,29 @@ def test_token_ids_stand_in_for_undecoded_logprob_tokens_and_offsets_run_on(clie
     offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert offsets == whole.choices[0].logprobs.text_offset and offsets == sorted(offsets) and offsets[-1] > 0
     assert post(server, "/detokenize", b'{"tokens": [-1]}')[0] == 400
+
+
+def test_speculative_serving_reports_vllm_spec_metrics():
+    """`serve --speculative-config` (the trained pair): completions as without it, and /metrics
+    carries vLLM's spec_decode counters."""
+    from pagedbench.model.trained_pair import trained_models
+
+    if len(trained_models()) < 2:
+        pytest.skip("the trained pair is not in this checkout")
+    spec = json.dumps({"method": "draft_model", "model": "py-byte-draft", "num_speculative_tokens": 3})
+    proc, url = start_server("py-byte-target", "--speculative-config", spec)
+    try:
+        prompt = list(b"import os\nimport sys\n\n\ndef main(")
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        status, reply = post(url, "/v1/completions", json.dumps(body).encode())
+        assert status == 200
+        expected = LLM("py-byte-target", device="cpu", dtype="float32").generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+        )
+        assert reply["choices"][0]["text"] == expected[0].outputs[0].text
+        m = metrics(url)
+        assert m["vllm:spec_decode_num_draft_tokens_total"] >= m["vllm:spec_decode_num_accepted_tokens_total"] > 0
+        assert m['vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

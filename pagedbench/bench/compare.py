@@ -17,7 +17,7 @@ from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.bench.peers import HFContinuousBatching, peer_provider, peer_unavailable_reason
 from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, build_requests
-from pagedbench.config import EngineConfig
+from pagedbench.config import EngineConfig, speculation_label
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
@@ -48,8 +48,17 @@ def engine_settings(scenario: Scenario) -> dict:
     return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": scenario.kv_blocks}
 
 
-def engine_config(scenario: Scenario, backend: str, device: str | None, dtype: str | None) -> EngineConfig:
-    return EngineConfig(backend=backend, device=device, dtype=dtype, **engine_settings(scenario))
+def engine_config(
+    scenario: Scenario, backend: str, device: str | None, dtype: str | None, speculative_config: dict | None = None
+) -> EngineConfig:
+    settings = engine_settings(scenario) | {"speculative_config": speculative_config}
+    return EngineConfig(backend=backend, device=device, dtype=dtype, **settings)
+
+
+def speculation_variants(scenario: Scenario) -> list[dict | None]:
+    """The speculative settings each backend runs: the scenario's, and none first if it asks for a baseline."""
+    spec = scenario.speculative_config
+    return [None, spec] if scenario.speculation_baseline else [spec]
 
 
 def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[float, list[RequestOutput]]:
@@ -112,6 +121,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "mean_kv_utilization": st.used_block_steps / max(st.steps, 1) / engine.num_blocks,
         "mean_wasted_slots": st.wasted_slot_steps / max(st.steps, 1),  # internal fragmentation
         "peak_wasted_slots": st.peak_wasted_slots,
+        **st.spec.columns(),
     }
     per_request = [
         {"request": i, "input_len": len(r.prompt_token_ids), "output_len": n, **request_latencies(o.metrics)}
@@ -171,10 +181,19 @@ def warmup_requests(requests: list[Request], max_tokens: int = 16) -> list[Reque
 
 
 def run_backend(
-    scenario: Scenario, requests: list[Request], backend: str, device, dtype, repeats: int, warmup: bool
+    scenario: Scenario,
+    requests: list[Request],
+    backend: str,
+    device,
+    dtype,
+    repeats: int,
+    warmup: bool,
+    speculative_config: dict | None = None,
 ) -> tuple[int, list[Measurement]]:
     """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
-    engine = LLMEngine(engine_config(scenario, backend, device, dtype))
+    engine = LLMEngine(engine_config(scenario, backend, device, dtype, speculative_config))
+    if speculative_config is not None:
+        backend = f"{backend} [{speculation_label(speculative_config)}]"  # what the progress bars say
     try:
         engine.timer.enabled = True  # device time from CUDA events read after each run: no sync in the loop
         if scenario.longest_request > engine.max_model_len:
@@ -217,14 +236,14 @@ def compare(
     out = Comparison([] if rows is None else rows, [], [], {})
     measured = _compare_backends(scenario, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
     for peer in peers:
-        head = {**env, "backend": peer, "provider": peer_provider(peer), **workload}
+        head = {**env, "backend": peer, "provider": peer_provider(peer), **workload, "speculative": "off"}
         reason = peer_unavailable_reason(peer, scenario)
         if reason:
             out.unavailable[peer] = reason
             out.rows.append({**head, "status": "unavailable", "reason": reason})
             continue
-        measured[peer] = run_peer(scenario, requests, dev, dt, repeats, warmup)
-        for repeat, m in enumerate(measured[peer]):
+        measured[peer, "off"] = run_peer(scenario, requests, dev, dt, repeats, warmup)
+        for repeat, m in enumerate(measured[peer, "off"]):
             out.rows.append({**head, "status": "ok", "reason": "", "repeat": repeat, **m.row})
         gc.collect()
     _add_cross_backend_columns(out.rows, measured, greedy=scenario.temperature == 0)
@@ -237,11 +256,14 @@ def compare(
 
 def scenario_columns(scenario: Scenario, scale: float) -> dict:
     """What every row of a scenario's run says about the workload."""
+    settings = engine_settings(scenario)
+    del settings["speculative_config"]  # each row says its own (`speculative`)
     return {
         "scenario": scenario.name,
         "scenario_hash": scenario.content_hash(),
         "scale": scale,
-        **engine_settings(scenario),
+        "prompts": scenario.prompts,
+        **settings,
         "arrival": scenario.arrival,
         "request_rate": scenario.request_rate,
         "temperature": scenario.temperature,
@@ -265,22 +287,25 @@ def _compare_backends(
     ]
     measured = {}
     for name, cls, provider, reason in found:
-        head = {**env, "backend": name, "provider": provider, **workload}
         if reason:
             out.unavailable[name] = reason
+            head = {**env, "backend": name, "provider": provider, **workload}
             out.rows.append({**head, "status": "unavailable", "reason": reason})
             continue
-        max_model_len, runs = run_backend(scenario, requests, name, device, dtype, repeats, warmup)
-        measured[name] = runs
-        caveat = cls.timing_caveat(device) or ""  # an interpreted backend: its times are not a kernel's
-        for repeat, m in enumerate(runs):
-            row = {**head, "status": "ok", "reason": caveat, "max_model_len": max_model_len, "repeat": repeat, **m.row}
-            out.rows.append(row)
-            out.request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
-            out.kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the next backend gets the memory this one's engine held
+        for spec in speculation_variants(scenario):
+            label = speculation_label(spec)
+            head = {**env, "backend": name, "provider": provider, **workload, "speculative": label}
+            max_model_len, runs = run_backend(scenario, requests, name, device, dtype, repeats, warmup, spec)
+            measured[name, label] = runs
+            caveat = cls.timing_caveat(device) or ""  # an interpreted backend: its times are not a kernel's
+            for repeat, m in enumerate(runs):
+                row = {**head, "status": "ok", "reason": caveat, "max_model_len": max_model_len, "repeat": repeat}
+                out.rows.append(row | m.row)
+                out.request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
+                out.kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the next engine gets the memory this one held
     return measured
 
 
@@ -298,18 +323,22 @@ def run_peer(scenario: Scenario, requests: list[Request], device, dtype, repeats
     return runs
 
 
-def _add_cross_backend_columns(rows: list[dict], measured: dict[str, list[Measurement]], greedy: bool) -> None:
-    """Output throughput relative to the best backend (medians over runs) and, for greedy
-    scenarios, the share of tokens identical to the baseline (reference if run, else the first).
-    With one backend there is nothing to compare: the columns stay empty."""
+def _add_cross_backend_columns(
+    rows: list[dict], measured: dict[tuple[str, str], list[Measurement]], greedy: bool
+) -> None:
+    """Output throughput relative to the best (backend, speculation) run (medians over runs) and,
+    for greedy scenarios, the share of tokens identical to the baseline (reference without
+    speculation if run, else the first). With one run there is nothing to compare: the columns
+    stay empty."""
     if len(measured) < 2:
         return
-    medians = {name: statistics.median(m.row["output_throughput"] for m in runs) for name, runs in measured.items()}
+    medians = {key: statistics.median(m.row["output_throughput"] for m in runs) for key, runs in measured.items()}
     best = max(medians.values())
-    baseline = measured.get("reference", next(iter(measured.values())))[0].outputs
-    runs = {name: iter(runs) for name, runs in measured.items()}
+    baseline = measured.get(("reference", "off"), next(iter(measured.values())))[0].outputs
+    runs = {key: iter(runs) for key, runs in measured.items()}
     for row in rows:
         if row["status"] == "ok":
-            m = next(runs[row["backend"]])
-            row["throughput_vs_best"] = medians[row["backend"]] / best
+            key = row["backend"], row.get("speculative", "off")
+            m = next(runs[key])
+            row["throughput_vs_best"] = medians[key] / best
             row["identical_token_share"] = identical_token_share(m.outputs, baseline) if greedy else np.nan

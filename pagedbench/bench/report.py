@@ -35,7 +35,9 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "scenario",
     "scenario_hash",
     "scale",
-    *ENGINE_FIELDS,
+    "prompts",
+    *[f for f in ENGINE_FIELDS if f != "speculative_config"],
+    "speculative",
     "arrival",
     "request_rate",
     "temperature",
@@ -60,6 +62,11 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "mean_kv_utilization",
     "mean_wasted_slots",
     "peak_wasted_slots",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_acceptance_rate",
+    "spec_mean_acceptance_length",
+    "spec_acceptance_per_position",
     *TIME_COLUMNS,
     "time_device_s",
     "time_attention_s",
@@ -286,7 +293,13 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     """One row per device x scenario x backend that ran: medians over runs, display names."""
     ok = serving[serving["status"] == "ok"]
     keys = ["device_name", "dtype", "model", "scenario", "scale", "backend"]
-    optional = ("n", "enable_prefix_caching", "tensor_parallel_size", "enforce_eager")  # older CSVs lack them
+    optional = (
+        "n",
+        "enable_prefix_caching",
+        "tensor_parallel_size",
+        "enforce_eager",
+        "speculative",
+    )  # older CSVs lack some
     keys += [col for col in optional if col in ok]
     numeric = ok.select_dtypes("number").columns.difference(keys)
     groups = ok.groupby(keys, sort=False, dropna=False)
@@ -318,6 +331,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "preemptions": med["preemptions"].round().astype("Int64"),  # empty for a peer
             "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
             **_sharing(med),
+            **_speculation(med),
             "prepare %": _prepare_pct(med),
             "attention % of forward": _pct(med, "attention_share"),
             "overhead %": _pct(med, "engine_overhead_share"),
@@ -345,6 +359,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "steps": ok["steps"].astype("Int64"),  # empty for a peer: its internals are not ours to count
             "preemptions": ok["preemptions"].astype("Int64"),
             **_sharing(ok),
+            **_speculation(ok),
             "prepare %": _prepare_pct(ok),
             "attention % of forward": _pct(ok, "attention_share"),
             "overhead %": _pct(ok, "engine_overhead_share"),
@@ -391,6 +406,23 @@ def _sharing(df: pd.DataFrame) -> dict[str, pd.Series]:
         "shared blocks": df["peak_shared_blocks"].round().astype("Int64"),
     }
     return {name: col for name, col in columns.items() if col is not None}
+
+
+def _speculation(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Speculative decoding, where some run had it: its setting, the share of proposed tokens
+    accepted and the tokens emitted per verifying step (vLLM's mean acceptance length)."""
+    if "speculative" not in df or not (_spec_labels(df) != "off").any():
+        return {}
+    return {
+        "speculative": _spec_labels(df),
+        "accepted %": (100 * df["spec_acceptance_rate"]).round(1),
+        "mean accepted length": df["spec_mean_acceptance_length"].round(2),
+    }
+
+
+def _spec_labels(df: pd.DataFrame) -> pd.Series:
+    """The speculative setting of each row ("off" where none, or in a CSV from before it)."""
+    return df["speculative"].astype(object).fillna("off").astype(str)
 
 
 def _graphs(df: pd.DataFrame) -> dict[str, pd.Series]:
@@ -538,6 +570,8 @@ def _labels(df: pd.DataFrame) -> pd.Series:
         label = label + " · tp " + df["tensor_parallel_size"].fillna(1).astype(int).astype(str)
     if "enforce_eager" in df and df["enforce_eager"].nunique() > 1:
         label = label + df["enforce_eager"].map({True: " · eager", False: ""})
+    if "speculative" in df and _spec_labels(df).nunique() > 1:
+        label = label + " · spec " + _spec_labels(df)
     return label
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedbench.config import SpeculativeConfig
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.sample.sampling_params import SamplingParams, is_int
 
@@ -32,7 +33,9 @@ ENGINE_FIELDS = (
     "seed",
     "tensor_parallel_size",
     "enforce_eager",
+    "speculative_config",
 )
+PROMPT_SOURCES = ("random", "python-source")
 
 
 MAX_PROMPTS = 1_000_000
@@ -80,6 +83,11 @@ class Scenario:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # ranks the model is sharded over; num_blocks is each rank's KV budget
     enforce_eager: bool = False  # no CUDA graphs (how the engine runs, not what: outside the hash)
+    # "random" token ids (vLLM's random dataset), or "python-source": held-out Python source as
+    # bytes, for a byte-level model (the trained pair), where a draft has something to predict.
+    prompts: str = "random"
+    speculative_config: dict | None = None  # vLLM's speculative_config for every backend's engine
+    speculation_baseline: bool = False  # also run each backend without speculation, to compare
 
     def validate(self) -> None:
         positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
@@ -98,6 +106,14 @@ class Scenario:
             self._fail("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
         if self.shared_prefix_len < 0:
             self._fail("shared_prefix_len", f"must be >= 0, got {self.shared_prefix_len}")
+        if self.prompts not in PROMPT_SOURCES:
+            self._fail("prompts", f"must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except (TypeError, ValueError) as e:
+            self._fail("speculative_config", str(e).removeprefix("speculative_config "))
+        if self.speculation_baseline and self.speculative_config is None:
+            self._fail("speculation_baseline", "needs a speculative_config to compare against")
         if self.arrival not in ARRIVALS:
             self._fail("arrival", f"must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if (self.arrival == "poisson") != (self.request_rate is not None):
@@ -181,6 +197,9 @@ class Scenario:
         del content["name"], content["description"], content["enforce_eager"]
         if self.tensor_parallel_size == 1:
             del content["tensor_parallel_size"]
+        for name, default in (("prompts", "random"), ("speculative_config", None), ("speculation_baseline", False)):
+            if content[name] == default:  # hashes from before these fields existed still match
+                del content[name]
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
@@ -198,8 +217,11 @@ def build_requests(scenario: Scenario, vocab_size: int) -> list[Request]:
     prefix = rng.integers(0, vocab_size, size=scenario.shared_prefix_len).tolist()
     input_lens = scenario.input_len.sample(rng, n)
     output_lens = scenario.output_len.sample(rng, n)
-    tokens = rng.integers(0, vocab_size, size=int(input_lens.sum()))
-    bodies = np.split(tokens, np.cumsum(input_lens)[:-1])
+    if scenario.prompts == "python-source":
+        prefix, bodies = _python_source(scenario, rng, input_lens, vocab_size)
+    else:
+        tokens = rng.integers(0, vocab_size, size=int(input_lens.sum()))
+        bodies = np.split(tokens, np.cumsum(input_lens)[:-1])
     if scenario.arrival == "poisson":
         gaps = rng.exponential(1.0 / scenario.request_rate, size=n)
         arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
@@ -209,6 +231,19 @@ def build_requests(scenario: Scenario, vocab_size: int) -> list[Request]:
         Request(prefix + body.tolist(), scenario.sampling_params(int(out)), float(t))
         for body, out, t in zip(bodies, output_lens, arrivals)
     ]
+
+
+def _python_source(scenario: Scenario, rng, input_lens, vocab_size: int) -> tuple[list[int], list[np.ndarray]]:
+    """Byte ids of held-out Python source (trained_pair.corpus): a shared prefix from its start,
+    and each body from a random place."""
+    from pagedbench.model.trained_pair import corpus
+
+    if vocab_size < 256:
+        raise ValueError(f"scenario {scenario.name!r}: prompts 'python-source' are bytes, for a byte-level model")
+    text = np.frombuffer(corpus()[1], dtype=np.uint8).astype(np.int64)
+    prefix = text[: scenario.shared_prefix_len].tolist()
+    starts = rng.integers(0, len(text) - int(input_lens.max()), size=len(input_lens))
+    return prefix, [text[s : s + n] for s, n in zip(starts, input_lens)]
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -280,4 +315,6 @@ def _typed(scenario: str, field: str, value):
         return value
     if kind is float and (is_int(value) or isinstance(value, float)):
         return float(value)
+    if kind is dict and isinstance(value, dict):
+        return value
     _fail(scenario, field, f"must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}")

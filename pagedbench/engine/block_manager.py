@@ -224,6 +224,14 @@ class BlockManager:
             self._unref(table[index])
             table[index] = NO_BLOCK
 
+    def trim(self, seq: Sequence) -> None:
+        """Free `seq`'s pages past its computed tokens: those it took for proposed tokens that
+        verification rejected (fresh pages, never shared or cached)."""
+        keep = blocks_needed(seq.num_computed_tokens, self.block_size)
+        for block in reversed(_held(seq.block_table[keep:])):
+            self._unref(block)
+        del seq.block_table[keep:]
+
     def _unref(self, block: int) -> None:
         assert self.ref_counts[block] > 0, f"double free of block {block}"
         self.ref_counts[block] -= 1
@@ -266,6 +274,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         upto = seq.num_computed_tokens if num_tokens is None else num_tokens
+        upto = min(upto, seq.num_tokens)  # verified tokens are computed a moment before they are appended
         for index in range(len(seq.block_keys), upto // self.block_size):
             key = block_key(seq, index, self.block_size)
             seq.block_keys.append(key)

@@ -18,8 +18,9 @@ from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.engine.kv_budget import cuda_kv_budget, num_kv_blocks
 from pagedbench.engine.sequence import Sequence
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.loader import build_model, weights_path
-from pagedbench.model.parallel import TPShard
+from pagedbench.model.llama import CausalLM
+from pagedbench.model.loader import build_model, resolve_model_config, weights_path
+from pagedbench.model.parallel import NO_TP, TPShard
 from pagedbench.worker.cuda_graphs import DecodeGraphs, decode_buckets
 from pagedbench.worker.layer_attention import LayerAttention, build_layer_attention
 from pagedbench.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -45,6 +46,7 @@ class Executor:
         if config.max_model_len is not None and config.max_model_len > max_len_cap:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {max_len_cap}")
         rope_len = config.max_model_len or max_len_cap
+        self.draft_config, self.draft_path = self._draft_config()
         # Workers build their shards while this process builds rank 0's.
         self.workers = Workers(config, rope_len, self.tp.size) if self.tp.size > 1 else None
         try:
@@ -52,8 +54,11 @@ class Executor:
             self.model = build_model(
                 cfg, weights, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init
             )
+            # The draft's weights are in place before the cache is sized from what memory is left.
+            draft_model = self._build_draft(rope_len) if self.draft_config is not None else None
             self.num_blocks, self.max_model_len = self._size_kv_cache(backend, max_len_cap)
             self.runner = self._start_runner(backend)
+            self.draft_runner = self._start_draft(draft_model) if draft_model is not None else None
             self.cuda_graphs = self.capture_graphs()
         except BaseException:
             self.shutdown()
@@ -72,6 +77,37 @@ class Executor:
                     f"tensor_parallel_size={tp.size} needs as many GPUs; {torch.cuda.device_count()} visible"
                 )
         return tp
+
+    def _draft_config(self) -> tuple[ModelConfig | None, Path | None]:
+        """The draft model's config (speculative method "draft_model"), checked against the target's."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None, None
+        draft, path = resolve_model_config(spec.model, need_weights=self.config.load_format != "dummy")
+        if draft.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens, the target "
+                f"{self.model_config.vocab_size}: a draft must share the target's vocabulary"
+            )
+        return draft, path
+
+    def _build_draft(self, rope_len: int) -> CausalLM:
+        cfg, config = self.draft_config, self.config
+        rope_len = min(rope_len, cfg.max_position_embeddings)
+        weights = weights_path(self.draft_path, config)
+        return build_model(cfg, weights, self.device, self.dtype, rope_len, config.seed, NO_TP, config.preset_init)
+
+    def _start_draft(self, model: CausalLM) -> ModelRunner:
+        """The draft's KV cache: as many pages as the target's, addressed by the same block tables
+        (it writes its K/V into the pages the scheduler gave the target)."""
+        cfg, config = self.draft_config, self.config
+        if cfg.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"draft model {config.speculative.model!r} allows {cfg.max_position_embeddings} positions, "
+                f"fewer than max_model_len={self.max_model_len}"
+            )
+        backend = build_layer_attention(config.backend, cfg, config.block_size, self.device, self.dtype)
+        return ModelRunner(model, backend, self.num_blocks, config.block_size, self.device, self.dtype)
 
     @property
     def backend(self) -> LayerAttention:
@@ -108,6 +144,8 @@ class Executor:
         """KV blocks from the memory budget: vLLM's profiled rule on CUDA, cpu_kv_cache_bytes on CPU."""
         config = self.config
         per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.tp)
+        if self.draft_config is not None:  # the draft's cache has as many pages
+            per_block += kv_bytes_per_block(self.draft_config, config.block_size, self.dtype)
         if self.device.type != "cuda":
             budget = config.cpu_kv_cache_bytes
         elif self.tp.size > 1:
@@ -182,6 +220,8 @@ class Executor:
             self.runner.swap_out(swap_out)
         if copies:
             self.runner.copy_blocks(copies)
+            if self.draft_runner is not None:
+                self.draft_runner.copy_blocks(copies)
         if swap_in:
             self.runner.swap_in(swap_in)
 

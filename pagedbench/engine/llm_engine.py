@@ -15,9 +15,11 @@ from pagedbench.engine.executor import Executor
 from pagedbench.engine.input_processor import InputProcessor
 from pagedbench.engine.output_processor import OutputProcessor
 from pagedbench.engine.outputs import RequestOutput
+from pagedbench.engine.proposers import DraftModelProposer, NgramProposer
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
 from pagedbench.engine.sequence import SequenceStatus
+from pagedbench.engine.speculator import Speculator
 from pagedbench.engine.stats import EngineStats, wasted_slots
 from pagedbench.engine.token_picker import TokenPicker
 from pagedbench.model.loader import resolve_model_config
@@ -63,7 +65,19 @@ class LLMEngine:
             self.stats,
             ex.timer,
         )
+        self.speculator = self._speculator()
         self._ids = itertools.count()
+
+    def _speculator(self) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec)
+        else:
+            proposer = DraftModelProposer(self.executor.draft_runner)
+        args = (self.model_config, self.token_picker.sampler, self.stats, self.max_model_len)
+        return Speculator(spec, proposer, self.scheduler, self.output_processor, self.requests, *args)
 
     @classmethod
     def from_engine_args(cls, args: EngineConfig) -> "LLMEngine":
@@ -106,6 +120,8 @@ class LLMEngine:
         vLLM's positional order, add_request(request_id, prompt, params), is accepted too."""
         if isinstance(request_id, (SamplingParams, BeamSearchParams)) and isinstance(prompt, str):
             prompt, params, request_id = params, request_id, prompt
+        if isinstance(params, BeamSearchParams) and self.speculator is not None:
+            raise ValueError("beam search does not run with speculative decoding (speculative_config is set)")
         if params is not None and not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise TypeError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -143,6 +159,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns outputs of the requests that progressed."""
         t_start = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.before_schedule()
         sched = self.scheduler.schedule()
         self.stats.preemptions += sched.num_preempted
         if sched.empty:
@@ -150,29 +168,43 @@ class LLMEngine:
         t_schedule = time.perf_counter()
         try:
             self._move_pages()
+            if self.speculator is not None:
+                self.speculator.propose(sched)
+            t_propose = time.perf_counter()
             inputs, logits, forward_times = self.executor.execute(sched.seqs, sched.num_tokens)
         except BaseException:
             self._abandon(sched)
             raise
         for seq, n in zip(sched.seqs, sched.num_tokens):
             self.stats.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
-        self.scheduler.computed(sched)
         plan = inputs.plan
-        num_sampling = len(plan.sampling_rows)
+        num_sampling = plan.num_sampling_logits
+        sampling, sampling_logits = [sched.seqs[i] for i in plan.sampling_rows], logits[:num_sampling]
+        verdicts = []
+        if any(plan.num_spec):  # verifying sequences computed only the tokens they emit
+            sampling, plain_logits, verdicts = self.speculator.verify(sampling, plan.num_spec, sampling_logits)
+            emitted = {id(v.seq): len(v.tokens) for v in verdicts}
+            sched.num_tokens = [emitted.get(id(s), n) for s, n in zip(sched.seqs, sched.num_tokens)]
+        self.scheduler.computed(sched)
         if plan.prompt_logprob_rows:
             self.output_processor.record_prompt_logprobs(sched.seqs, plan.prompt_logprob_rows, logits[num_sampling:])
-        progressed = self.token_picker([sched.seqs[i] for i in plan.sampling_rows], logits[:num_sampling])
+        progressed = {}  # id -> (request, tokens it got: one, or with speculation up to k + 1)
+        if verdicts:
+            self.speculator.rollback(verdicts)
+            progressed = self.speculator.emit(verdicts, sampling_logits)
+            sampling_logits = plain_logits
+        if sampling:
+            progressed.update((id(g), (g, 1)) for g in self.token_picker(sampling, sampling_logits))
         t_end = time.perf_counter()
         bm = self.block_manager
         wasted = wasted_slots(self.scheduler.running, self.config.block_size)
-        self.stats.record_step(
-            (t_start, t_schedule, *forward_times, t_end), bm.num_used_blocks, bm.num_shared_blocks, wasted
-        )
-        for group in progressed:
-            group.token_times.append(t_end)
+        times = (t_start, t_schedule, t_propose, *forward_times, t_end)
+        self.stats.record_step(times, bm.num_used_blocks, bm.num_shared_blocks, wasted)
+        for group, count in progressed.values():
+            group.token_times += [t_end] * count  # tokens verified together arrive together
             if group.finished:
                 self.requests.pop(group.request_id, None)
-        return [self.output_processor.output(group) for group in progressed]
+        return [self.output_processor.output(group) for group, _ in progressed.values()]
 
     def _move_pages(self) -> None:
         """The page moves the block manager queued for this step: swaps and copy-on-write copies."""

@@ -19,7 +19,7 @@ class SequenceGroup:
     seqs: list[Sequence]
     arrival_time: float
     beam: BeamSearch | None = None
-    token_times: list[float] = field(default_factory=list)  # when a step gave it new tokens
+    token_times: list[float] = field(default_factory=list)  # per output token, when its step ended
     num_cached_tokens: int = 0  # prompt tokens its first sequence found in the prefix cache
 
     def note_cached_tokens(self) -> None:

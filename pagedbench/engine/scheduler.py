@@ -9,6 +9,7 @@ scheduled; it keeps its pages unless they are all that stops a waiting sequence 
 and waits in the queue without being readmitted until it resumes."""
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedbench.engine.block_manager import BlockManager
@@ -60,6 +61,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
+        # Speculative decoding: tokens a decoding sequence may verify beyond its next one (their
+        # pages are allocated with it); None without speculation.
+        self.lookahead: Callable[[Sequence], int] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -97,7 +101,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.paused:
                 continue  # preempted earlier in this loop, or paused
-            n = min(seq.num_uncomputed_tokens, budget)
+            wanted = seq.num_uncomputed_tokens
+            if wanted == 1 and self.lookahead is not None:
+                wanted += self.lookahead(seq)
+            n = min(wanted, budget)
             if not self._make_room(seq, seq.num_computed_tokens + n, scheduled, out):
                 continue  # seq itself was preempted
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
@@ -194,8 +201,10 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, swap: bool = True) -> None:
         """Swap `seq` out (swap mode, while swap space lasts, unless `swap` is False), or free its
-        blocks: it goes back to the front of the queue and recomputes."""
+        blocks: it goes back to the front of the queue and recomputes. A draft model recomputes its
+        K/V either way (its cache is not swapped)."""
         self.running.remove(seq)
+        seq.spec_token_ids, seq.draft_computed = [], 0
         if swap and self.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
             self.block_manager.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
@@ -216,6 +225,7 @@ class Scheduler:
         child = parent.fork(index)
         if parent.status is SequenceStatus.SWAPPED:  # its pages are in swap space: the child recomputes
             child.status, child.num_computed_tokens, child.block_keys = SequenceStatus.WAITING, 0, []
+            child.draft_computed = 0
             self.waiting.appendleft(child)
             return child
         self.block_manager.fork(parent, child)

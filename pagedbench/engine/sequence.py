@@ -50,6 +50,10 @@ class Sequence:
     prompt_logprobs: list | None = None  # per prompt token after the first (SamplingParams.prompt_logprobs)
     paused: bool = False  # nothing to run until its request advances (a beam that reported its candidates)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
+    # Speculative decoding: tokens proposed after token_ids for this step to verify, and how many of
+    # token_ids the draft model's KV cache holds (engine/proposers.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_computed: int = 0
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -60,6 +64,7 @@ class Sequence:
         child = Sequence(self.request_id, self.prompt, self.prompt_token_ids, self.params, self.arrival_time)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
+        child.draft_computed = self.draft_computed
         child.num_cached_tokens = self.num_cached_tokens
         child.block_keys = list(self.block_keys)
         child.status = self.status

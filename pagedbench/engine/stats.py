@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pagedbench.engine.sequence import Sequence
 
 # The parts of one engine step, in order; reports name their columns time_<part>_s.
-STEP_PARTS = ("schedule", "metadata", "backend_prepare", "forward", "sample")
+STEP_PARTS = ("schedule", "propose", "metadata", "backend_prepare", "forward", "sample")
 TIME_COLUMNS = [f"time_{part}_s" for part in STEP_PARTS]
 
 
@@ -26,6 +26,7 @@ class EngineStats:
     peak_wasted_slots: int = 0
     time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # per step: (time, blocks used, empty slots)
+    spec: "SpecStats" = field(default_factory=lambda: SpecStats())
 
     def reset(self) -> None:
         self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
@@ -33,6 +34,7 @@ class EngineStats:
         self.prompt_tokens = self.generation_tokens = 0
         self.time = dict.fromkeys(STEP_PARTS, 0.0)
         self.timeline = []
+        self.spec = SpecStats()
 
     def time_columns(self) -> dict[str, float]:
         return {column: self.time[part] for column, part in zip(TIME_COLUMNS, STEP_PARTS)}
@@ -61,3 +63,46 @@ def wasted_slots(running: list[Sequence], block_size: int) -> int:
         if len(seq.block_table) * block_size >= seq.num_computed_tokens + block_size:  # a page allocated ahead, empty
             filled.setdefault(seq.block_table[-1], 0)
     return sum(block_size - n for n in filled.values())
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding as vLLM counts it: a draft is one sequence's proposal in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0  # tokens proposed and verified
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts whose j-th token was accepted
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verifying step of a sequence: the accepted ones plus the one the
+        target adds (vLLM's 1 + accepted / drafts)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def per_position_rate(self) -> list[float]:
+        return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
+
+    def columns(self) -> dict:
+        """What run/compare CSVs report (empty values without speculation)."""
+        rate, length = self.acceptance_rate, self.mean_acceptance_length
+        return {
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": round(rate, 4) if rate is not None else None,
+            "spec_mean_acceptance_length": round(length, 3) if length is not None else None,
+            "spec_acceptance_per_position": " ".join(f"{r:.3f}" for r in self.per_position_rate()) or None,
+        }

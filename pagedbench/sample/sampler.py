@@ -219,35 +219,21 @@ class Sampler:
         out = SamplerOutput(tokens)
         if batch.logprob_rows is not None:
             rows = batch.logprob_index
-            logprobs = raw[rows].log_softmax(dim=-1)
-            picked = logprobs.gather(-1, tokens[rows, None])
-            out.token_logprobs = picked.squeeze(-1)
-            out.token_ranks = (logprobs > picked).sum(dim=-1) + 1
-            if batch.num_logprobs:
-                out.top_logprobs, out.top_token_ids = logprobs.topk(batch.num_logprobs, dim=-1)
+            fill_logprobs(out, raw[rows], tokens[rows], batch.num_logprobs)
         return out
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
-        logits = logits / batch.temperature[:, None]
-        if batch.min_p is not None:  # before top-k/top-p, as in vLLM v1
-            probs = logits.softmax(dim=-1)
-            threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if batch.top_k is not None:
-            logits = _apply_top_k(logits, batch.top_k, batch.max_top_k)
-        if batch.top_p is not None and self.sort_top_p:
-            logits = _apply_top_p(logits, batch.top_p)
-        probs = logits.softmax(dim=-1)
+        probs = warp(logits, batch, self.sort_top_p).softmax(dim=-1)
         if batch.top_p is not None and not self.sort_top_p:
             sampled = self._draw_from_nucleus(probs, batch)
         else:
-            sampled = _inverse_cdf(probs, self._uniform(range(len(probs)), batch, probs.device))
+            sampled = inverse_cdf(probs, self.uniform(range(len(probs)), batch, probs.device))
         return sampled if greedy_tokens is None else torch.where(batch.greedy, greedy_tokens, sampled)
 
-    def _uniform(self, rows, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+    def uniform(self, rows, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
         """One uniform number per row [len(rows), 1]: a seeded request's from its own generator."""
         u = torch.rand(len(rows), 1, generator=self.generator, device=device)
         for j, i in enumerate(rows):
@@ -267,8 +253,8 @@ class Sampler:
         pending = torch.arange(num_rows, device=probs.device)
         p, floor = probs, None  # the pending rows; their floors (None: nothing excluded yet)
         while len(pending):
-            u = self._uniform(pending.tolist(), batch, probs.device)  # CPU only: a host list costs no sync
-            t = _inverse_cdf(p if floor is None else p.masked_fill(p <= floor, 0), u)
+            u = self.uniform(pending.tolist(), batch, probs.device)  # CPU only: a host list costs no sync
+            t = inverse_cdf(p if floor is None else p.masked_fill(p <= floor, 0), u)
             q = p.gather(-1, t[:, None])
             above = torch.where(p > q, p, 0).sum(dim=-1, keepdim=True)
             keep = (above < batch.top_p[pending, None]).squeeze(-1)
@@ -279,7 +265,33 @@ class Sampler:
         return tokens
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def warp(logits: torch.Tensor, batch: SamplingBatch, top_p: bool = True) -> torch.Tensor:
+    """Processed logits -> the logits a random row draws from: temperature, min-p, top-k and
+    (when `top_p`, by sorting) top-p."""
+    logits = logits / batch.temperature[:, None]
+    if batch.min_p is not None:  # before top-k/top-p, as in vLLM v1
+        probs = logits.softmax(dim=-1)
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if batch.top_k is not None:
+        logits = _apply_top_k(logits, batch.top_k, batch.max_top_k)
+    if batch.top_p is not None and top_p:
+        logits = _apply_top_p(logits, batch.top_p)
+    return logits
+
+
+def fill_logprobs(out: SamplerOutput, raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: int) -> None:
+    """`out`'s logprob fields for raw logits rows [L, V] whose tokens were `tokens` [L]: each
+    token's logprob and rank, and the top `num_logprobs`."""
+    logprobs = raw.log_softmax(dim=-1)
+    picked = logprobs.gather(-1, tokens[:, None])
+    out.token_logprobs = picked.squeeze(-1)
+    out.token_ranks = (logprobs > picked).sum(dim=-1) + 1
+    if num_logprobs:
+        out.top_logprobs, out.top_token_ids = logprobs.topk(num_logprobs, dim=-1)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The first token whose cumulative probability exceeds u [B, 1] x the row's total: never
     a zero-probability one (its cumulative value equals the token's before it, with CPU's
     sequential sum; on a GPU the scan is checked). The target is kept below the total, which

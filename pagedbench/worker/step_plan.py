@@ -2,7 +2,7 @@
 the scheduled sequences with numpy) and their device copies with the step's AttentionMetadata
 (StepInputs), built once per step and shared by every layer."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -16,6 +16,7 @@ class ScheduledSequence(Protocol):
     """What a step plan reads of a scheduled sequence (the engine's Sequence)."""
 
     token_ids: list[int]
+    spec_token_ids: list[int]  # proposed tokens after token_ids, run this step to verify them
     block_table: list[int]
     num_computed_tokens: int
     prompt_token_ids: list[int]
@@ -32,7 +33,7 @@ class ScheduledSequence(Protocol):
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T]
-    logits_indices: torch.Tensor  # [S + P] last scheduled token of each sequence that samples, then prompt rows
+    logits_indices: torch.Tensor  # [S + D + P] each sampling sequence's last token (and verified ones), prompt rows
     metadata: AttentionMetadata
     plan: "StepPlan"  # the host arrays these were copied from (and the rows' meaning)
     graph: int | None = None  # the CUDA-graph bucket whose static inputs these are (None: eager)
@@ -50,12 +51,19 @@ class StepPlan:
     block_table: np.ndarray  # [S, max_blocks] int32
     slot_mapping: np.ndarray  # [T] int64
     token_seq_idx: np.ndarray  # [T] int64
-    logits_indices: np.ndarray  # [S' + P] int64
+    logits_indices: np.ndarray  # [S' + D + P] int64
     sampling_rows: list[int]  # which scheduled sequences sample this step (their prefill is complete)
     # (scheduled sequence, first position, count): logits rows S'.. that give prompt_logprobs
     prompt_logprob_rows: list[tuple[int, int, int]]
     block_size: int
     num_cache_blocks: int
+    # per sampling row: proposed tokens it verifies (its logits rows are 1 + that many, in order)
+    num_spec: list[int] = field(default_factory=list)
+
+    @property
+    def num_sampling_logits(self) -> int:
+        """Logits rows of the sampling sequences (before the prompt-logprob rows)."""
+        return len(self.sampling_rows) + sum(self.num_spec)
 
     def arrays(self) -> list[np.ndarray]:
         """What travels to the device: the int32 metadata, then the int64 token arrays."""
@@ -113,20 +121,29 @@ def plan_step(seqs: list[ScheduledSequence], num_new: list[int], block_size: int
     token_seq = np.repeat(np.arange(len(seqs)), q_lens)
     positions = np.arange(num_tokens) - qsl[token_seq] + context[token_seq]
     input_ids = np.fromiter(
-        (t for s, c, n in zip(seqs, context, q_lens) for t in s.token_ids[c : c + n]), dtype=np.int64, count=num_tokens
+        (t for s, c, n in zip(seqs, context, q_lens) for t in _tokens(s, c + n)[c : c + n]),
+        dtype=np.int64,
+        count=num_tokens,
     )
     max_blocks = -(-int(seq_lens.max()) // block_size)
     block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-    for i, s in enumerate(seqs):
-        block_table[i, : len(s.block_table)] = s.block_table
+    for i, s in enumerate(seqs):  # (a draft's view holds pages beyond what it reads: the proposals')
+        pages = s.block_table[:max_blocks]
+        block_table[i, : len(pages)] = pages
     # Pages a sliding window released (-1) point at the padding page, the cache's last: no backend
     # reads a key outside the window, and a gather-based one masks what it reads there.
     block_table[block_table < 0] = num_cache_blocks - 1
     slot_mapping = (
         block_table[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )
-    sampling_rows = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
-    logits_indices = [qsl[1:][sampling_rows] - 1]
+    sampling_rows = [i for i, s in enumerate(seqs) if seq_lens[i] >= s.num_tokens]
+    num_spec = [int(seq_lens[i]) - seqs[i].num_tokens for i in sampling_rows]
+    if any(num_spec):  # a verifying sequence's rows: its last token and each proposed one
+        logits_indices = [
+            np.concatenate([np.arange(qsl[i + 1] - 1 - m, qsl[i + 1]) for i, m in zip(sampling_rows, num_spec)])
+        ]
+    else:
+        logits_indices = [qsl[1:][sampling_rows] - 1]
     prompt_logprob_rows = []
     for i, s in enumerate(seqs):  # positions p < P - 1 predict prompt token p + 1
         if getattr(s.params, "prompt_logprobs", None) is not None:
@@ -146,10 +163,16 @@ def plan_step(seqs: list[ScheduledSequence], num_new: list[int], block_size: int
         token_seq_idx=token_seq,
         logits_indices=np.concatenate(logits_indices).astype(np.int64),
         sampling_rows=sampling_rows,
+        num_spec=num_spec,
         prompt_logprob_rows=prompt_logprob_rows,
         block_size=block_size,
         num_cache_blocks=num_cache_blocks,
     )
+
+
+def _tokens(seq: ScheduledSequence, end: int) -> list[int]:
+    """`seq`'s tokens up to `end`, its proposed ones included when the step verifies them."""
+    return seq.token_ids if end <= len(seq.token_ids) else seq.token_ids + seq.spec_token_ids
 
 
 def prepare_step(

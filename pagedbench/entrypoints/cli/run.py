@@ -7,7 +7,7 @@ import dataclasses
 import pandas as pd
 
 from pagedbench.bench.scenario import ENGINE_FIELDS, LengthRange, Scenario, builtin_scenarios, load_scenario
-from pagedbench.config import EngineConfig
+from pagedbench.config import EngineConfig, json_object
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     NothingMeasured,
@@ -21,7 +21,7 @@ from pagedbench.entrypoints.cli.common import (
 )
 from pagedbench.model.presets import PRESETS
 
-SCENARIO_OVERRIDES = (*ENGINE_FIELDS, "num_prompts", "input_len", "output_len", "n")
+SCENARIO_OVERRIDES = (*ENGINE_FIELDS, "num_prompts", "input_len", "output_len", "n", "speculation_baseline")
 
 
 def add_scenario_args(p: argparse.ArgumentParser) -> None:
@@ -61,8 +61,27 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         "n": "samples per prompt (parallel sampling)",
         "seed": "seed of the request set, the sampler and random weights",
     }
+    overrides.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=None,
+        help='speculative decoding for every backend, as JSON (vLLM\'s): {"method": "draft_model", '
+        '"model": "py-byte-draft", "num_speculative_tokens": 3} or {"method": "ngram", ...}',
+    )
+    overrides.add_argument(
+        "--speculation-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run each backend without speculation (default: the scenario's; on in spec-decode)",
+    )
     for flag in SCENARIO_OVERRIDES:
-        if flag not in ("model", "enable_prefix_caching", "enforce_eager"):
+        if flag not in (
+            "model",
+            "enable_prefix_caching",
+            "enforce_eager",
+            "speculative_config",
+            "speculation_baseline",
+        ):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
 
 
@@ -73,7 +92,8 @@ def scenario_from_args(args) -> Scenario:
     scenario = load_scenario(args.scenario).scaled(args.scale)
     changes = {f: getattr(args, f) for f in SCENARIO_OVERRIDES if getattr(args, f) is not None}
     device, _ = resolve_device_dtype(args.device, args.dtype)
-    if device.type == "cpu" and "model" not in changes and scenario.model != CPU_MODEL:
+    # A real-shape preset is too slow for CPU; a small model the scenario names (the trained pair) runs.
+    if device.type == "cpu" and "model" not in changes and scenario.model in PRESETS and scenario.model != CPU_MODEL:
         print(
             f"pagedbench: note: on cpu, model {CPU_MODEL} instead of the scenario's {scenario.model} "
             f"(pass --model {scenario.model} to run that)"

@@ -21,6 +21,29 @@ class EngineCounters:
         bm = self.llm.engine.block_manager
         yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up", value=bm.prefix_queries)
         yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found cached", value=bm.prefix_hits)
+        if self.llm.engine.speculator is not None:
+            yield from speculation_counters(st.spec)
+
+
+def speculation_counters(spec):
+    """vLLM v1's speculative-decoding counters (a draft: one sequence's proposal in one step)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    yield CounterMetricFamily("vllm:spec_decode_num_drafts", "Proposals verified", value=spec.num_drafts)
+    yield CounterMetricFamily(
+        "vllm:spec_decode_num_draft_tokens", "Proposed tokens verified", value=spec.num_draft_tokens
+    )
+    yield CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", value=spec.num_accepted_tokens
+    )
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens by position in the proposal",
+        labels=["position"],
+    )
+    for position, count in enumerate(spec.accepted_per_position):
+        per_position.add_metric([str(position)], count)
+    yield per_position
 
 
 class ServerMetrics:
