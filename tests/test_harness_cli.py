@@ -86,7 +86,9 @@ def test_compare_csv_has_exactly_the_schema(compared):
     assert list(df.columns) == SERVING_COLUMNS and RELIED_ON["serving"] <= set(SERVING_COLUMNS)
     ok = df[df["status"] == "ok"]
     assert list(ok["backend"]) == ["reference", "reference", "sdpa", "sdpa"] and list(ok["repeat"]) == [0, 1, 0, 1]
-    assert ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"})].notna().all().all()
+    spec = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_acceptance_per_position"}
+    assert ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"} - spec)].notna().all().all()
+    assert (ok["speculative"] == "off").all() and ok[sorted(spec)].isna().all().all()  # empty without speculation
     assert ok["scenario_hash"].nunique() == 1 and ok["num_blocks"].nunique() == 1  # one KV budget for all
     assert (ok["num_requests"] == 5).all() and ok["total_output_tokens"].nunique() == 1
 

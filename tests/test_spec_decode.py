@@ -243,3 +243,21 @@ def test_beam_search_with_speculation_is_refused(tiny_models):
         llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=4))
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # the engine runs on
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_kernels_time_multi_token_decodes():
+    """`kernels --query-lens 1,4`: decoding rows of 4 query tokens (a verify of 3 speculated), each
+    backend on the same batch; prefill points only once."""
+    from pagedbench.bench.kernels import KernelGrid, batch_spec, run_kernels
+
+    assert batch_spec("decode", 2, 100, 4) == [(96, 4), (96, 4)]
+    assert batch_spec("mixed", 1, 100, 3)[0] == (97, 3)
+    grid = KernelGrid([2], [64], [16], [(4, 2)], 32, ["decode", "prefill"], 4096, 4096, 0, 1, query_lens=[1, 4])
+    assert [(p[1], p[2]) for p in grid.points()] == [("decode", 1), ("decode", 4), ("prefill", 1)]
+    rows = [r for r in run_kernels(["sdpa"], grid, "cpu", "float32") if r["backend"] == "sdpa"]
+    assert [(r["phase"], r["query_len"], r["num_query_tokens"]) for r in rows] == [
+        ("decode", 1, 2),
+        ("decode", 4, 8),
+        ("prefill", 1, 128),
+    ]
+    assert all(r["status"] == "ok" for r in rows)

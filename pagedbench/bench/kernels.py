@@ -57,9 +57,11 @@ class KernelGrid:
     warmup: int
     repeats: int
     variants: list[str] = field(default_factory=lambda: ["plain"])  # names in VARIANTS
+    # Query tokens per decoding sequence: 1, or k + 1 when it verifies k speculated tokens.
+    query_lens: list[int] = field(default_factory=lambda: [1])
 
     def validate(self) -> None:
-        for name in ("batch_sizes", "context_lens", "block_sizes"):
+        for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be a non-empty list of integers >= 1, got {values}")
@@ -75,11 +77,20 @@ class KernelGrid:
             raise ValueError("head_dim, max_kv_tokens, max_query_tokens and repeats must be >= 1, warmup >= 0")
 
     def points(self):
-        """(variant, phase, (heads, kv heads), block size, context, batch) within the token limits."""
+        """(variant, phase, query len, (heads, kv heads), block size, context, batch) within the
+        token limits (prefill points only at query length 1: they have no decoding rows)."""
         for point in itertools.product(
-            self.variants, self.phases, self.heads, self.block_sizes, self.context_lens, self.batch_sizes
+            self.variants,
+            self.phases,
+            self.query_lens,
+            self.heads,
+            self.block_sizes,
+            self.context_lens,
+            self.batch_sizes,
         ):
-            spec = batch_spec(point[1], point[5], point[4])
+            if point[1] == "prefill" and point[2] != 1 or point[2] > point[5]:
+                continue
+            spec = batch_spec(point[1], point[6], point[5], point[2])
             if sum(map(sum, spec)) <= self.max_kv_tokens and sum(q for _, q in spec) <= self.max_query_tokens:
                 yield point
 
@@ -112,9 +123,10 @@ GRID_PRESETS = {
 }
 
 
-def batch_spec(phase: str, batch_size: int, context_len: int) -> list[tuple[int, int]]:
-    """(cached tokens, new tokens) per sequence, decodes first, every sequence ending at `context_len`."""
-    decodes = [(context_len - 1, 1)] * batch_size
+def batch_spec(phase: str, batch_size: int, context_len: int, query_len: int = 1) -> list[tuple[int, int]]:
+    """(cached tokens, new tokens) per sequence, decodes first, every sequence ending at
+    `context_len`; a decoding sequence runs `query_len` tokens (a speculative verify: k + 1)."""
+    decodes = [(context_len - query_len, query_len)] * batch_size
     if phase == "decode":
         return decodes
     if phase == "prefill":
@@ -211,14 +223,15 @@ def run_kernels(
     if not points:
         raise ValueError("every grid point exceeds max_kv_tokens or max_query_tokens")
     rows = [] if rows is None else rows
-    for variant_name, phase, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(
+    for variant_name, phase, query_len, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(
         points, desc="kernels", disable=None
     ):
         variant = VARIANTS[variant_name]
-        spec = batch_spec(phase, batch_size, context_len)
+        spec = batch_spec(phase, batch_size, context_len, query_len)
         point = {
             "variant": variant_name,
             "phase": phase,
+            "query_len": query_len,
             "batch_size": batch_size,
             "context_len": context_len,
             "block_size": block_size,

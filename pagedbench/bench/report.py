@@ -107,6 +107,7 @@ KV_COLUMNS = REQUEST_COLUMNS[: REQUEST_COLUMNS.index("repeat") + 1] + [
 KERNEL_COLUMNS = ENVIRONMENT + [
     "variant",  # plain, window-1024, softcap-50, sinks (kernels.VARIANTS)
     "phase",
+    "query_len",
     "batch_size",
     "context_len",
     "block_size",
@@ -495,6 +496,7 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
             "device": ok["device_name"],
             "variant": ok["variant"] if "variant" in ok else "plain",  # CSVs before variants are plain
             "phase": ok["phase"],
+            "query len": _column(ok, "query_len").fillna(1).astype("Int64"),  # CSVs before it: 1
             "batch": ok["batch_size"],
             "context": ok["context_len"],
             "block": ok["block_size"],

@@ -29,7 +29,7 @@ def cmd_kernels(args) -> None:
     device, _ = resolve_device_dtype(args.device, args.dtype)
     warn_if_busy(device)
     grid = dataclasses.replace(GRID_PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")])
-    for name in ("batch_sizes", "context_lens", "block_sizes"):
+    for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
         if getattr(args, name):
             setattr(grid, name, int_list(getattr(args, name), name))
     if args.heads:
@@ -125,6 +125,9 @@ def register(sub) -> None:
     kern.add_argument("--batch-sizes", help="e.g. 1,8,32")
     kern.add_argument("--context-lens", help="e.g. 512,2048")
     kern.add_argument("--block-sizes", help="e.g. 16,128")
+    kern.add_argument(
+        "--query-lens", help="query tokens per decoding sequence, e.g. 1,2,4,8 (k + 1 when verifying k speculated)"
+    )
     kern.add_argument("--heads", help="query/KV heads, e.g. 16/8,32/8")
     kern.add_argument("--phases", help="among decode,prefill,mixed")
     kern.add_argument(
