@@ -261,3 +261,19 @@ def test_kernels_time_multi_token_decodes():
         ("prefill", 1, 128),
     ]
     assert all(r["status"] == "ok" for r in rows)
+
+
+@needs_pair
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [NGRAM, DRAFT], ids=["ngram", "draft"])
+def test_tensor_parallel_target_with_speculation(pair_reference, method):
+    """The target sharded over 2 ranks verifies; the draft runs whole on rank 0."""
+    prompts, expected = pair_reference
+    spec = method | {"num_speculative_tokens": 3}
+    llm = LLM("py-byte-target", tensor_parallel_size=2, speculative_config=spec, backend="sdpa", **CPU32)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected[:3]
+        assert llm.engine.stats.spec.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
