@@ -114,13 +114,71 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+# kv_cache_dtype (vLLM's names) -> how K/V pages are stored: None keeps the model's dtype. fp8 pages
+# carry one scale per layer for K and one for V (1.0 unless calibrated, as in vLLM); int8 pages one
+# per (token, KV head), its absolute maximum / 127 in fp16, since int8 has no exponent to absorb outliers.
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+def per_token_scales(storage: torch.dtype) -> bool:
+    """Whether pages of this storage dtype keep a scale per (token, KV head) (int8) rather than per layer."""
+    return storage == torch.int8
+
+
+def _quantize(x: torch.Tensor, storage: torch.dtype, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] -> (stored values, the scale per (token, head) [T, H] for int8, else `scale`)."""
+    if per_token_scales(storage):
+        token_scale = (x.abs().amax(dim=-1).float().clamp(min=1e-4) / 127).half().float()  # stored as fp16
+        return (x.float() / token_scale[..., None]).round().clamp(-127, 127).to(storage), token_scale
+    limit = torch.finfo(storage).max
+    return (x.float() / scale).clamp(-limit, limit).to(storage), scale
+
+
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Store k, v [T, H_kv, D] at `slot_mapping` [T] in the paged caches (shared by all backends)."""
+    """Store k, v [T, H_kv, D] at `slot_mapping` [T] in the paged caches (shared by all backends),
+    quantized when the cache is (kv_scales: per-layer [1] for fp8, per-slot [pages, page, H_kv] for int8)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    if kv_scales is None:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        return
+    for x, cache, scale in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])):
+        stored, token_scale = _quantize(x, cache.dtype, scale)
+        # Byte views: index_copy_ has no fp8 kernel on CPU.
+        cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, stored.view(torch.uint8))
+        if per_token_scales(cache.dtype):
+            scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, token_scale.to(scale.dtype))
+
+
+def read_kv(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The K or V rows at cache `slots` (any shape) -> [*slots.shape, H_kv, D] in `dtype`,
+    dequantized when `scale` is given (a gather-based backend's read)."""
+    num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
+    rows = cache.view(-1, num_kv_heads, head_dim)[slots]
+    if scale is None:
+        return rows.to(dtype)
+    if per_token_scales(cache.dtype):
+        scale = scale.view(-1, num_kv_heads)[slots][..., None]
+    return (rows.float() * scale.float()).to(dtype)
 
 
 def gather_kv_slots(meta: AttentionMetadata, seq_start: int, seq_end: int, max_len: int) -> torch.Tensor:
@@ -141,6 +199,9 @@ class AttentionBackend(ABC):
     cuda_graph_reason: ClassVar[str | None] = "prepare() builds new tensors sized by each step"
     # Decode graphs only at power-of-two batch sizes of at least 2 (what the kernel compiles for).
     cuda_graph_powers_of_two: ClassVar[bool] = False
+    # kv_cache_dtype values beyond "auto" that forward() reads (given kv_scales), and why not the others.
+    quantized_kv: ClassVar[tuple[str, ...]] = ()
+    quantized_kv_reason: ClassVar[str] = "reads K/V pages in the model's dtype only"
 
     def __init__(
         self,
@@ -171,6 +232,13 @@ class AttentionBackend(ABC):
         num_heads, num_kv_heads and an AttentionVariant's settings (sliding_window, softcap, sinks);
         a backend that implements no variant inherits `plain_only`'s answer."""
         return cls.plain_only(**kwargs)
+
+    @classmethod
+    def kv_cache_reason(cls, kv_cache_dtype: str = "auto", **_) -> str | None:
+        """Why this backend cannot read pages stored as `kv_cache_dtype`, or None."""
+        if kv_cache_dtype == "auto" or kv_cache_dtype in cls.quantized_kv:
+            return None
+        return f"kv_cache_dtype {kv_cache_dtype}: {cls.quantized_kv_reason}"
 
     @staticmethod
     def plain_only(sliding_window=None, softcap=None, sinks=False, **_) -> str | None:
@@ -203,6 +271,9 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         state: Any,
         sinks: torch.Tensor | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """q [T, H, D] attends causally to its sequence's cached K/V, as `self.variant` says (sinks:
-        [H] fp32, the layer's, when the variant has them); returns [T, H, D]."""
+        [H] fp32, the layer's, when the variant has them; kv_scales: the pages' (K, V) scales when
+        they are quantized, see write_kv, for a backend whose `quantized_kv` names the dtype);
+        returns [T, H, D]."""

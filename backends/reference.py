@@ -10,6 +10,7 @@ from pagedbench.backends.base import (
     AttentionMetadata,
     cap_scores,
     gather_kv_slots,
+    read_kv,
     softmax_with_sinks,
     visible,
 )
@@ -25,6 +26,7 @@ class _Seq:
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
+    quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized as gathered
     cuda_graph_reason = "it attends one sequence at a time, looping over host-side lengths"
 
     @classmethod
@@ -38,15 +40,14 @@ class ReferenceBackend(AttentionBackend):
             for i, seq_len in enumerate(meta.seq_lens_cpu)
         ]
 
-    def forward(self, q, k_cache, v_cache, state: list[_Seq], sinks=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: list[_Seq], sinks=None, kv_scales=None) -> torch.Tensor:
         out = torch.empty_like(q)
         group = self.num_heads // self.num_kv_heads
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_scale, v_scale = kv_scales or (None, None)
         for s in state:
             qi = rearrange(q[s.q_start : s.q_end].float(), "q h d -> h q d")
-            k = repeat(k_flat[s.kv_slots].float(), "s hkv d -> (hkv g) s d", g=group)  # each KV head serves g heads
-            v = repeat(v_flat[s.kv_slots].float(), "s hkv d -> (hkv g) s d", g=group)
+            k = repeat(read_kv(k_cache, s.kv_slots, k_scale, torch.float32), "s hkv d -> (hkv g) s d", g=group)
+            v = repeat(read_kv(v_cache, s.kv_slots, v_scale, torch.float32), "s hkv d -> (hkv g) s d", g=group)
             scores = cap_scores((qi @ k.transpose(1, 2)) * self.scale, self.variant.softcap)  # [H, q, S]
             q_pos = s.context_len + torch.arange(qi.shape[1], device=q.device)
             kv_pos = torch.arange(k.shape[1], device=q.device)

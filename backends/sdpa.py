@@ -21,6 +21,7 @@ from pagedbench.backends.base import (
     AttentionMetadata,
     cap_scores,
     gather_kv_slots,
+    read_kv,
     softmax_with_sinks,
     visible,
 )
@@ -43,6 +44,7 @@ CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # masks rule o
 
 class SDPABackend(AttentionBackend):
     name = "sdpa"
+    quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized as gathered
     cuda_graph_reason = "prepare() sizes its padded K/V gather by each step's longest sequence"
 
     @classmethod
@@ -78,26 +80,26 @@ class SDPABackend(AttentionBackend):
         on_cuda = device is not None and torch.device(device).type == "cuda"
         return f"torch {torch.__version__}" + (" SDPA memory-efficient kernel (cuDNN excluded)" if on_cuda else "")
 
-    def forward(self, q, k_cache, v_cache, state: list[_Group], sinks=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: list[_Group], sinks=None, kv_scales=None) -> torch.Tensor:
         explicit = self.variant.softcap is not None or sinks is not None
         if self.device.type != "cuda" or explicit:
             gqa = self.num_heads != self.num_kv_heads and not explicit
-            return self._forward(q, k_cache, v_cache, state, gqa, sinks)
+            return self._forward(q, k_cache, v_cache, state, gqa, sinks, kv_scales)
         # The memory-efficient kernel has no GQA: the gather repeats each KV head for its query heads.
         with sdpa_kernel(CUDA_KERNELS):
-            return self._forward(q, k_cache, v_cache, state, enable_gqa=False)
+            return self._forward(q, k_cache, v_cache, state, False, None, kv_scales)
 
-    def _forward(self, q, k_cache, v_cache, state: list[_Group], enable_gqa: bool, sinks=None) -> torch.Tensor:
+    def _forward(self, q, k_cache, v_cache, state: list[_Group], enable_gqa: bool, sinks=None, kv_scales=None):
         out = torch.empty_like(q)
         repeat = 1 if enable_gqa else self.num_heads // self.num_kv_heads
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_scale, v_scale = kv_scales or (None, None)
         for g in state:
             q_pad = q.new_zeros(g.num_seqs * g.max_q, self.num_heads, self.head_dim)
             q_pad[g.q_dest] = q[g.token_start : g.token_end]
             q_pad = rearrange(q_pad, "(n q) h d -> n h q d", n=g.num_seqs)
-            k = rearrange(k_flat[g.kv_slots], "n s h d -> n h s d")  # gathered slots [n, max_kv] -> padded K
-            v = rearrange(v_flat[g.kv_slots], "n s h d -> n h s d")
+            # gathered slots [n, max_kv] -> padded K, V (dequantized)
+            k = rearrange(read_kv(k_cache, g.kv_slots, k_scale, q.dtype), "n s h d -> n h s d")
+            v = rearrange(read_kv(v_cache, g.kv_slots, v_scale, q.dtype), "n s h d -> n h s d")
             if repeat > 1:
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             if self.variant.softcap is None and sinks is None:

@@ -130,6 +130,15 @@ class EngineConfig:
     max_logprobs: int = setting(20, "most logprobs / prompt_logprobs a request may ask for", minimum=0)
     enforce_eager: bool = setting(False, "never capture CUDA graphs: every step runs eagerly")
     cpu_kv_cache_bytes: int = setting(1 << 30, "KV cache bytes on CPU when num_blocks is None", minimum=1)
+    kv_cache_dtype: str = setting(
+        "auto",
+        "how K/V pages are stored: auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2 (a scale per layer), "
+        "int8 (a scale per token and KV head); each backend dequantizes where it reads",
+        ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
+    )
+    calculate_kv_scales: bool = setting(
+        False, "fp8 KV: set each layer's K and V scales from the first step's K/V (default: 1.0, as vLLM)"
+    )
     speculative_config: dict | None = setting(
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} '

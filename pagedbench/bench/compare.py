@@ -23,6 +23,7 @@ from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
 from pagedbench.model.loader import resolve_model_config
 from pagedbench.model.parallel import TPShard
+from pagedbench.worker.model_runner import kv_bytes_per_block
 
 
 @dataclass(slots=True)
@@ -43,15 +44,25 @@ class Comparison:
     unavailable: dict[str, str]
 
 
-def engine_settings(scenario: Scenario) -> dict:
-    """The scenario's engine settings, with the KV budget as blocks."""
-    return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": scenario.kv_blocks}
+def engine_settings(scenario: Scenario, dtype: torch.dtype) -> dict:
+    """The scenario's engine settings, with the KV budget as blocks (of its kv_cache_dtype)."""
+    return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": kv_blocks(scenario, dtype)}
+
+
+def kv_blocks(scenario: Scenario, dtype: torch.dtype) -> int:
+    """The KV budget in blocks. The scenario gives it as unquantized pages; quantized pages get the
+    same memory, so more of them (twice as many fp8 pages as bf16 ones)."""
+    if scenario.kv_cache_dtype == "auto":
+        return scenario.kv_blocks
+    cfg, tp = resolve_model_config(scenario.model)[0], TPShard(0, scenario.tensor_parallel_size)
+    memory = scenario.kv_blocks * kv_bytes_per_block(cfg, scenario.block_size, dtype, tp)
+    return memory // kv_bytes_per_block(cfg, scenario.block_size, dtype, tp, scenario.kv_cache_dtype)
 
 
 def engine_config(
-    scenario: Scenario, backend: str, device: str | None, dtype: str | None, speculative_config: dict | None = None
+    scenario: Scenario, backend: str, device, dtype: torch.dtype, speculative_config: dict | None = None
 ) -> EngineConfig:
-    settings = engine_settings(scenario) | {"speculative_config": speculative_config}
+    settings = engine_settings(scenario, dtype) | {"speculative_config": speculative_config}
     return EngineConfig(backend=backend, device=device, dtype=dtype, **settings)
 
 
@@ -110,6 +121,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "preemptions": st.preemptions,
         "peak_kv_blocks": st.peak_blocks_used,
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
+        "peak_running_seqs": st.peak_running,
         **st.time_columns(),
         **device_columns(device, sum(st.time.values())),
         "time_backend_compile_s": engine.backend.compile_seconds - compile_before,  # 0 after a warmup run
@@ -232,7 +244,7 @@ def compare(
     dev, dt = resolve_device_dtype(device, dtype)
     model, model_path = resolve_model_config(scenario.model)
     requests = build_requests(scenario, model.vocab_size)
-    env, workload = environment(dev, dt), scenario_columns(scenario, scale)
+    env, workload = environment(dev, dt), scenario_columns(scenario, scale, dt)
     out = Comparison([] if rows is None else rows, [], [], {})
     measured = _compare_backends(scenario, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
     for peer in peers:
@@ -254,9 +266,9 @@ def compare(
     return out
 
 
-def scenario_columns(scenario: Scenario, scale: float) -> dict:
+def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype) -> dict:
     """What every row of a scenario's run says about the workload."""
-    settings = engine_settings(scenario)
+    settings = engine_settings(scenario, dtype)
     del settings["speculative_config"]  # each row says its own (`speculative`)
     return {
         "scenario": scenario.name,

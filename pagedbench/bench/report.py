@@ -55,6 +55,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "preemptions",
     "peak_kv_blocks",
     "peak_kv_utilization",
+    "peak_running_seqs",
     "prefix_cache_queries",
     "prefix_cache_hits",
     "peak_shared_blocks",
@@ -330,8 +331,10 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "ITL mean/p99 ms": _pair(med, "itl"),
             "E2EL mean ms": med["mean_e2el_ms"].round(1),
             "preemptions": med["preemptions"].round().astype("Int64"),  # empty for a peer
+            "peak seqs": _column(med, "peak_running_seqs").round().astype("Int64"),
             "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
             **_sharing(med),
+            **_kv_storage(med),
             **_speculation(med),
             "prepare %": _prepare_pct(med),
             "attention % of forward": _pct(med, "attention_share"),
@@ -359,7 +362,9 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "mean TPOT ms": ok["mean_tpot_ms"].round(2),
             "steps": ok["steps"].astype("Int64"),  # empty for a peer: its internals are not ours to count
             "preemptions": ok["preemptions"].astype("Int64"),
+            "peak seqs": _column(ok, "peak_running_seqs").astype("Int64"),
             **_sharing(ok),
+            **_kv_storage(ok),
             **_speculation(ok),
             "prepare %": _prepare_pct(ok),
             "attention % of forward": _pct(ok, "attention_share"),
@@ -419,6 +424,14 @@ def _speculation(df: pd.DataFrame) -> dict[str, pd.Series]:
         "accepted %": (100 * df["spec_acceptance_rate"]).round(1),
         "mean accepted length": df["spec_mean_acceptance_length"].round(2),
     }
+
+
+def _kv_storage(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """How K/V pages were stored, where some run quantized them (kv_cache_dtype)."""
+    if "kv_cache_dtype" not in df:
+        return {}
+    kv = df["kv_cache_dtype"].astype(object).fillna("auto").astype(str)
+    return {"KV pages": kv} if (kv != "auto").any() else {}
 
 
 def _spec_labels(df: pd.DataFrame) -> pd.Series:
@@ -572,6 +585,8 @@ def _labels(df: pd.DataFrame) -> pd.Series:
         label = label + " · tp " + df["tensor_parallel_size"].fillna(1).astype(int).astype(str)
     if "enforce_eager" in df and df["enforce_eager"].nunique() > 1:
         label = label + df["enforce_eager"].map({True: " · eager", False: ""})
+    if "kv_cache_dtype" in df and df["kv_cache_dtype"].astype(object).fillna("auto").nunique() > 1:
+        label = label + " · KV " + df["kv_cache_dtype"].astype(object).fillna("auto").astype(str)
     if "speculative" in df and _spec_labels(df).nunique() > 1:
         label = label + " · spec " + _spec_labels(df)
     return label

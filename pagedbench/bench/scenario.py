@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.config import SpeculativeConfig
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.sample.sampling_params import SamplingParams, is_int
@@ -33,6 +34,7 @@ ENGINE_FIELDS = (
     "seed",
     "tensor_parallel_size",
     "enforce_eager",
+    "kv_cache_dtype",
     "speculative_config",
 )
 PROMPT_SOURCES = ("random", "python-source")
@@ -86,6 +88,7 @@ class Scenario:
     # "random" token ids (vLLM's random dataset), or "python-source": held-out Python source as
     # bytes, for a byte-level model (the trained pair), where a draft has something to predict.
     prompts: str = "random"
+    kv_cache_dtype: str = "auto"  # how K/V pages are stored (EngineConfig.kv_cache_dtype)
     speculative_config: dict | None = None  # vLLM's speculative_config for every backend's engine
     speculation_baseline: bool = False  # also run each backend without speculation, to compare
 
@@ -106,6 +109,8 @@ class Scenario:
             self._fail("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
         if self.shared_prefix_len < 0:
             self._fail("shared_prefix_len", f"must be >= 0, got {self.shared_prefix_len}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.prompts not in PROMPT_SOURCES:
             self._fail("prompts", f"must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
         try:
@@ -197,7 +202,8 @@ class Scenario:
         del content["name"], content["description"], content["enforce_eager"]
         if self.tensor_parallel_size == 1:
             del content["tensor_parallel_size"]
-        for name, default in (("prompts", "random"), ("speculative_config", None), ("speculation_baseline", False)):
+        defaults = {"prompts": "random", "kv_cache_dtype": "auto", "speculative_config": None}
+        for name, default in (defaults | {"speculation_baseline": False}).items():
             if content[name] == default:  # hashes from before these fields existed still match
                 del content[name]
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

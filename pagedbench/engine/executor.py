@@ -38,7 +38,7 @@ class Executor:
             torch.cuda.set_device(self.device)  # graph capture, events and syncs act on the current device
         self.tp = self._tensor_parallel_shard()
         backend = build_layer_attention(
-            config.backend, model_config, config.block_size, self.device, self.dtype, self.tp
+            config.backend, model_config, config.block_size, self.device, self.dtype, self.tp, config.kv_cache_dtype
         )
         cfg = model_config
         # A sliding window no longer caps the length: each backend attends within its layers' windows.
@@ -106,8 +106,9 @@ class Executor:
                 f"draft model {config.speculative.model!r} allows {cfg.max_position_embeddings} positions, "
                 f"fewer than max_model_len={self.max_model_len}"
             )
-        backend = build_layer_attention(config.backend, cfg, config.block_size, self.device, self.dtype)
-        return ModelRunner(model, backend, self.num_blocks, config.block_size, self.device, self.dtype)
+        args = (config.block_size, self.device, self.dtype)
+        backend = build_layer_attention(config.backend, cfg, *args, NO_TP, config.kv_cache_dtype)
+        return ModelRunner(model, backend, self.num_blocks, *args, 0, config.kv_cache_dtype, config.calculate_kv_scales)
 
     @property
     def backend(self) -> LayerAttention:
@@ -140,12 +141,21 @@ class Executor:
             )
         return num_blocks, config.max_model_len
 
+    def _page_args(self, cfg: ModelConfig) -> tuple:
+        return cfg, self.config.block_size, self.dtype
+
+    def _bytes_per_block(self) -> int:
+        """One page of K/V in every layer, as stored, with the draft's page beside it (same ids)."""
+        kv = self.config.kv_cache_dtype
+        per_block = kv_bytes_per_block(*self._page_args(self.model_config), self.tp, kv)
+        if self.draft_config is not None:
+            per_block += kv_bytes_per_block(*self._page_args(self.draft_config), NO_TP, kv)
+        return per_block
+
     def _auto_num_blocks(self, backend: LayerAttention, max_model_len: int) -> int:
         """KV blocks from the memory budget: vLLM's profiled rule on CUDA, cpu_kv_cache_bytes on CPU."""
         config = self.config
-        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.tp)
-        if self.draft_config is not None:  # the draft's cache has as many pages
-            per_block += kv_bytes_per_block(self.draft_config, config.block_size, self.dtype)
+        per_block = self._bytes_per_block()
         if self.device.type != "cuda":
             budget = config.cpu_kv_cache_bytes
         elif self.tp.size > 1:
@@ -164,11 +174,12 @@ class Executor:
         config = self.config
         self.num_cpu_blocks = 0
         if config.preemption_mode == "swap":
-            per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype, self.tp)
+            per_block = kv_bytes_per_block(*self._page_args(self.model_config), self.tp, config.kv_cache_dtype)
             self.num_cpu_blocks = int(config.swap_space * 2**30) // per_block
         runner = ModelRunner(
-            self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks
-        )
+            self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks,
+            config.kv_cache_dtype, config.calculate_kv_scales,
+        )  # fmt: skip
         if self.workers is None:
             return runner
         self.workers.start(self.device, self.num_blocks, self.num_cpu_blocks)

@@ -199,7 +199,8 @@ class LLMEngine:
         bm = self.block_manager
         wasted = wasted_slots(self.scheduler.running, self.config.block_size)
         times = (t_start, t_schedule, t_propose, *forward_times, t_end)
-        self.stats.record_step(times, bm.num_used_blocks, bm.num_shared_blocks, wasted)
+        running = len(self.scheduler.running)
+        self.stats.record_step(times, bm.num_used_blocks, bm.num_shared_blocks, wasted, running)
         for group, count in progressed.values():
             group.token_times += [t_end] * count  # tokens verified together arrive together
             if group.finished:

@@ -16,6 +16,7 @@ class EngineStats:
     steps: int = 0
     preemptions: int = 0
     peak_blocks_used: int = 0
+    peak_running: int = 0  # sequences running at once (their pages in the cache)
     peak_shared_blocks: int = 0  # blocks read by several sequences at once (prefix caching, forks)
     block_copies: int = 0  # copy-on-write page copies (a fork writing into a shared page)
     prompt_tokens: int = 0  # prompt tokens run through the model (cached and recomputed ones not counted)
@@ -30,6 +31,7 @@ class EngineStats:
 
     def reset(self) -> None:
         self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
+        self.peak_running = 0
         self.used_block_steps = self.wasted_slot_steps = self.peak_wasted_slots = self.swap_outs = 0
         self.prompt_tokens = self.generation_tokens = 0
         self.time = dict.fromkeys(STEP_PARTS, 0.0)
@@ -39,9 +41,13 @@ class EngineStats:
     def time_columns(self) -> dict[str, float]:
         return {column: self.time[part] for column, part in zip(TIME_COLUMNS, STEP_PARTS)}
 
-    def record_step(self, times: tuple[float, ...], blocks_used: int, shared_blocks: int, wasted: int) -> None:
-        """One step: its part boundaries (len(STEP_PARTS) + 1 wall times) and its KV use."""
+    def record_step(
+        self, times: tuple[float, ...], blocks_used: int, shared_blocks: int, wasted: int, running: int = 0
+    ) -> None:
+        """One step: its part boundaries (len(STEP_PARTS) + 1 wall times), its KV use and how many
+        sequences ran."""
         self.steps += 1
+        self.peak_running = max(self.peak_running, running)
         self.peak_blocks_used = max(self.peak_blocks_used, blocks_used)
         self.peak_shared_blocks = max(self.peak_shared_blocks, shared_blocks)
         self.used_block_steps += blocks_used

@@ -33,6 +33,8 @@ class AttentionContext:
     slot_mapping: torch.Tensor  # [T] int64
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, H_kv, D]
     timer: Any = None  # a DeviceTimer: each layer's attention call becomes an "attention" span
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, when the pages are quantized
+    calibrate_kv: bool = False  # set each layer's fp8 scales from this step's K/V (calculate_kv_scales)
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -135,9 +137,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        scales = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else None
+        if ctx.calibrate_kv:  # vLLM's calculate_kv_scales: the first step's absolute maximum fills fp8's range
+            for x, scale, cache in ((k, scales[0], k_cache), (v, scales[1], v_cache)):
+                scale.copy_((x.abs().amax().float() / torch.finfo(cache.dtype).max).clamp(min=1e-8))
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, scales)
         start = ctx.timer.mark() if ctx.timer is not None else None
-        out = ctx.backends[self.layer_idx].forward(q, k_cache, v_cache, ctx.states[self.layer_idx])
+        quantized = {} if scales is None else {"kv_scales": scales}
+        out = ctx.backends[self.layer_idx].forward(q, k_cache, v_cache, ctx.states[self.layer_idx], **quantized)
         if start is not None:
             ctx.timer.span("attention", start)
         return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)

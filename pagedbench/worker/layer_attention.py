@@ -51,10 +51,16 @@ class LayerAttention:
 
 
 def build_layer_attention(
-    name: str, cfg: ModelConfig, block_size: int, device: torch.device, dtype: torch.dtype, tp: TPShard = NO_TP
+    name: str,
+    cfg: ModelConfig,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TPShard = NO_TP,
+    kv_cache_dtype: str = "auto",
 ) -> LayerAttention:
-    """Backend `name` for this rank's heads and each of the model's layer variants, or a ValueError
-    saying why it cannot run one of them here."""
+    """Backend `name` for this rank's heads and each of the model's layer variants, reading pages
+    stored as `kv_cache_dtype`, or a ValueError saying why it cannot run one of them here."""
     num_heads, num_kv_heads = tp.local_heads(cfg)
     d = cfg.head_dim
     built: dict[AttentionVariant, AttentionBackend] = {}
@@ -62,8 +68,9 @@ def build_layer_attention(
         if variant in built:
             continue
         found = resolve(
-            name, device, dtype, d, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads, **variant.settings()
-        )
+            name, device, dtype, d, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            kv_cache_dtype=kv_cache_dtype, **variant.settings(),
+        )  # fmt: skip
         if not found.runnable:
             what = "" if variant == PLAIN else f" for the model's {variant} layers"
             raise ValueError(f"backend {name!r} is unavailable here{what}: {found.reason}")

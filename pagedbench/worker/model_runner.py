@@ -6,7 +6,7 @@ import math
 import numpy as np
 import torch
 
-from pagedbench.backends.base import AttentionBackend, one_line
+from pagedbench.backends.base import AttentionBackend, kv_storage_dtype, one_line, per_token_scales
 from pagedbench.device.transfer import to_device, to_host
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.llama import AttentionContext, CausalLM
@@ -15,9 +15,14 @@ from pagedbench.worker.layer_attention import LayerAttention, LayerStates
 from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan, plan_step
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPShard = NO_TP) -> int:
-    """K and V of one page in every layer, on one tensor-parallel rank."""
-    return 2 * cfg.num_layers * block_size * tp.local_heads(cfg)[1] * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_block(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPShard = NO_TP, kv_cache_dtype: str = "auto"
+) -> int:
+    """K and V of one page in every layer, on one tensor-parallel rank, as stored (`kv_cache_dtype`;
+    int8 pages add an fp16 scale per token and KV head)."""
+    storage = kv_storage_dtype(kv_cache_dtype, dtype)
+    slots = 2 * cfg.num_layers * block_size * tp.local_heads(cfg)[1]
+    return slots * cfg.head_dim * storage.itemsize + (slots * 2 if per_token_scales(storage) else 0)
 
 
 class ModelRunner:
@@ -30,6 +35,8 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         num_cpu_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
     ):
         cfg = model.config
         self.model, self.backend = model, backend
@@ -40,37 +47,52 @@ class ModelRunner:
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
         shape = (cfg.num_layers, 2, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
+        storage = kv_storage_dtype(kv_cache_dtype, dtype)
         try:
-            self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
+            self.kv_cache = torch.zeros(shape, device=device, dtype=storage)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             gib = math.prod(shape) * dtype.itemsize / 2**30
             raise ValueError(
                 f"cannot allocate a KV cache of {num_blocks} blocks ({gib:.1f} GiB) on {device}: {one_line(e)}"
             ) from None
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
-        # Swap space: the same layout in (pinned, on CUDA) CPU memory.
-        self.cpu_kv_cache = torch.zeros(
-            (*self.kv_cache.shape[:2], num_cpu_blocks, *self.kv_cache.shape[3:]),
-            dtype=dtype,
-            pin_memory=device.type == "cuda" and num_cpu_blocks > 0,
-        )
+        # Quantized pages' scales (base.write_kv): per layer for fp8 (1.0 unless calibrated on the
+        # first step, `calculate_kv_scales`), per slot and KV head for int8 (moved with its page).
+        self.kv_scale, self.kv_scales, self.calibrate_kv = None, None, False
+        if storage != dtype:
+            per_slot = per_token_scales(storage)
+            scale_shape = shape[:5] if per_slot else (cfg.num_layers, 2, 1, 1, 1)
+            scale_dtype = torch.float16 if per_slot else torch.float32
+            self.kv_scale = torch.ones(scale_shape, device=device, dtype=scale_dtype)
+            self.kv_scales = [(self.kv_scale[i, 0], self.kv_scale[i, 1]) for i in range(cfg.num_layers)]
+            self.calibrate_kv = calculate_kv_scales and not per_slot
+        # Swap space: the same layout in (pinned, on CUDA) CPU memory; per-slot scales too.
+        pin = device.type == "cuda" and num_cpu_blocks > 0
+        self.paged = [self.kv_cache] + ([self.kv_scale] if self.kv_scale is not None and per_slot else [])
+        self.cpu_paged = [
+            torch.zeros((*t.shape[:2], num_cpu_blocks, *t.shape[3:]), dtype=t.dtype, pin_memory=pin) for t in self.paged
+        ]
+        self.cpu_kv_cache = self.cpu_paged[0]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: K/V of block src -> block dst in every layer (reads happen before writes)."""
         src, dst = to_device(np.array(copies, dtype=np.int64).T.copy(), self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for paged in self.paged:
+            paged[:, :, dst] = paged[:, :, src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """K/V of device block -> CPU block, every layer."""
         device_blocks, cpu_blocks = np.array(pairs, dtype=np.int64).T
-        pages = self.kv_cache[:, :, to_device(device_blocks.copy(), self.device)]
-        self.cpu_kv_cache[:, :, torch.from_numpy(cpu_blocks)] = to_host(pages)
+        for paged, cpu in zip(self.paged, self.cpu_paged):
+            pages = paged[:, :, to_device(device_blocks.copy(), self.device)]
+            cpu[:, :, torch.from_numpy(cpu_blocks)] = to_host(pages)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """K/V of CPU block -> device block, every layer."""
         cpu_blocks, device_blocks = np.array(pairs, dtype=np.int64).T
-        pages = to_device(self.cpu_kv_cache[:, :, torch.from_numpy(cpu_blocks)], self.device)
-        self.kv_cache[:, :, to_device(device_blocks.copy(), self.device)] = pages
+        for paged, cpu in zip(self.paged, self.cpu_paged):
+            pages = to_device(cpu[:, :, torch.from_numpy(cpu_blocks)], self.device)
+            paged[:, :, to_device(device_blocks.copy(), self.device)] = pages
 
     def prepare(self, seqs: list[ScheduledSequence], num_tokens: list[int]) -> StepInputs:
         """The step's inputs on the device (`seqs[i]` runs its next `num_tokens[i]` tokens): a
@@ -94,8 +116,15 @@ class ModelRunner:
 
     def run_eager(self, inputs: StepInputs, backend_state: LayerStates, timer=None) -> torch.Tensor | None:
         ctx = AttentionContext(
-            backend_state.backends, backend_state.states, inputs.metadata.slot_mapping, self.kv_caches, timer
+            backend_state.backends,
+            backend_state.states,
+            inputs.metadata.slot_mapping,
+            self.kv_caches,
+            timer,
+            self.kv_scales,
+            self.calibrate_kv,
         )
+        self.calibrate_kv = False  # the first step's K/V set the fp8 scales
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)
 
     @property

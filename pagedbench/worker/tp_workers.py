@@ -83,14 +83,19 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         else:  # the ranks share the CPU's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
         cfg, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
-        backend = build_layer_attention(config.backend, cfg, config.block_size, device, dtype, tp)
+        backend = build_layer_attention(
+            config.backend, cfg, config.block_size, device, dtype, tp, config.kv_cache_dtype
+        )
         model = build_model(
             cfg, weights_path(path, config), device, dtype, spec.rope_len, config.seed, tp, config.preset_init
         )
         conn.send(("built",))
         _, (num_blocks, num_cpu_blocks) = conn.recv()
         init_group(device, rank, spec.size, spec.port)  # first: a failure after it cannot leave rank 0 waiting
-        runner = ModelRunner(model, backend, num_blocks, config.block_size, device, dtype, num_cpu_blocks)
+        runner = ModelRunner(
+            model, backend, num_blocks, config.block_size, device, dtype, num_cpu_blocks,
+            config.kv_cache_dtype, config.calculate_kv_scales,
+        )  # fmt: skip
         conn.send(("ready",))
         while True:
             try:

@@ -6,6 +6,7 @@ import dataclasses
 
 import pandas as pd
 
+from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.bench.scenario import ENGINE_FIELDS, LengthRange, Scenario, builtin_scenarios, load_scenario
 from pagedbench.config import EngineConfig, json_object
 from pagedbench.device.dtypes import resolve_device_dtype
@@ -62,6 +63,12 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         "seed": "seed of the request set, the sampler and random weights",
     }
     overrides.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default=None,
+        help="how K/V pages are stored for every backend (default: the scenario's, auto)",
+    )
+    overrides.add_argument(
         "--speculative-config",
         type=json_object,
         default=None,
@@ -75,13 +82,8 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         help="also run each backend without speculation (default: the scenario's; on in spec-decode)",
     )
     for flag in SCENARIO_OVERRIDES:
-        if flag not in (
-            "model",
-            "enable_prefix_caching",
-            "enforce_eager",
-            "speculative_config",
-            "speculation_baseline",
-        ):
+        special = ("model", "enable_prefix_caching", "enforce_eager", "kv_cache_dtype", "speculative_config")
+        if flag not in (*special, "speculation_baseline"):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
 
 

@@ -17,6 +17,7 @@ def cmd_report(args) -> None:
 
 
 def cmd_kv_calc(args) -> None:
+    from pagedbench.backends.base import kv_storage_dtype
     from pagedbench.bench.kv_calc import GIB, kv_bytes_per_token, kv_table
     from pagedbench.bench.report import markdown
     from pagedbench.device.dtypes import DTYPES
@@ -30,13 +31,16 @@ def cmd_kv_calc(args) -> None:
     block_sizes = positive_ints(args.block_size, "--block-size")
     seq_lens = positive_ints(args.seq_len, "--seq-len") if args.seq_len else [cfg.max_position_embeddings]
     dtype = DTYPES[args.dtype]
+    kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
+    for kv in kv_dtypes:
+        kv_storage_dtype(kv, dtype)  # an unknown name fails here, naming the known ones
     per_token = kv_bytes_per_token(cfg, dtype)
     print(
         f"{args.model}: {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim} x 2 (K, V) "
-        f"x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B ({per_token / 1024:g} KiB) per token; "
+        f"x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B ({per_token / 1024:g} KiB) per token unquantized; "
         f"{args.memory:g} GiB of KV cache"
     )
-    print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens)))
+    print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens, kv_dtypes)))
 
 
 def register_report(sub) -> None:
@@ -52,6 +56,11 @@ def register_kv_calc(sub) -> None:
     kv.add_argument("model", help=f"HF model directory or preset ({', '.join(PRESETS)})")
     kv.add_argument("--block-size", default="16", help="one or more, comma-separated (a sweep)")
     kv.add_argument("--memory", type=float, default=40.0, help="GiB given to the KV cache")
-    kv.add_argument("--dtype", default="bf16", help="cache dtype")
+    kv.add_argument("--dtype", default="bf16", help="the model's dtype (the cache's under kv_cache_dtype auto)")
+    kv.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="how pages are stored, one or more: auto, fp8, fp8_e4m3, fp8_e5m2, int8 (e.g. auto,fp8,int8)",
+    )
     kv.add_argument("--seq-len", default=None, help="sequence lengths, comma-separated (default: the model's max)")
     kv.set_defaults(func=cmd_kv_calc)

@@ -1,0 +1,97 @@
+"""Quality of a quantized KV cache: the model teacher-forced over held-out text (so errors do not
+compound), each backend with pages stored as `kv_cache_dtype` against the same backend with
+unquantized pages: per-position KL divergence and top-1 agreement of the next-token
+distributions, and perplexity of the text itself. The text goes in chunks (a chunked prefill), so
+every chunk after the first attends to pages earlier steps quantized; within a step the backends
+read the step's own K/V back from the cache too."""
+
+import math
+
+import numpy as np
+import torch
+
+from pagedbench.config import EngineConfig
+from pagedbench.engine.llm_engine import LLMEngine
+from pagedbench.engine.sequence import Sequence
+from pagedbench.sample.sampling_params import SamplingParams
+from pagedbench.worker.step_plan import prepare_step
+
+
+def held_out_segments(num_segments: int = 4, length: int = 512, seed: int = 0) -> list[list[int]]:
+    """Byte ids of held-out Python source (the trained pair never saw it), from random places."""
+    from pagedbench.model.trained_pair import corpus
+
+    text = corpus()[1]
+    starts = np.random.default_rng(seed).integers(0, len(text) - length, num_segments)
+    return [list(text[s : s + length]) for s in starts]
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(
+    model: str, backend: str, kv_cache_dtype: str, segments: list[list[int]], device=None, dtype=None, chunk: int = 128
+) -> torch.Tensor:
+    """Log-probabilities [positions, vocab] (fp32, on the host) of the next token at every position
+    but each segment's last, the segments run side by side in chunks of `chunk` tokens."""
+    block_size = 16
+    num_blocks = sum(-(-len(s) // block_size) for s in segments) + 4
+    config = EngineConfig(
+        model=model, backend=backend, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False, seed=0,
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    runner, bm = engine.runner, engine.block_manager
+    seqs = [Sequence(str(i), None, ids, SamplingParams()) for i, ids in enumerate(segments)]
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in seqs):
+        active = [s for s in seqs if s.num_computed_tokens < s.num_tokens - 1]
+        num_new = [min(chunk, s.num_tokens - 1 - s.num_computed_tokens) for s in active]
+        for s, n in zip(active, num_new):
+            bm.allocate(s, s.num_computed_tokens + n)
+        inputs = prepare_step(active, num_new, block_size, runner.num_cache_blocks, engine.device)
+        inputs.logits_indices = torch.arange(sum(num_new), device=engine.device)  # every position
+        logits = runner.run(inputs, runner.backend.prepare(inputs.metadata)).float().log_softmax(dim=-1).cpu()
+        for s, part in zip(active, logits.split(num_new)):
+            rows[int(s.request_id)].append(part)
+            s.num_computed_tokens += len(part)
+    engine.shutdown()
+    return torch.cat([torch.cat(r) for r in rows])
+
+
+def targets(segments: list[list[int]]) -> torch.Tensor:
+    """The token each teacher-forced position predicts."""
+    return torch.tensor([t for s in segments for t in s[1:]])
+
+
+def compare(quantized: torch.Tensor, exact: torch.Tensor, next_tokens: torch.Tensor) -> dict:
+    """KL(exact || quantized) per position, top-1 agreement, and both perplexities."""
+    kl = (exact.exp() * (exact - quantized)).sum(dim=-1)
+    ppl = [math.exp(-float(lp.gather(-1, next_tokens[:, None]).mean())) for lp in (quantized, exact)]
+    return {
+        "positions": len(exact),
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "top1_agreement": float((quantized.argmax(-1) == exact.argmax(-1)).float().mean()),
+        "perplexity": ppl[0],
+        "perplexity_unquantized": ppl[1],
+        "perplexity_change": ppl[0] / ppl[1] - 1,
+    }
+
+
+def kv_quality(
+    backends: list[str], kv_cache_dtypes: list[str], model: str = "py-byte-target", device=None, dtype=None
+) -> list[dict]:
+    """One row per backend x quantized kv_cache_dtype (unavailable ones with their reason)."""
+    segments = held_out_segments()
+    next_tokens = targets(segments)
+    rows = []
+    for backend in backends:
+        exact = teacher_forced_logprobs(model, backend, "auto", segments, device, dtype)
+        for kv in kv_cache_dtypes:
+            head = {"model": model, "backend": backend, "kv_cache_dtype": kv}
+            try:
+                quantized = teacher_forced_logprobs(model, backend, kv, segments, device, dtype)
+            except ValueError as e:  # this backend cannot read such pages: it says why
+                rows.append({**head, "status": "unavailable", "reason": str(e)})
+                continue
+            rows.append({**head, "status": "ok", **compare(quantized, exact, next_tokens)})
+    return rows
