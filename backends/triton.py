@@ -19,7 +19,7 @@ from importlib import import_module
 from typing import Any
 
 import torch
-from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, one_line
+from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, one_line, per_token_scales
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; a [BLOCK_M, 256] fp32 accumulator is the ceiling
@@ -187,6 +187,7 @@ class TritonState:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized in the kernel, tile by tile
     cuda_graph_reason = None
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant=PLAIN):
@@ -265,15 +266,17 @@ class TritonBackend(AttentionBackend):
         warps = 8 if block_m >= 128 else 4
         return Launch(seq_start, num_seqs, token_start, num_tokens, block_m, block_q, segments, warps, partials)
 
-    def forward(self, q, k_cache, v_cache, state: TritonState, sinks=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: TritonState, sinks=None, kv_scales=None) -> torch.Tensor:
         out = torch.empty_like(q)
         for launch in state.launches:
-            self._run(launch, q, k_cache, v_cache, out, state, out if sinks is None else sinks)
+            self._run(launch, q, k_cache, v_cache, out, state, out if sinks is None else sinks, kv_scales)
         return out
 
-    def constants(self, launch: Launch, page_size: int) -> dict:
-        """The attention kernel's compile-time parameters for `launch`."""
+    def constants(self, launch: Launch, page_size: int, kv_dtype: torch.dtype | None = None) -> dict:
+        """The attention kernel's compile-time parameters for `launch` (pages stored as `kv_dtype`)."""
+        kv_dtype = kv_dtype or self.dtype
         return dict(
+            KV_SCALES=0 if kv_dtype == self.dtype else 2 if per_token_scales(kv_dtype) else 1,
             GROUP=self.group,
             GROUP_P2=_pow2(self.group),
             BLOCK_M=launch.block_m,
@@ -290,20 +293,21 @@ class TritonBackend(AttentionBackend):
             FP32_DOTS=self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.device.type != "cuda"),
         )
 
-    def _run(self, launch: Launch, q, k_cache, v_cache, out, state: TritonState, sinks: torch.Tensor) -> None:
+    def _run(self, launch: Launch, q, k_cache, v_cache, out, state: TritonState, sinks, kv_scales) -> None:
         split = launch.partials is not None
-        dummy = out  # never touched when the launch is not split
+        dummy = out  # never touched when the launch is not split (or the pages not quantized)
         part_out, part_max, part_sum = launch.partials if split else (dummy, dummy, dummy)
-        constants = self.constants(launch, page_size=k_cache.shape[1])
+        k_scale, v_scale = kv_scales or (dummy, dummy)
+        constants = self.constants(launch, page_size=k_cache.shape[1], kv_dtype=k_cache.dtype)
         start = time.perf_counter()
         self._attend[(launch.num_tiles, self.num_kv_heads, launch.num_segments)](
             out, q, k_cache, v_cache, state.block_table, state.query_start_loc, state.seq_lens, sinks,
-            part_out, part_max, part_sum, self.scale,
+            k_scale, v_scale, part_out, part_max, part_sum, self.scale,
             launch.seq_start, launch.num_seqs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            state.block_table.stride(0), self.num_heads,
+            state.block_table.stride(0), k_scale.stride(0), k_scale.stride(1), self.num_heads,
             **constants, num_warps=launch.num_warps,
         )  # fmt: skip
         if split:

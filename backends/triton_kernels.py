@@ -25,6 +25,8 @@ def paged_attention(
     query_start_loc_ptr,  # [B+1]
     seq_lens_ptr,  # [B]: tokens in the cache after this step's write
     sinks_ptr,  # [H] fp32: each head's sink logit (read when HAS_SINKS)
+    k_scale_ptr,  # quantized pages' scales (KV_SCALES): [1] fp32, or [num_blocks, PAGE_SIZE, H_kv] fp16
+    v_scale_ptr,
     part_out_ptr,  # [NUM_SEGMENTS, tokens of the launch, H, D] fp32: unnormalised partial outputs
     part_max_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: running max (log2 units)
     part_sum_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: softmax denominators
@@ -42,6 +44,8 @@ def paged_attention(
     stride_v_slot,
     stride_v_head,
     stride_table,
+    stride_scale_block,
+    stride_scale_slot,
     num_heads,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_P2: tl.constexpr,
@@ -56,6 +60,8 @@ def paged_attention(
     SOFTCAP: tl.constexpr,  # scores -> SOFTCAP * tanh(scores / SOFTCAP) (0: none)
     HAS_SINKS: tl.constexpr,
     FP32_DOTS: tl.constexpr,  # exact fp32 dots: fp32 inputs (not TF32), bf16 in the interpreter (no bf16 dot)
+    # Pages as stored: 0 in the query's dtype, 1 fp8 x a per-layer scale, 2 int8 x a scale per slot and head.
+    KV_SCALES: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -139,6 +145,16 @@ def paged_attention(
                 mask=pos_ok[:, None] & dim_ok[None, :],
                 other=0.0,
             )
+            if KV_SCALES == 1:  # dequantized in registers: the pages stay 1 byte per value in memory
+                k = k.to(tl.float32) * tl.load(k_scale_ptr)
+                v = v.to(tl.float32) * tl.load(v_scale_ptr)
+            if KV_SCALES == 2:
+                at = page * stride_scale_block + slot * stride_scale_slot + kv_head
+                k = k.to(tl.float32) * tl.load(k_scale_ptr + at, mask=pos_ok, other=0.0).to(tl.float32)[None, :]
+                v = v.to(tl.float32) * tl.load(v_scale_ptr + at, mask=pos_ok, other=0.0).to(tl.float32)[:, None]
+            if KV_SCALES > 0 and not FP32_DOTS:
+                k = k.to(q_ptr.dtype.element_ty)
+                v = v.to(q_ptr.dtype.element_ty)
             if FP32_DOTS:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)

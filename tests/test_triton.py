@@ -120,10 +120,14 @@ def _ptxas() -> str | None:
     return path if os.path.exists(path) else None
 
 
-def _arg_type(name: str, constants: dict, element: str) -> str:
-    """Triton's signature type of a kernel argument, by the kernels' naming."""
+def _arg_type(name: str, constants: dict, element: str, kv: str | None = None) -> str:
+    """Triton's signature type of a kernel argument, by the kernels' naming (`kv`: the pages' type)."""
     if name in constants:
         return "constexpr"
+    if name in ("k_cache_ptr", "v_cache_ptr") and kv:
+        return f"*{kv}"
+    if name in ("k_scale_ptr", "v_scale_ptr"):
+        return "*fp16" if kv == "i8" else "*fp32"
     if name.startswith("part_") or name == "sinks_ptr":
         return "*fp32"
     if name in ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr"):
@@ -135,17 +139,19 @@ def _arg_type(name: str, constants: dict, element: str) -> str:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or _ptxas() is None, reason="no bundled ptxas")
 @pytest.mark.parametrize(
-    "arch,dtype,head_dim,query_len",
+    "arch,dtype,head_dim,query_len,kv",
     [
-        (90, torch.bfloat16, 128, 1),
-        (90, torch.bfloat16, 128, 64),
-        (80, torch.float16, 64, 4),
-        (86, torch.float32, 128, 64),  # 99 KiB of shared memory: smaller tiles than on an H100
-        pytest.param(90, torch.float32, 256, 64, marks=pytest.mark.slow),  # the most shared memory
-        pytest.param(86, torch.float32, 256, 64, marks=pytest.mark.slow),
+        (90, torch.bfloat16, 128, 1, None),
+        (90, torch.bfloat16, 128, 64, None),
+        (90, torch.bfloat16, 128, 1, torch.int8),  # quantized pages, dequantized in the kernel
+        (90, torch.bfloat16, 128, 4, torch.float8_e4m3fn),
+        (80, torch.float16, 64, 4, None),
+        (86, torch.float32, 128, 64, None),  # 99 KiB of shared memory: smaller tiles than on an H100
+        pytest.param(90, torch.float32, 256, 64, None, marks=pytest.mark.slow),  # the most shared memory
+        pytest.param(86, torch.float32, 256, 64, None, marks=pytest.mark.slow),
     ],
 )
-def test_kernels_compile_for_the_gpu(arch, dtype, head_dim, query_len):
+def test_kernels_compile_for_the_gpu(arch, dtype, head_dim, query_len, kv):
     """Triton's front end and ptxas accept the CUDA launch configurations (for a 132-SM GPU), within
     the arch's shared memory per block (227 KiB sm_90, 163 KiB sm_80, 99 KiB sm_86), as the tile
     rule estimates it: what the CPU interpreter cannot show."""
@@ -163,20 +169,21 @@ def test_kernels_compile_for_the_gpu(arch, dtype, head_dim, query_len):
     meta = place(problem, 16, layout_seed=0).metadata
     launch = backend.prepare(meta).launches[0]
     assert (launch.num_segments > 1) == (query_len <= 16)
-    kernels = [(triton_kernels.paged_attention, backend.constants(launch, 16), launch.num_warps)]
+    kernels = [(triton_kernels.paged_attention, backend.constants(launch, 16, kv), launch.num_warps)]
     if launch.num_segments > 1:
         merge = dict(BLOCK_H=1, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, NUM_SEGMENTS=launch.num_segments)
         kernels.append((triton_kernels.combine_segments, merge, 4))
     element = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     for fn, constants, warps in kernels:
         jit = triton.jit(fn)
-        signature = {name: _arg_type(name, constants, element) for name in jit.arg_names}
+        kv_type = {None: None, torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}[kv]
+        signature = {name: _arg_type(name, constants, element, kv_type) for name in jit.arg_names}
         compiled = triton.compile(
             ASTSource(jit, signature, constexprs=constants),
             target=GPUTarget("cuda", arch, 32),
             options={"num_warps": warps},
         )
         assert compiled.metadata.shared <= limit, (fn.__name__, compiled.metadata.shared)
-        if fn is triton_kernels.paged_attention:  # the rule's estimate bounds what Triton allots, closely
+        if fn is triton_kernels.paged_attention and kv is None:  # the rule's estimate bounds what Triton allots
             estimate = backend_module.shared_bytes(dtype, head_dim, constants["BLOCK_M"], constants["BLOCK_N"])
             assert estimate - 1024 <= compiled.metadata.shared <= estimate, (compiled.metadata.shared, estimate)

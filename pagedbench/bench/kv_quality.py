@@ -16,6 +16,8 @@ from pagedbench.engine.sequence import Sequence
 from pagedbench.sample.sampling_params import SamplingParams
 from pagedbench.worker.step_plan import prepare_step
 
+MILESTONE = "top-1 agreement >= 99 % and perplexity within 1 %"
+
 
 def held_out_segments(num_segments: int = 4, length: int = 512, seed: int = 0) -> list[list[int]]:
     """Byte ids of held-out Python source (the trained pair never saw it), from random places."""
@@ -66,14 +68,16 @@ def compare(quantized: torch.Tensor, exact: torch.Tensor, next_tokens: torch.Ten
     """KL(exact || quantized) per position, top-1 agreement, and both perplexities."""
     kl = (exact.exp() * (exact - quantized)).sum(dim=-1)
     ppl = [math.exp(-float(lp.gather(-1, next_tokens[:, None]).mean())) for lp in (quantized, exact)]
+    agreement = float((quantized.argmax(-1) == exact.argmax(-1)).float().mean())
     return {
         "positions": len(exact),
         "mean_kl": float(kl.mean()),
         "max_kl": float(kl.max()),
-        "top1_agreement": float((quantized.argmax(-1) == exact.argmax(-1)).float().mean()),
+        "top1_agreement": agreement,
         "perplexity": ppl[0],
         "perplexity_unquantized": ppl[1],
         "perplexity_change": ppl[0] / ppl[1] - 1,
+        "meets_milestone": bool(agreement >= 0.99 and abs(ppl[0] / ppl[1] - 1) <= 0.01),
     }
 
 

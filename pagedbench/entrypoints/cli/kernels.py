@@ -3,6 +3,7 @@ grid, held to a dense oracle, and what each runs here."""
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -59,6 +60,8 @@ def cmd_check(args) -> int:
     from pagedbench.bench.report import EnvCsvLog, tidy, write_reports
 
     prepare_out_dir(args.out)
+    if args.kv_cache_dtype:
+        return check_kv_quality(args)
     device, _ = resolve_device_dtype(args.device, None)
     names = args.dtypes or ("fp32,bf16" if device.type == "cpu" else "bf16,fp16,fp32")
     dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
@@ -86,6 +89,30 @@ def cmd_check(args) -> int:
     if failed:
         print(f"pagedbench: check failed: {failed} case(s)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def check_kv_quality(args) -> int:
+    """`check --kv-cache-dtype`: each backend's quantized cache against its unquantized one."""
+    from pagedbench.backends.base import kv_storage_dtype
+    from pagedbench.bench.kv_quality import MILESTONE, kv_quality
+
+    kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip() and k.strip() != "auto"]
+    for kv in kv_dtypes:
+        kv_storage_dtype(kv, torch.float32)  # an unknown name fails here, naming the known ones
+    model = args.model if args.model != "tiny-llama" else "py-byte-target"
+    dtype = (args.dtypes or "fp32").split(",")[0]
+    rows = kv_quality(backend_names(args.backends), kv_dtypes, model, args.device, dtype)
+    table = pd.DataFrame(rows)
+    print(
+        f"KV cache quality, {model} teacher-forced over held-out text, {dtype}: each backend's quantized pages "
+        f"against its own unquantized ones (milestone: {MILESTONE})"
+    )
+    print(table.drop(columns=["model"]).round(5).to_markdown(index=False))
+    stem = report_stem(args.out, "check-kv", args.overwrite)
+    path = Path(args.out) / f"{stem}.csv"
+    table.to_csv(path, index=False)
+    print(f"reports: {path}")
+    return 0
 
 
 def cmd_backends(args) -> None:
@@ -159,7 +186,15 @@ def register(sub) -> None:
         action="store_true",
         help="also teacher-force the whole model through each backend and compare logits (in --full)",
     )
-    chk.add_argument("--model", default="tiny-llama", help="model for --engine (a preset or HF directory)")
+    chk.add_argument(
+        "--model", default="tiny-llama", help="model for --engine (for --kv-cache-dtype: py-byte-target unless given)"
+    )
+    chk.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="instead of the grid: KV quality of these page dtypes (e.g. fp8,int8) per backend, teacher-forced: "
+        "KL, top-1 agreement and perplexity against the unquantized cache",
+    )
     chk.add_argument("--out", default="reports", help="directory for check.csv and check.md")
     add_overwrite_flag(chk)
     add_threads_flag(chk)
