@@ -358,7 +358,7 @@ def _fa4_compiled_kernels(api: Any) -> int | None:
 class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
     quantized_kv_reason = (
-        "no provider here reads quantized pages: FA2 and torch's varlen have no fp8/int8 K/V, FA4's fp8 "
+        "no provider here reads quantized pages; FA2 and torch's varlen have no fp8/int8 K/V, FA4's fp8 "
         "runs only on Blackwell, and FA3's fp8 path (fp8 Q/K/V with per-(batch, KV head) descales) is "
         "not wired in yet"
     )

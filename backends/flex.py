@@ -69,9 +69,9 @@ class FlexState:
 class FlexBackend(AttentionBackend):
     name = "flex"
     quantized_kv_reason = (
-        "FlexAttention takes K/V in the query's dtype over the whole paged cache, so it would have to "
-        "dequantize every page each layer and step, more work than the attention (vLLM's flex backend "
-        "refuses quantized KV too)"
+        "FlexAttention reads K/V in the query's dtype; over a paged cache it would have to dequantize "
+        "every page each layer and step, more work than the attention (vLLM's flex backend refuses "
+        "quantized KV too)"
     )
     # A decode step padded to a power of two is one identity call whose BlockMask, inverse page
     # table and positions are views of persistent buffers that prepare() refills in place.

@@ -23,6 +23,7 @@ VARIANT_FEATURES = {
 # What the backend contract requires of every backend (check's multi-token decode and shared-prefix
 # cases hold each one to it): no backend may opt out, so these cells are the contract's, not a probe's.
 CONTRACT_FEATURES = ("multi-token decode", "shared pages")
+KV_PAGES = ("fp8_e4m3", "fp8_e5m2", "int8")  # kv_cache_dtype values a backend may read
 
 
 def variant_columns(variant: AttentionVariant) -> list[str]:
@@ -61,6 +62,7 @@ def capability_row(name: str, device: torch.device, dtype: torch.dtype, head_dim
         row[feature] = YES if why is None else short(why)
     for feature in CONTRACT_FEATURES:
         row[feature] = YES if base is None else short(base)
+    row["quantized KV"] = _listed(KV_PAGES, lambda kv: reason(kv_cache_dtype=kv))
     # ✓: prepare() refills static buffers and forward() has no host work (captured where there is CUDA).
     row["CUDA graphs"] = short(cls.cuda_graph_reason or base or "") or YES
     return row
