@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pagedbench.backends.base import PLAIN, AttentionVariant
+from pagedbench.backends.base import PLAIN, AttentionVariant, kv_storage_dtype, per_token_scales, write_kv
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.problems import causal_mask, random_attention_batch
@@ -59,6 +59,8 @@ class KernelGrid:
     variants: list[str] = field(default_factory=lambda: ["plain"])  # names in VARIANTS
     # Query tokens per decoding sequence: 1, or k + 1 when it verifies k speculated tokens.
     query_lens: list[int] = field(default_factory=lambda: [1])
+    # How pages are stored (kv_cache_dtype): each backend that reads quantized pages is timed on them too.
+    kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])
 
     def validate(self) -> None:
         for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
@@ -68,6 +70,8 @@ class KernelGrid:
         for num_heads, num_kv_heads in self.heads:
             if min(num_heads, num_kv_heads) < 1 or num_heads % num_kv_heads:
                 raise ValueError(f"heads {num_heads}/{num_kv_heads}: query heads must be a multiple of KV heads")
+        for kv in self.kv_cache_dtypes:
+            kv_storage_dtype(kv, torch.float32)  # an unknown name fails here, naming the known ones
         if not self.variants or set(self.variants) - set(VARIANTS):
             raise ValueError(f"variants must be among {', '.join(VARIANTS)}, got {', '.join(self.variants)}")
         unknown = set(self.phases) - set(PHASES)
@@ -246,20 +250,46 @@ def run_kernels(
             dense = _dense_row(spec, point, grid, dev, dt)
             rows.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **dense})
             dense_ms = dense["forward_median_ms"]
-        batch = None
-        for name in backends:
+        batch, pages = None, {}
+        for kv, name in itertools.product(grid.kv_cache_dtypes, backends):
             found = resolve(
                 name, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                **variant.settings(),
+                kv_cache_dtype=kv, **variant.settings(),
             )  # fmt: skip
-            head = {**env, "backend": name, "provider": found.provider, **point}
+            stored = {"kv_cache_dtype": kv, "kv_bytes": round(point["kv_bytes"] * kv_bytes_per_slot(kv, dt, grid))}
+            head = {**env, "backend": name, "provider": found.provider, **point, **stored}
             if found.reason:
                 rows.append({**head, "status": "unavailable", "reason": found.reason})
                 continue
             if batch is None:  # built once per point, shared by the backends
                 batch = random_attention_batch(spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev)
-            rows.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms))
+            if kv not in pages:  # the same K/V stored as `kv`
+                pages[kv] = quantized_pages(batch, kv)
+            rows.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv]))
     return rows
+
+
+def kv_bytes_per_slot(kv_cache_dtype: str, dtype: torch.dtype, grid: KernelGrid) -> float:
+    """Bytes one K or V value takes as stored, relative to `dtype` (int8 adds its fp16 scale per head)."""
+    storage = kv_storage_dtype(kv_cache_dtype, dtype)
+    scale = 2 / grid.head_dim if per_token_scales(storage) else 0
+    return (storage.itemsize + scale) / dtype.itemsize
+
+
+def quantized_pages(batch, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """(K pages, V pages, their scales) of `batch` stored as `kv_cache_dtype` (write_kv's rule, scale
+    1.0 for fp8); the batch's own pages for "auto"."""
+    storage = kv_storage_dtype(kv_cache_dtype, batch.k_cache.dtype)
+    if storage == batch.k_cache.dtype:
+        return batch.k_cache, batch.v_cache, None
+    num_blocks, page, heads, dim = batch.k_cache.shape
+    device, per_slot = batch.k_cache.device, per_token_scales(storage)
+    scale_shape, scale_dtype = ((num_blocks, page, heads), torch.float16) if per_slot else ((1, 1, 1), torch.float32)
+    scales = tuple(torch.ones(scale_shape, dtype=scale_dtype, device=device) for _ in range(2))
+    k, v = (torch.empty_like(batch.k_cache, dtype=storage) for _ in range(2))
+    slots = torch.arange(num_blocks * page, device=device)
+    write_kv(batch.k_cache.view(-1, heads, dim), batch.v_cache.view(-1, heads, dim), k, v, slots, scales)
+    return k, v, scales
 
 
 def _dense_row(spec, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
@@ -270,13 +300,13 @@ def _dense_row(spec, point: dict, grid: KernelGrid, device: torch.device, dtype:
         return {**point, "status": "error", "reason": "out of device memory", "forward_median_ms": float("nan")}
 
 
-def _backend_row(cls, batch, head: dict, grid: KernelGrid, device, dtype, variant, dense_ms: float) -> dict:
+def _backend_row(cls, batch, head: dict, grid: KernelGrid, device, dtype, variant, dense_ms: float, pages) -> dict:
     """One backend's timed row at one point (an interpreted backend's once, with its caveat)."""
     caveat = cls.timing_caveat(device)
     # An interpreted backend's times say nothing of a kernel's speed: one call, no warm-up.
     timing = replace(grid, warmup=0, repeats=1) if caveat else grid
     try:
-        timed = _time_backend(cls, batch, head, timing, device, dtype, variant)
+        timed = _time_backend(cls, batch, head, timing, device, dtype, variant, pages)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {**head, "status": "error", "reason": "out of device memory"}
@@ -303,15 +333,18 @@ def _shape_columns(
     }
 
 
-def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, variant: AttentionVariant = PLAIN) -> dict:
+def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, variant=PLAIN, pages=None) -> dict:
     args = (point["num_heads"], point["num_kv_heads"], grid.head_dim, grid.head_dim**-0.5, point["block_size"])
     backend = cls(*args, device, dtype, **({} if variant == PLAIN else {"variant": variant}))
     sinks = {}
     if variant.sinks:  # logits of the scores' size, fixed per point
         sinks = {"sinks": torch.randn(point["num_heads"], generator=torch.Generator().manual_seed(0)).to(device)}
 
+    k_cache, v_cache, scales = pages or (batch.k_cache, batch.v_cache, None)
+    quantized = {} if scales is None else {"kv_scales": scales}
+
     def forward(state):
-        return backend.forward(batch.q, batch.k_cache, batch.v_cache, state, **sinks)
+        return backend.forward(batch.q, k_cache, v_cache, state, **sinks, **quantized)
 
     state = backend.prepare(batch.metadata)
     if grid.warmup:

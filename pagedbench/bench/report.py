@@ -109,6 +109,7 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "variant",  # plain, window-1024, softcap-50, sinks (kernels.VARIANTS)
     "phase",
     "query_len",
+    "kv_cache_dtype",
     "batch_size",
     "context_len",
     "block_size",
@@ -510,6 +511,7 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
             "variant": ok["variant"] if "variant" in ok else "plain",  # CSVs before variants are plain
             "phase": ok["phase"],
             "query len": _column(ok, "query_len").fillna(1).astype("Int64"),  # CSVs before it: 1
+            "KV pages": ok["kv_cache_dtype"].astype(object).fillna("auto") if "kv_cache_dtype" in ok else "auto",
             "batch": ok["batch_size"],
             "context": ok["context_len"],
             "block": ok["block_size"],

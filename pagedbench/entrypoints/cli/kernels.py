@@ -39,6 +39,8 @@ def cmd_kernels(args) -> None:
         grid.phases = args.phases.split(",")
     if args.variants:
         grid.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.kv_cache_dtype:
+        grid.kv_cache_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
     for name in ("head_dim", "max_kv_tokens", "max_query_tokens", "warmup", "repeats"):
         if getattr(args, name) is not None:
             setattr(grid, name, getattr(args, name))
@@ -152,6 +154,10 @@ def register(sub) -> None:
     kern.add_argument("--batch-sizes", help="e.g. 1,8,32")
     kern.add_argument("--context-lens", help="e.g. 512,2048")
     kern.add_argument("--block-sizes", help="e.g. 16,128")
+    kern.add_argument(
+        "--kv-cache-dtype",
+        help="page storage, one or more: auto,fp8,fp8_e5m2,int8 (GB/s counts the bytes as stored)",
+    )
     kern.add_argument(
         "--query-lens", help="query tokens per decoding sequence, e.g. 1,2,4,8 (k + 1 when verifying k speculated)"
     )
