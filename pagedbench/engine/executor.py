@@ -30,6 +30,14 @@ from pagedbench.worker.tp_workers import ParallelRunner, Workers, rank_device
 logger = logging.getLogger(__name__)
 
 
+def page_bytes(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None, dtype: torch.dtype, tp: TPShard):
+    """One page of K/V in every layer, as stored, with the draft's page beside it (same ids)."""
+    per_block = kv_bytes_per_block(cfg, config.block_size, dtype, tp, config.kv_cache_dtype)
+    if draft is not None:
+        per_block += kv_bytes_per_block(draft, config.block_size, dtype, NO_TP, config.kv_cache_dtype)
+    return per_block
+
+
 class Executor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path | None):
         self.config, self.model_config = config, model_config
@@ -141,21 +149,10 @@ class Executor:
             )
         return num_blocks, config.max_model_len
 
-    def _page_args(self, cfg: ModelConfig) -> tuple:
-        return cfg, self.config.block_size, self.dtype
-
-    def _bytes_per_block(self) -> int:
-        """One page of K/V in every layer, as stored, with the draft's page beside it (same ids)."""
-        kv = self.config.kv_cache_dtype
-        per_block = kv_bytes_per_block(*self._page_args(self.model_config), self.tp, kv)
-        if self.draft_config is not None:
-            per_block += kv_bytes_per_block(*self._page_args(self.draft_config), NO_TP, kv)
-        return per_block
-
     def _auto_num_blocks(self, backend: LayerAttention, max_model_len: int) -> int:
         """KV blocks from the memory budget: vLLM's profiled rule on CUDA, cpu_kv_cache_bytes on CPU."""
         config = self.config
-        per_block = self._bytes_per_block()
+        per_block = page_bytes(config, self.model_config, self.draft_config, self.dtype, self.tp)
         if self.device.type != "cuda":
             budget = config.cpu_kv_cache_bytes
         elif self.tp.size > 1:
@@ -174,7 +171,9 @@ class Executor:
         config = self.config
         self.num_cpu_blocks = 0
         if config.preemption_mode == "swap":
-            per_block = kv_bytes_per_block(*self._page_args(self.model_config), self.tp, config.kv_cache_dtype)
+            per_block = kv_bytes_per_block(
+                self.model_config, config.block_size, self.dtype, self.tp, config.kv_cache_dtype
+            )
             self.num_cpu_blocks = int(config.swap_space * 2**30) // per_block
         runner = ModelRunner(
             self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks,
