@@ -154,6 +154,13 @@ def test_openai_client_completes_streams_and_chats(client, chat_model, server):
         ({"prompt": [999999]}, 400, "outside the vocabulary"),
         ({"prompt": "hi", "model": "other"}, 404, "does not exist"),
         ({"prompt": "hi", "echo": True}, 400, "echo is not supported"),
+        ({"prompt": "hi", "max_token": 100}, 400, "unknown field(s) max_token; known: "),  # OpenAI refuses it
+        (
+            {"prompt": list(range(3, 203)), "max_tokens": 400},
+            400,
+            "maximum context length is 512 tokens. However, you requested 600 tokens "
+            "(200 in the messages, 400 in the completion)",
+        ),
         ({"prompt": "hi", "logprobs": "many"}, 400, "logprobs must be an integer"),
     ],
 )
@@ -345,7 +352,9 @@ def test_metrics_count_requests_not_samples(server):
 def test_bench_serve_against_our_server(server, tmp_path, capsys):
     from pagedbench.entrypoints.cli.main import main
 
+    # scale 0.5: every prompt + output within the server's 512-token context (a longer one is a 400)
     args = ["bench-serve", "--base-url", server, "--api-key", KEY, "--scenario", "online", "--num-prompts", "12"]
+    args += ["--scale", "0.5"]
     assert main([*args, "--request-rate", "20,inf", "--goodput", "ttft:60000", "--out", str(tmp_path)]) == 0
     import pandas as pd
 
@@ -526,3 +535,13 @@ def test_speculative_serving_reports_vllm_spec_metrics():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_openapi_schema_names_every_body_field(server):
+    """/openapi.json describes the bodies (clients and fuzzers read it); unknown fields are refused."""
+    spec = json.loads(urllib.request.urlopen(server + "/openapi.json").read())
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"prompt", "max_tokens", "top_k", "ignore_eos"} <= set(body["properties"])
+    assert body["additionalProperties"] is False
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"messages", "max_completion_tokens", "top_logprobs"} <= set(chat["properties"])

@@ -13,7 +13,15 @@ from contextlib import asynccontextmanager
 
 from pagedbench.entrypoints.async_llm import AsyncLLM
 from pagedbench.entrypoints.openai.metrics import ServerMetrics
-from pagedbench.entrypoints.openai.protocol import APIError, ServerLimits, completion_prompts, error_body, int_or_none
+from pagedbench.entrypoints.openai.protocol import (
+    REQUEST_MODELS,
+    APIError,
+    ServerLimits,
+    completion_prompts,
+    error_body,
+    int_or_none,
+    openapi_body,
+)
 from pagedbench.entrypoints.openai.serving import OpenAIServing
 from pagedbench.model.tokenizer import chat_prompt
 from pagedbench.sample.sampling_params import is_int
@@ -95,10 +103,10 @@ def _add_tokenizer_routes(app, serving: OpenAIServing, authorized) -> None:
 
     engine = serving.engine
 
-    @app.post("/tokenize", dependencies=[authorized])
+    @app.post("/tokenize", dependencies=[authorized], openapi_extra=openapi_body(REQUEST_MODELS["TokenizeRequest"]))
     async def tokenize(request: Request):
         """vLLM's: {"prompt": str} or {"messages": [...]} -> its token ids."""
-        body = await serving.tokenizer_body(request)
+        body = await serving.tokenizer_body(request, "TokenizeRequest")
         prompt = body.get("prompt")
         if "messages" in body:
             try:
@@ -111,10 +119,10 @@ def _add_tokenizer_routes(app, serving: OpenAIServing, authorized) -> None:
             raise APIError(400, "prompt must be a string (or give messages)", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize", dependencies=[authorized])
+    @app.post("/detokenize", dependencies=[authorized], openapi_extra=openapi_body(REQUEST_MODELS["DetokenizeRequest"]))
     async def detokenize(request: Request):
         """vLLM's: {"tokens": [...]} -> {"prompt": their text}."""
-        tokens = (await serving.tokenizer_body(request)).get("tokens")
+        tokens = (await serving.tokenizer_body(request, "DetokenizeRequest")).get("tokens")
         vocab = engine.model_config.vocab_size
         if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
             raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
@@ -124,16 +132,20 @@ def _add_tokenizer_routes(app, serving: OpenAIServing, authorized) -> None:
 def _add_completion_routes(app, serving: OpenAIServing, authorized) -> None:
     from fastapi import Request
 
-    @app.post("/v1/completions", dependencies=[authorized])
+    @app.post(
+        "/v1/completions", dependencies=[authorized], openapi_extra=openapi_body(REQUEST_MODELS["CompletionRequest"])
+    )
     async def completions(request: Request):
-        body = await serving.body_of(request)
+        body = await serving.body_of(request, "CompletionRequest")
         prompts = completion_prompts(body.get("prompt"))
         params = serving.sampling_params(body, int_or_none(body.get("logprobs"), "logprobs"))
         return await serving.respond(request, body, prompts, params, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[authorized])
+    chat_body = openapi_body(REQUEST_MODELS["ChatCompletionRequest"])
+
+    @app.post("/v1/chat/completions", dependencies=[authorized], openapi_extra=chat_body)
     async def chat(request: Request):
-        body = await serving.body_of(request)
+        body = await serving.body_of(request, "ChatCompletionRequest")
         try:
             prompt = chat_prompt(serving.engine.tokenizer, body.get("messages"))
         except ValueError as e:

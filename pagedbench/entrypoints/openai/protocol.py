@@ -2,12 +2,61 @@
 OpenAI's JSON shape."""
 
 from dataclasses import dataclass, fields
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from pagedbench.sample.sampling_params import SamplingParams, is_int
 
-# Request fields passed to SamplingParams as they are (OpenAI's and vLLM's extensions).
-SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if not f.name.startswith("_")} - {"logprobs"}
+# Request fields passed to SamplingParams as they are (OpenAI's and vLLM's extensions); a logits
+# processor is Python code, never a JSON value.
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if not f.name.startswith("_")} - {
+    "logprobs",
+    "logits_processors",
+}
 UNSUPPORTED = {"suffix": None, "echo": False, "tools": None, "functions": None}
+# The fields of each endpoint's body besides the sampling ones. Values are checked where they are
+# used (SamplingParams, the prompt forms); the models name the fields, refuse unknown ones as
+# OpenAI does (a misspelt "max_token" is a 400, not 16 tokens) and give /openapi.json its schema.
+COMMON = ("model", "stream", "stream_options", "user", "priority", *UNSUPPORTED)
+ENDPOINT_FIELDS = {
+    "CompletionRequest": (*COMMON, *SAMPLING_FIELDS, "prompt", "logprobs"),
+    "ChatCompletionRequest": (
+        *COMMON,
+        *SAMPLING_FIELDS,
+        "messages",
+        "logprobs",
+        "top_logprobs",
+        "max_completion_tokens",
+    ),  # fmt: skip
+    "TokenizeRequest": ("model", "prompt", "messages", "add_special_tokens"),
+    "DetokenizeRequest": ("model", "tokens"),
+}
+
+
+def _request_model(name: str, names: tuple[str, ...]) -> type[BaseModel]:
+    return create_model(name, __config__=ConfigDict(extra="forbid"), **{n: (Any, None) for n in sorted(set(names))})
+
+
+REQUEST_MODELS = {name: _request_model(name, names) for name, names in ENDPOINT_FIELDS.items()}
+
+
+def check_fields(body: dict, model: type[BaseModel]) -> None:
+    """A 400 naming the fields `model` does not know (OpenAI refuses unknown fields)."""
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        unknown = [".".join(map(str, err["loc"])) for err in e.errors() if err["type"] == "extra_forbidden"]
+        if unknown:
+            known = ", ".join(sorted(model.model_fields))
+            raise APIError(400, f"unknown field(s) {', '.join(unknown)}; known: {known}", param=unknown[0]) from None
+        raise APIError(400, str(e).splitlines()[0]) from None
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra`: its JSON body's schema (the routes read bodies themselves, to
+    bound their size and see disconnects)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 @dataclass(slots=True)

@@ -9,7 +9,14 @@ import uuid
 from pagedbench.entrypoints.async_llm import AsyncLLM, EngineFull
 from pagedbench.entrypoints.openai import responses
 from pagedbench.entrypoints.openai.metrics import ServerMetrics
-from pagedbench.entrypoints.openai.protocol import SAMPLING_FIELDS, UNSUPPORTED, APIError, ServerLimits
+from pagedbench.entrypoints.openai.protocol import (
+    REQUEST_MODELS,
+    SAMPLING_FIELDS,
+    UNSUPPORTED,
+    APIError,
+    ServerLimits,
+    check_fields,
+)
 from pagedbench.entrypoints.openai.streaming import achain, stream_events
 from pagedbench.sample.sampling_params import SamplingParams
 
@@ -19,9 +26,9 @@ class OpenAIServing:
         self.llm, self.engine, self.model_name = llm, llm.engine, model_name
         self.limits, self.metrics = limits, metrics
 
-    async def body_of(self, request) -> dict:
-        """The JSON object of the request's body: read up to the size limit, for this model, with
-        no field the server does not support."""
+    async def body_of(self, request, schema: str) -> dict:
+        """The JSON object of the request's body: read up to the size limit, with only the fields of
+        `schema` (protocol.ENDPOINT_FIELDS), for this model, with no field the server does not support."""
         limit = self.limits.max_body_bytes
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > limit:
@@ -37,6 +44,7 @@ class OpenAIServing:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
+        check_fields(body, REQUEST_MODELS[schema])
         if body.get("model") not in (None, self.model_name):
             message = f"model {body['model']!r} does not exist; this server has {self.model_name!r}"
             raise APIError(404, message, "not_found_error", "model")
@@ -45,10 +53,10 @@ class OpenAIServing:
                 raise APIError(400, f"{name} is not supported", param=name)
         return body
 
-    async def tokenizer_body(self, request) -> dict:
+    async def tokenizer_body(self, request, schema: str) -> dict:
         if self.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        return await self.body_of(request)
+        return await self.body_of(request, schema)
 
     def sampling_params(self, body: dict, logprobs: int | None, default_max_tokens: int | None = 16) -> SamplingParams:
         """max_tokens None: up to max_model_len, or the server's max_tokens limit."""
@@ -78,7 +86,9 @@ class OpenAIServing:
         try:
             engine.validate_priority(priority)
             for prompt in prompts:
-                engine.validate_request(engine.tokenize(prompt)[1], params)
+                ids = engine.tokenize(prompt)[1]
+                engine.validate_request(ids, params)
+                _check_context(len(ids), params.max_tokens, engine.max_model_len)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         if llm.error is not None:
@@ -185,3 +195,13 @@ async def _collect(first, stream, request) -> dict:
         if not task.done():
             task.cancel()
         await stream.aclose()
+
+
+def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """vLLM's 400 for a prompt and max_tokens that do not fit in the context together."""
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
