@@ -6,7 +6,7 @@ from pagedbench.config import EngineConfig
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from pagedbench.entrypoints.llm import LLM
-from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams
+from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams
 
 EngineArgs = EngineConfig  # vLLM's name: LLMEngine.from_engine_args(EngineArgs(model=...))
 
@@ -17,6 +17,7 @@ __all__ = [
     "EngineArgs",
     "Logprob",
     "SamplingParams",
+    "BatchLogitsProcessor",
     "RequestOutput",
     "CompletionOutput",
     "BeamSearchParams",

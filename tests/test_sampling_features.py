@@ -164,13 +164,20 @@ def test_allowed_token_ids_and_bad_words(llm):
     assert not banned & set(out.token_ids) and out.token_ids[:1] == base.token_ids[:1]
 
 
-def test_logits_processors_run_batch_wise(llm):
+def test_logits_processors_follow_vllms_per_request_forms(llm):
+    """A plain callable is vLLM's per-request processor: (output_ids, logits[V]) or
+    (prompt_ids, output_ids, logits[V]), called with its own request's row."""
     calls = []
 
     def force_token_9(output_token_ids, logits):
         calls.append(len(output_token_ids))
         forced = torch.full_like(logits, float("-inf"))
-        forced[:, 9] = 0
+        forced[9] = 0
+        return forced
+
+    def repeat_the_prompts_first_token(prompt_token_ids, output_token_ids, logits):
+        forced = torch.full_like(logits, float("-inf"))
+        forced[prompt_token_ids[0]] = 0
         return forced
 
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logits_processors=[force_token_9])
@@ -179,7 +186,29 @@ def test_logits_processors_run_batch_wise(llm):
         [{"prompt_token_ids": [3 + i]} for i in range(4)], [params, params, params, other], use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in outs[:3]] == [[9] * 4] * 3 and outs[3].outputs[0].token_ids != [9] * 4
-    assert calls == [3, 3, 3, 3]  # once per step, with the three rows that carry it
+    assert sorted(calls) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]  # each row on its own, every step
+    copy = SamplingParams(temperature=0, max_tokens=3, logits_processors=[repeat_the_prompts_first_token])
+    assert llm.generate({"prompt_token_ids": [17, 6]}, copy, use_tqdm=False)[0].outputs[0].token_ids == [17] * 3
+
+
+def test_batch_logits_processors_run_once_per_step_over_their_rows(llm):
+    from pagedbench import BatchLogitsProcessor
+
+    class ForceToken9(BatchLogitsProcessor):
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, output_token_ids, logits):
+            self.calls.append(len(output_token_ids))
+            forced = torch.full_like(logits, float("-inf"))
+            forced[:, 9] = 0
+            return forced
+
+    processor = ForceToken9()
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logits_processors=[processor])
+    outs = llm.generate([{"prompt_token_ids": [3 + i]} for i in range(3)], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [[9] * 4] * 3
+    assert processor.calls == [3, 3, 3, 3]  # once per step, with the three rows that carry it
 
 
 def test_skip_special_tokens(llm):
@@ -203,6 +232,7 @@ def test_skip_special_tokens(llm):
         (dict(allowed_token_ids=5), TypeError, "allowed_token_ids must be a list"),
         (dict(bad_words=[""]), TypeError, "bad_words must be non-empty strings"),
         (dict(logits_processors=[1]), TypeError, "logits_processors must be callables"),
+        (dict(logits_processors=[lambda logits: logits]), TypeError, "takes 1 arguments; vLLM's forms take"),
         (dict(skip_special_tokens=1), TypeError, "skip_special_tokens must be a bool"),
     ],
 )

@@ -158,8 +158,8 @@ def test_engine_from_engine_args(tiny_models):
 
 
 def test_min_tokens_holds_against_a_logits_processor(llm):
-    def force_eos(output_token_ids, logits):
-        logits[:, 2] = 1e9
+    def force_eos(output_token_ids, logits):  # vLLM's per-request form: one row
+        logits[2] = 1e9
         return logits
 
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logits_processors=[force_eos])

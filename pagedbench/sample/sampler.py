@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pagedbench.device.transfer import to_device, to_list
-from pagedbench.sample.sampling_params import SamplingParams
+from pagedbench.sample.sampling_params import SamplingParams, processor_arity
 
 
 class SamplingSequence(Protocol):
@@ -66,7 +66,7 @@ class SamplingBatch:
     num_logprobs: int = 0  # top logprobs returned per row in logprob_rows (the widest request's)
     # From the sequences' outputs so far (rebuilt every step, only when some row uses them):
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) set to -inf: min_tokens, bad words
-    processors: list[tuple] | None = None  # (processor, row indices, their output token ids)
+    processors: list[tuple] | None = None  # (processor, row indices, their output and prompt token ids)
     penalties: Penalties | None = None
 
     @classmethod
@@ -91,9 +91,10 @@ class SamplingBatch:
         by_processor: dict[int, tuple] = {}
         for i, s in enumerate(seqs):
             for fn in s.params.logits_processors or ():
-                by_processor.setdefault(id(fn), (fn, [], []))
-                by_processor[id(fn)][1].append(i)
-                by_processor[id(fn)][2].append(s.output_token_ids)
+                entry = by_processor.setdefault(id(fn), (fn, [], [], []))
+                entry[1].append(i)
+                entry[2].append(s.output_token_ids)
+                entry[3].append(s.prompt_token_ids)
         batch.processors = list(by_processor.values()) or None
         penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
         if penalized:
@@ -318,8 +319,13 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.bias is not None:
         rows, tokens, values = batch.bias
         logits.index_put_((rows, tokens), values, accumulate=True)
-    for fn, rows, output_token_ids in batch.processors or ():
-        logits[rows] = fn(output_token_ids, logits[rows])
+    for fn, rows, output_token_ids, prompt_token_ids in batch.processors or ():
+        arity = processor_arity(fn)
+        if arity == 0:  # a BatchLogitsProcessor: every row that carries it at once
+            logits[rows] = fn(output_token_ids, logits[rows])
+            continue
+        for row, output, prompt in zip(rows, output_token_ids, prompt_token_ids):  # vLLM's per-request forms
+            logits[row] = fn(output, logits[row]) if arity == 2 else fn(prompt, output, logits[row])
     if batch.banned is not None:  # after the user's processors, which cannot undo min_tokens or bad words
         logits[batch.banned] = float("-inf")
     if batch.penalties is not None:

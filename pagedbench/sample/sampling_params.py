@@ -2,6 +2,7 @@
 BeamSearchParams for beam search."""
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ class SamplingParams:
     prompt_logprobs are the model's raw log-probabilities, taken
     before all of that (vLLM v1's default "raw_logprobs").
 
-    A logits processor is a callable (output_token_ids: list[list[int]], logits: Tensor[b, V])
-    -> Tensor[b, V], called once per step with every row of the batch that carries it."""
+    A logits processor follows vLLM's per-request contract: a callable (output_token_ids, logits[V])
+    -> logits[V], or (prompt_token_ids, output_token_ids, logits[V]) -> logits[V], called for the
+    request's row. A `BatchLogitsProcessor` instance instead sees every row that carries it at once:
+    (list of output_token_ids, logits[b, V]) -> logits[b, V], once per step."""
 
     n: int = 1
     best_of: int | None = None
@@ -148,8 +151,13 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words is not None and not all(isinstance(w, str) and w for w in self.bad_words):
             raise TypeError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
-        if self.logits_processors is not None and not all(callable(f) for f in self.logits_processors):
-            raise TypeError("logits_processors must be callables (output_token_ids, logits) -> logits")
+        for fn in self.logits_processors or ():
+            if not callable(fn):
+                raise TypeError(
+                    "logits_processors must be callables (output_token_ids, logits) -> logits, "
+                    "(prompt_token_ids, output_token_ids, logits) -> logits, or BatchLogitsProcessor instances"
+                )
+            processor_arity(fn)  # a callable of another shape fails here, not mid-step
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
@@ -230,3 +238,30 @@ def check_bools(params, names: tuple[str, ...]) -> None:
     for name in names:
         if not isinstance(getattr(params, name), bool):
             raise TypeError(f"{name} must be a bool, got {getattr(params, name)!r}")
+
+
+class BatchLogitsProcessor:
+    """The batch-wise form of a logits processor, explicit (in the spirit of vLLM v1's
+    LogitsProcessor): subclass it and implement __call__(output_token_ids: list[list[int]],
+    logits: Tensor[b, V]) -> Tensor[b, V]; it runs once per step over every row that carries it."""
+
+    def __call__(self, output_token_ids: list[list[int]], logits):
+        raise NotImplementedError
+
+
+def processor_arity(fn: Callable) -> int:
+    """How a logits processor is called: 0 batch-wise (a BatchLogitsProcessor), else its number of
+    positional arguments (2 or 3, vLLM's per-request forms)."""
+    if isinstance(fn, BatchLogitsProcessor):
+        return 0
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: assume vLLM's common form
+        return 2
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in params) or len(positional) in (2, 3):
+        return 3 if len(positional) >= 3 else 2
+    raise TypeError(
+        f"logits processor {getattr(fn, '__name__', fn)!r} takes {len(positional)} arguments; vLLM's forms take "
+        "(output_token_ids, logits) or (prompt_token_ids, output_token_ids, logits)"
+    )
