@@ -74,7 +74,7 @@ def cmd_check(args) -> int:
     with keep_partial(log):
         run_check(backends, device, dtypes, full=args.full, rows=log)
         if args.engine or args.full:
-            log += engine_check(backends, device, dtypes, model=args.model)
+            log += engine_check(backends, device, dtypes, model=args.model or "tiny-llama")
     rows = list(log)
     print(
         f"device {env['device_name']}, torch {torch.__version__}, {'full' if args.full else 'quick'} grid, "
@@ -101,7 +101,7 @@ def check_kv_quality(args) -> int:
     kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip() and k.strip() != "auto"]
     for kv in kv_dtypes:
         kv_storage_dtype(kv, torch.float32)  # an unknown name fails here, naming the known ones
-    model = args.model if args.model != "tiny-llama" else "py-byte-target"
+    model = args.model or "py-byte-target"
     dtype = (args.dtypes or "fp32").split(",")[0]
     rows = kv_quality(backend_names(args.backends), kv_dtypes, model, args.device, dtype)
     table = pd.DataFrame(rows)
@@ -193,7 +193,7 @@ def register(sub) -> None:
         help="also teacher-force the whole model through each backend and compare logits (in --full)",
     )
     chk.add_argument(
-        "--model", default="tiny-llama", help="model for --engine (for --kv-cache-dtype: py-byte-target unless given)"
+        "--model", default=None, help="model of --engine (default tiny-llama) and --kv-cache-dtype (py-byte-target)"
     )
     chk.add_argument(
         "--kv-cache-dtype",
