@@ -24,7 +24,7 @@ def load_tokenizer(path: Path, required: bool = True):
 
 
 EOS_TEXT = "<|endoftext|>"
-# A preset's chat template (documented in the README), so llm.chat and /v1/chat/completions work on
+# A preset's chat template (documented in docs/usage.md), so llm.chat and /v1/chat/completions work on
 # presets and the trained pair: each message as "<|role|>\ncontent\n", then the assistant's turn.
 PRESET_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
