@@ -102,8 +102,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.paused:
                 continue  # preempted earlier in this loop, or paused
             wanted = seq.num_uncomputed_tokens
-            if wanted == 1 and self.lookahead is not None:
-                wanted += self.lookahead(seq)
+            extra = self.lookahead(seq) if wanted == 1 and self.lookahead is not None else 0
+            if extra and self.block_manager.can_allocate(seq, seq.num_computed_tokens + 1 + extra):
+                wanted += extra  # proposals only in free pages: nothing is preempted to speculate
             n = min(wanted, budget)
             if not self._make_room(seq, seq.num_computed_tokens + n, scheduled, out):
                 continue  # seq itself was preempted
