@@ -61,7 +61,8 @@ def workloads(draw):
     policy = draw(st.sampled_from(["fcfs", "priority"]))
     swap_blocks = draw(st.sampled_from([None, 0, 3, 40]))  # None: recompute; else swap with that many CPU blocks
     limits = draw(st.integers(1, 40)), draw(st.integers(3, 8))
-    return block_size, max_len, num_blocks, *limits, requests, policy, swap_blocks
+    spec_k = draw(st.sampled_from([0, 0, 1, 3]))  # speculated tokens per decoding step (0: none)
+    return block_size, max_len, num_blocks, *limits, requests, policy, swap_blocks, spec_k
 
 
 class KVModel:
@@ -78,9 +79,10 @@ class KVModel:
         self._copy(bm.take_copies(), None)
         self._copy(swap_in, None, src_device=False)
         for seq, n in zip(out.seqs, out.num_tokens):
+            tokens = seq.token_ids + seq.spec_token_ids  # a verifying sequence writes its proposals' K/V too
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 block = seq.block_table[pos // self.block_size]
-                self.slots[block, pos % self.block_size] = seq.token_ids[pos]
+                self.slots[block, pos % self.block_size] = tokens[pos]
 
     def _copy(self, pairs, dst_space, src_device=True) -> None:
         """Copy whole blocks; swap space is keyed ("cpu", block), device blocks by their number."""
@@ -104,13 +106,19 @@ class KVModel:
 @settings(max_examples=150, deadline=None)
 @given(workloads())
 def test_scheduler_and_block_manager_invariants(workload):
-    block_size, max_len, num_blocks, budget, max_seqs, requests, policy, swap_blocks = workload
+    block_size, max_len, num_blocks, budget, max_seqs, requests, policy, swap_blocks, spec_k = workload
     bm = BlockManager(num_blocks, block_size, num_cpu_blocks=swap_blocks or 0)
     sched = Scheduler(bm, max_seqs, budget, policy, "recompute" if swap_blocks is None else "swap")
+    if spec_k:  # as engine/speculator.py: k proposals, fewer near max_tokens or max_len
+        sched.lookahead = lambda s: (
+            0
+            if s.num_output_tokens == 0
+            else max(0, min(spec_k, max_len - s.num_tokens - 1, s.params.max_tokens - s.num_output_tokens - 1))
+        )
     kv = KVModel(block_size)
     live: list[Sequence] = []
     pending = list(enumerate(requests))
-    operations = swaps = 0
+    operations = swaps = verifies = 0
     for step in range(10_000):
         while pending and pending[0][1][2] <= step:
             i, (prompt_len, max_tokens, _, width, family) = pending.pop(0)
@@ -132,10 +140,31 @@ def test_scheduler_and_block_manager_invariants(workload):
         assert ones == sorted(ones, reverse=True), "decodes must come first"
         if sched.has_unfinished():
             assert not out.empty, "scheduler stalled with work left"
-        assert all(1 <= n <= s.num_uncomputed_tokens for s, n in zip(out.seqs, out.num_tokens))
+        assert all(1 <= n <= s.num_uncomputed_tokens + spec_k for s, n in zip(out.seqs, out.num_tokens))
+        # Verifying sequences propose m tokens (the first `accepted` right, the rest wrong), write their K/V
+        # and count only the accepted ones and the target's own as computed; the rest's pages go back.
+        accepted = {}
+        for s, n in zip(out.seqs, out.num_tokens):
+            if n > 1 and s.num_uncomputed_tokens == 1:
+                accepted[id(s)] = (step + int(s.request_id) + s.index) % n  # 0..m
+                s.spec_token_ids = [7 * s.index + s.num_tokens + j if j < accepted[id(s)] else -1 for j in range(n - 1)]
+        verifies += sum(accepted.get(id(s), 0) < n - 1 for s, n in zip(out.seqs, out.num_tokens) if id(s) in accepted)
         kv.run_step(bm, out)
+        out.num_tokens = [1 + accepted[id(s)] if id(s) in accepted else n for s, n in zip(out.seqs, out.num_tokens)]
         sched.computed(out)  # registers newly full blocks in the prefix cache
         for s in list(out.seqs):
+            if id(s) in accepted:
+                bm.trim(s)
+                assert len(s.block_table) == blocks_needed(s.num_computed_tokens, block_size), "rejected pages kept"
+                s.spec_token_ids = []
+                operations += 1
+                for _ in range(accepted[id(s)] + 1):  # the accepted proposals, then the target's token
+                    s.token_ids.append(7 * s.index + len(s.token_ids))
+                    if s.num_output_tokens >= s.params.max_tokens or s.num_tokens >= max_len:
+                        sched.finish(s, "length")
+                        live.remove(s)
+                        break
+                continue
             assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, block_size)
             if s.num_computed_tokens == s.num_tokens:  # the prompt is done: a token is sampled
                 samples = [s]
@@ -161,21 +190,24 @@ def test_scheduler_and_block_manager_invariants(workload):
     assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts), "blocks leaked"
     test_scheduler_and_block_manager_invariants.operations += operations
     test_scheduler_and_block_manager_invariants.swaps += swaps
+    test_scheduler_and_block_manager_invariants.verifies += verifies
 
 
 test_scheduler_and_block_manager_invariants.operations = 0
 test_scheduler_and_block_manager_invariants.swaps = 0
+test_scheduler_and_block_manager_invariants.verifies = 0
 
 
 def test_the_invariant_workloads_add_up_to_10k_operations():
     """The property test above ran (in this process) over more than 10k scheduler and block
-    operations, swaps to CPU among them."""
+    operations, swaps to CPU and speculative verifications that rejected proposals among them."""
     for _ in range(5):  # under xdist the property test may have run in another worker, or drawn fewer
         if test_scheduler_and_block_manager_invariants.operations > 10_000:
             break
         test_scheduler_and_block_manager_invariants()
     assert test_scheduler_and_block_manager_invariants.operations > 10_000
     assert test_scheduler_and_block_manager_invariants.swaps > 0, "no workload swapped"
+    assert test_scheduler_and_block_manager_invariants.verifies > 0, "no verification rejected a proposal"
 
 
 def test_preemption_frees_newest_first_and_recomputes():
