@@ -166,3 +166,16 @@ def test_tensor_parallel_with_quantized_pages(tiny_models):
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in single]
+
+
+def test_calculate_kv_scales_sets_fp8_scales_from_the_first_step(tiny_models):
+    """vLLM's calculate_kv_scales: each layer's K and V scale becomes the first step's absolute
+    maximum over fp8's largest value, once; greedy output stays close to the unquantized model's."""
+    path = tiny_models["llama"][0]
+    llm = LLM(path, kv_cache_dtype="fp8", calculate_kv_scales=True, num_blocks=64, **CPU32)
+    assert (llm.engine.runner.kv_scale == 1.0).all()
+    llm.generate([{"prompt_token_ids": PROMPTS[5]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    scales = llm.engine.runner.kv_scale.clone()
+    assert (scales != 1.0).all() and (scales > 0).all() and not llm.engine.runner.calibrate_kv
+    llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert torch.equal(llm.engine.runner.kv_scale, scales)  # set once, never again

@@ -204,11 +204,14 @@ class Executor:
             return f"off: {reason}"
         graphs = DecodeGraphs(self.runner, self.config.max_num_seqs, self.max_model_len)
         logger.info("capturing decode CUDA graphs for batch sizes %s", graphs.buckets)
+        calibrate, self.runner.calibrate_kv = self.runner.calibrate_kv, False  # fp8 scales come from real K/V
         try:
             graphs.capture_all()
             mismatch = graphs.verify()
         except Exception as e:  # a backend that cannot be captured after all: eager, and say why
             mismatch = f"capture failed: {one_line(e)}"
+        finally:
+            self.runner.calibrate_kv = calibrate
         if mismatch is not None:
             logger.warning("CUDA graphs off: %s", mismatch)
             return f"off: {mismatch}"
