@@ -96,10 +96,18 @@ PRESSURE = {
 }
 
 
+PRESSURE_CASES = [
+    *((setup, "sdpa") for setup in PRESSURE),
+    # reference too under the setup that has it all (preemption, chunks, 4-token pages, cache hits); flex
+    # and triton verify in test_every_cpu_backend_verifies_multi_token_queries (their compiles cost a minute here).
+    pytest.param(next(iter(PRESSURE)), "reference", marks=pytest.mark.slow),
+]
+
+
 @needs_pair
-@pytest.mark.parametrize("setup", list(PRESSURE))
+@pytest.mark.parametrize("setup,backend", PRESSURE_CASES)
 @pytest.mark.parametrize("method", [NGRAM, DRAFT], ids=["ngram", "draft"])
-def test_greedy_is_identical_under_pressure(setup, method):
+def test_greedy_is_identical_under_pressure(setup, backend, method):
     """Shared prompt prefixes (prefix cache hits), a KV budget too small for every sequence at
     once (preemption), prompts longer than a step's budget (chunked prefill), pages of 4 tokens (a
     verification crosses page boundaries, rejected ones are trimmed)."""
@@ -109,7 +117,7 @@ def test_greedy_is_identical_under_pressure(setup, method):
     expected, _ = generate("py-byte-target", prompts, params, backend="sdpa")
     spec = method | {"num_speculative_tokens": 3}
     outputs, engine = generate(
-        "py-byte-target", prompts, params, backend="sdpa", speculative_config=spec, **PRESSURE[setup]
+        "py-byte-target", prompts, params, backend=backend, speculative_config=spec, **PRESSURE[setup]
     )
     assert outputs == expected
     if "preemption" in setup:
