@@ -3,6 +3,7 @@ it, for both proposers and k = 1, 3, 5, on the trained pair and on tiny HF model
 preemption, chunked prefill, prefix caching and a small KV budget, with no page leaked after
 rejections; sampled output keeps the target's distribution; bad settings are one-line errors."""
 
+import importlib.util
 import math
 
 import numpy as np
@@ -19,6 +20,7 @@ from tests.conftest import hf_greedy
 from tests.helpers import ENGINE_BACKENDS
 
 needs_pair = pytest.mark.skipif(len(trained_models()) < 2, reason="the trained pair is not in this checkout")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 DRAFT = {"method": "draft_model", "model": "py-byte-draft"}
 CPU32 = dict(device="cpu", dtype="float32")
@@ -98,9 +100,10 @@ PRESSURE = {
 
 PRESSURE_CASES = [
     *((setup, "sdpa") for setup in PRESSURE),
-    # reference too under the setup that has it all (preemption, chunks, 4-token pages, cache hits); flex
-    # and triton verify in test_every_cpu_backend_verifies_multi_token_queries (their compiles cost a minute here).
+    # reference and triton too under the setup that has it all (preemption, chunks, 4-token pages, cache
+    # hits); flex verifies in test_every_cpu_backend_verifies_multi_token_queries (its compiles cost a minute here).
     pytest.param(next(iter(PRESSURE)), "reference", marks=pytest.mark.slow),
+    pytest.param(next(iter(PRESSURE)), "triton", marks=[pytest.mark.slow, needs_triton]),
 ]
 
 
