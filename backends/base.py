@@ -137,6 +137,12 @@ def per_token_scales(storage: torch.dtype) -> bool:
     return storage == torch.int8
 
 
+def kv_scale_layout(storage: torch.dtype, pages: tuple[int, ...]) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of one layer's K (or V) scales for pages [num_pages, page_size, H_kv, D]
+    stored as `storage`: one fp16 per slot and head (int8), or one fp32 for the layer (fp8)."""
+    return (tuple(pages[:3]), torch.float16) if per_token_scales(storage) else ((1, 1, 1), torch.float32)
+
+
 def _quantize(x: torch.Tensor, storage: torch.dtype, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H, D] -> (stored values, the scale per (token, head) [T, H] for int8, else `scale`)."""
     if per_token_scales(storage):

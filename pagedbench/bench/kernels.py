@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pagedbench.backends.base import PLAIN, AttentionVariant, kv_storage_dtype, per_token_scales, write_kv
+from pagedbench.backends.base import (
+    PLAIN,
+    AttentionVariant,
+    kv_scale_layout,
+    kv_storage_dtype,
+    per_token_scales,
+    write_kv,
+)
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.problems import causal_mask, random_attention_batch
@@ -272,7 +279,7 @@ def run_kernels(
 def kv_bytes_per_slot(kv_cache_dtype: str, dtype: torch.dtype, grid: KernelGrid) -> float:
     """Bytes one K or V value takes as stored, relative to `dtype` (int8 adds its fp16 scale per head)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
-    scale = 2 / grid.head_dim if per_token_scales(storage) else 0
+    scale = kv_scale_layout(storage, ())[1].itemsize / grid.head_dim if per_token_scales(storage) else 0
     return (storage.itemsize + scale) / dtype.itemsize
 
 
@@ -283,8 +290,8 @@ def quantized_pages(batch, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Ten
     if storage == batch.k_cache.dtype:
         return batch.k_cache, batch.v_cache, None
     num_blocks, page, heads, dim = batch.k_cache.shape
-    device, per_slot = batch.k_cache.device, per_token_scales(storage)
-    scale_shape, scale_dtype = ((num_blocks, page, heads), torch.float16) if per_slot else ((1, 1, 1), torch.float32)
+    device = batch.k_cache.device
+    scale_shape, scale_dtype = kv_scale_layout(storage, batch.k_cache.shape)
     scales = tuple(torch.ones(scale_shape, dtype=scale_dtype, device=device) for _ in range(2))
     k, v = (torch.empty_like(batch.k_cache, dtype=storage) for _ in range(2))
     slots = torch.arange(num_blocks * page, device=device)

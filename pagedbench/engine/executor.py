@@ -171,9 +171,7 @@ class Executor:
         config = self.config
         self.num_cpu_blocks = 0
         if config.preemption_mode == "swap":
-            per_block = kv_bytes_per_block(
-                self.model_config, config.block_size, self.dtype, self.tp, config.kv_cache_dtype
-            )
+            per_block = page_bytes(config, self.model_config, None, self.dtype, self.tp)  # the draft's never swap
             self.num_cpu_blocks = int(config.swap_space * 2**30) // per_block
         runner = ModelRunner(
             self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks,

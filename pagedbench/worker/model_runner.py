@@ -6,7 +6,13 @@ import math
 import numpy as np
 import torch
 
-from pagedbench.backends.base import AttentionBackend, kv_storage_dtype, one_line, per_token_scales
+from pagedbench.backends.base import (
+    AttentionBackend,
+    kv_scale_layout,
+    kv_storage_dtype,
+    one_line,
+    per_token_scales,
+)
 from pagedbench.device.transfer import to_device, to_host
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.llama import AttentionContext, CausalLM
@@ -22,7 +28,8 @@ def kv_bytes_per_block(
     int8 pages add an fp16 scale per token and KV head)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
     slots = 2 * cfg.num_layers * block_size * tp.local_heads(cfg)[1]
-    return slots * cfg.head_dim * storage.itemsize + (slots * 2 if per_token_scales(storage) else 0)
+    scale_bytes = kv_scale_layout(storage, ())[1].itemsize if per_token_scales(storage) else 0
+    return slots * (cfg.head_dim * storage.itemsize + scale_bytes)
 
 
 class ModelRunner:
@@ -51,7 +58,7 @@ class ModelRunner:
         try:
             self.kv_cache = torch.zeros(shape, device=device, dtype=storage)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            gib = math.prod(shape) * dtype.itemsize / 2**30
+            gib = math.prod(shape) * storage.itemsize / 2**30
             raise ValueError(
                 f"cannot allocate a KV cache of {num_blocks} blocks ({gib:.1f} GiB) on {device}: {one_line(e)}"
             ) from None
@@ -59,20 +66,20 @@ class ModelRunner:
         # Quantized pages' scales (base.write_kv): per layer for fp8 (1.0 unless calibrated on the
         # first step, `calculate_kv_scales`), per slot and KV head for int8 (moved with its page).
         self.kv_scale, self.kv_scales, self.calibrate_kv = None, None, False
+        self.paged = [self.kv_cache]  # what page copies and swaps move
         if storage != dtype:
-            per_slot = per_token_scales(storage)
-            scale_shape = shape[:5] if per_slot else (cfg.num_layers, 2, 1, 1, 1)
-            scale_dtype = torch.float16 if per_slot else torch.float32
-            self.kv_scale = torch.ones(scale_shape, device=device, dtype=scale_dtype)
+            scale_shape, scale_dtype = kv_scale_layout(storage, shape[2:])
+            self.kv_scale = torch.ones((*shape[:2], *scale_shape), device=device, dtype=scale_dtype)
             self.kv_scales = [(self.kv_scale[i, 0], self.kv_scale[i, 1]) for i in range(cfg.num_layers)]
-            self.calibrate_kv = calculate_kv_scales and not per_slot
-        # Swap space: the same layout in (pinned, on CUDA) CPU memory; per-slot scales too.
+            if per_token_scales(storage):
+                self.paged.append(self.kv_scale)
+            else:
+                self.calibrate_kv = calculate_kv_scales
+        # Swap space: the same layout in (pinned, on CUDA) CPU memory.
         pin = device.type == "cuda" and num_cpu_blocks > 0
-        self.paged = [self.kv_cache] + ([self.kv_scale] if self.kv_scale is not None and per_slot else [])
         self.cpu_paged = [
             torch.zeros((*t.shape[:2], num_cpu_blocks, *t.shape[3:]), dtype=t.dtype, pin_memory=pin) for t in self.paged
         ]
-        self.cpu_kv_cache = self.cpu_paged[0]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: K/V of block src -> block dst in every layer (reads happen before writes)."""
@@ -83,16 +90,16 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """K/V of device block -> CPU block, every layer."""
         device_blocks, cpu_blocks = np.array(pairs, dtype=np.int64).T
+        device_index, cpu_index = to_device(device_blocks.copy(), self.device), torch.from_numpy(cpu_blocks)
         for paged, cpu in zip(self.paged, self.cpu_paged):
-            pages = paged[:, :, to_device(device_blocks.copy(), self.device)]
-            cpu[:, :, torch.from_numpy(cpu_blocks)] = to_host(pages)
+            cpu[:, :, cpu_index] = to_host(paged[:, :, device_index])
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """K/V of CPU block -> device block, every layer."""
         cpu_blocks, device_blocks = np.array(pairs, dtype=np.int64).T
+        device_index, cpu_index = to_device(device_blocks.copy(), self.device), torch.from_numpy(cpu_blocks)
         for paged, cpu in zip(self.paged, self.cpu_paged):
-            pages = to_device(cpu[:, :, torch.from_numpy(cpu_blocks)], self.device)
-            paged[:, :, to_device(device_blocks.copy(), self.device)] = pages
+            paged[:, :, device_index] = to_device(cpu[:, :, cpu_index], self.device)
 
     def prepare(self, seqs: list[ScheduledSequence], num_tokens: list[int]) -> StepInputs:
         """The step's inputs on the device (`seqs[i]` runs its next `num_tokens[i]` tokens): a
