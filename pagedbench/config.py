@@ -144,6 +144,11 @@ class EngineConfig:
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} '
         'or {"method": "draft_model", "model": "py-byte-draft", "num_speculative_tokens": 3}',
     )
+    structured_outputs_config: dict | None = setting(
+        None,
+        'structured outputs, as JSON (vLLM\'s): {"backend": "xgrammar", "disable_any_whitespace": true} (compact '
+        "JSON for every request: a random-weight model may otherwise write whitespace until max_tokens)",
+    )
 
     def validate(self) -> None:
         """TypeError or ValueError naming the field."""
@@ -166,6 +171,22 @@ class EngineConfig:
             if maximum is not None and not value <= maximum:
                 raise ValueError(f"{f.name} must be <= {maximum}, got {value}")
         SpeculativeConfig.parse(self.speculative_config)
+        _ = self.disable_any_whitespace  # checks structured_outputs_config
+
+    @property
+    def disable_any_whitespace(self) -> bool:
+        """structured_outputs_config's disable_any_whitespace, checked (ValueError naming a bad key)."""
+        so = self.structured_outputs_config or {}
+        unknown = sorted(set(so) - {"backend", "disable_any_whitespace"})
+        if unknown:
+            raise ValueError(
+                f"structured_outputs_config has unknown key {unknown[0]!r}; known: backend, disable_any_whitespace"
+            )
+        if so.get("backend", "xgrammar") not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config backend must be xgrammar (or auto), got {so['backend']!r}")
+        if not isinstance(so.get("disable_any_whitespace", False), bool):
+            raise ValueError("structured_outputs_config disable_any_whitespace must be true or false")
+        return so.get("disable_any_whitespace", False)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

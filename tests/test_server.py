@@ -9,6 +9,7 @@ import http.client
 import importlib.util
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -53,9 +54,11 @@ def start_server(model_dir, *extra):
 
 @pytest.fixture(scope="module")
 def server(chat_model):
+    compact = '{"disable_any_whitespace": true}'  # random weights would write JSON whitespace to max_tokens
     proc, url = start_server(
-        chat_model, "--api-key", KEY, "--num-blocks", "600", "--max-num-seqs", "64", "--max-n", "4"
-    )
+        chat_model, "--api-key", KEY, "--num-blocks", "600", "--max-num-seqs", "64", "--max-n", "4",
+        "--structured-outputs-config", compact,
+    )  # fmt: skip
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -168,6 +171,73 @@ def test_openai_client_completes_streams_and_chats(client, chat_model, server):
 def test_bad_requests_get_openai_errors(server, body, status, message):
     err = post(server, "/v1/completions", json.dumps(body).encode())
     assert err[0] == status and message in err[1]["error"]["message"] and err[1]["error"]["code"] == status
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["word", "n"],
+}
+
+
+def test_structured_outputs_round_trip_through_the_openai_client(client, chat_model):
+    """response_format (json_schema, json_object), vLLM's structured_outputs and guided_* fields, on
+    completions and chat, streamed and not: every finished output follows its constraint."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    model, messages = str(chat_model), [{"role": "user", "content": "give me json"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    for seed in range(3):
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=80, temperature=1.0, seed=seed, response_format=fmt
+        )
+        assert chat.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+        streamed = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=80, temperature=1.0, seed=seed, response_format=fmt, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+    done = client.completions.create(
+        model=model, prompt="hello", max_tokens=80, temperature=0, extra_body={"guided_json": SCHEMA}
+    )
+    jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
+    regex = r"[a-z]{3}-\d\d"
+    streamed = client.completions.create(
+        model=model, prompt="hello", max_tokens=20, temperature=1.0, seed=1, stream=True,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )  # fmt: skip
+    assert re.fullmatch(regex, "".join(c.choices[0].text for c in streamed))
+    choices = ["red", "green"]
+    picked = client.completions.create(
+        model=model, prompt="colour", max_tokens=8, temperature=1.0, n=4, seed=2, extra_body={"guided_choice": choices}
+    )
+    assert {c.text for c in picked.choices} <= set(choices)
+    obj = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=120, temperature=0, response_format={"type": "json_object"}
+    )
+    content = obj.choices[0].message.content
+    assert content.lstrip()[:1] in "{["
+    if obj.choices[0].finish_reason == "stop":  # any JSON value may nest past max_tokens; a finished one parses
+        assert isinstance(json.loads(content), (dict, list))
+
+
+@pytest.mark.parametrize(
+    "extra,param,message",
+    [
+        ({"guided_json": {"type": "nonsense"}}, "guided_json", 'structured_outputs.json: Unsupported type "nonsense"'),
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "no output the tokenizer can produce satisfies it"),
+        ({"guided_regex": "a("}, "guided_regex", "Regex parsing error"),
+        ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "one kind of constraint"),
+        ({"guided_json": {}, "guided_regex": "a"}, "guided_regex", "give one structured-output constraint"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs a 'schema' object"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
+        ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "not available"),
+    ],
+)
+def test_bad_structured_outputs_are_400s_naming_the_field(server, extra, param, message):
+    status, body = post(server, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 4} | extra).encode())
+    assert status == 400 and message in body["error"]["message"] and body["error"]["param"] == param, body
+    assert post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')[0] == 200  # others run on
 
 
 def post(url, path, data: bytes, key=KEY):

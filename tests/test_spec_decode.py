@@ -98,18 +98,19 @@ PRESSURE = {
 }
 
 
+METHODS = {"ngram": NGRAM, "draft": DRAFT}
+FULL = next(iter(PRESSURE))  # the setup that has it all (preemption, chunks, 4-token pages, cache hits)
 PRESSURE_CASES = [
-    *((setup, "sdpa") for setup in PRESSURE),
-    # reference and triton too under the setup that has it all (preemption, chunks, 4-token pages, cache
-    # hits); flex verifies in test_every_cpu_backend_verifies_multi_token_queries (its compiles cost a minute here).
-    pytest.param(next(iter(PRESSURE)), "reference", marks=pytest.mark.slow),
-    pytest.param(next(iter(PRESSURE)), "triton", marks=[pytest.mark.slow, needs_triton]),
+    *(pytest.param(setup, "sdpa", m, id=f"{name}-{setup}-sdpa") for setup in PRESSURE for name, m in METHODS.items()),
+    # reference under the full setup with both methods, triton (interpreted, ~25 s a run) with n-gram; flex
+    # verifies in test_every_cpu_backend_verifies_multi_token_queries (its compiles cost a minute here).
+    *(pytest.param(FULL, "reference", m, id=f"{n}-reference", marks=pytest.mark.slow) for n, m in METHODS.items()),
+    pytest.param(FULL, "triton", NGRAM, id="ngram-triton", marks=[pytest.mark.slow, needs_triton]),
 ]
 
 
 @needs_pair
-@pytest.mark.parametrize("setup,backend", PRESSURE_CASES)
-@pytest.mark.parametrize("method", [NGRAM, DRAFT], ids=["ngram", "draft"])
+@pytest.mark.parametrize("setup,backend,method", PRESSURE_CASES)
 def test_greedy_is_identical_under_pressure(setup, backend, method):
     """Shared prompt prefixes (prefix cache hits), a KV budget too small for every sequence at
     once (preemption), prompts longer than a step's budget (chunked prefill), pages of 4 tokens (a

@@ -134,6 +134,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "mean_wasted_slots": st.wasted_slot_steps / max(st.steps, 1),  # internal fragmentation
         "peak_wasted_slots": st.peak_wasted_slots,
         **st.spec.columns(),
+        **grammar_columns(st, device.get("grammar", 0.0)),
     }
     per_request = [
         {"request": i, "input_len": len(r.prompt_token_ids), "output_len": n, **request_latencies(o.metrics)}
@@ -153,6 +154,19 @@ def device_columns(device: dict[str, float], step_wall: float) -> dict:
         "time_attention_s": attention,
         "attention_share": attention / forward if forward else np.nan,
         "engine_overhead_share": max(0.0, 1 - step / step_wall) if step_wall else np.nan,
+    }
+
+
+def grammar_columns(st, apply_s: float) -> dict:
+    """Structured outputs' cost in the run: host time filling token bitmasks, device time applying
+    them, their share of the steps' wall time, rows masked, and grammar compile time (outside steps)."""
+    step_wall = sum(st.time.values())
+    return {
+        "time_grammar_fill_s": st.grammar_fill_s,
+        "time_grammar_apply_s": apply_s,
+        "grammar_share": (st.grammar_fill_s + apply_s) / step_wall if step_wall else np.nan,
+        "grammar_rows": st.grammar_rows,
+        "time_grammar_compile_s": st.grammar_compile_s,
     }
 
 
@@ -280,6 +294,7 @@ def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype) -> di
         "request_rate": scenario.request_rate,
         "temperature": scenario.temperature,
         "n": scenario.n,
+        "structured": scenario.structured_label,
     }
 
 

@@ -38,6 +38,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "prompts",
     *[f for f in ENGINE_FIELDS if f != "speculative_config"],
     "speculative",
+    "structured",
     "arrival",
     "request_rate",
     "temperature",
@@ -69,6 +70,11 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "spec_mean_acceptance_length",
     "spec_acceptance_per_position",
     *TIME_COLUMNS,
+    "time_grammar_fill_s",
+    "time_grammar_apply_s",
+    "grammar_share",
+    "grammar_rows",
+    "time_grammar_compile_s",
     "time_device_s",
     "time_attention_s",
     "attention_share",
@@ -302,6 +308,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
         "tensor_parallel_size",
         "enforce_eager",
         "speculative",
+        "structured",
     )  # older CSVs lack some
     keys += [col for col in optional if col in ok]
     numeric = ok.select_dtypes("number").columns.difference(keys)
@@ -337,6 +344,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             **_sharing(med),
             **_kv_storage(med),
             **_speculation(med),
+            **_structured(med),
             "prepare %": _prepare_pct(med),
             "attention % of forward": _pct(med, "attention_share"),
             "overhead %": _pct(med, "engine_overhead_share"),
@@ -367,6 +375,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             **_sharing(ok),
             **_kv_storage(ok),
             **_speculation(ok),
+            **_structured(ok),
             "prepare %": _prepare_pct(ok),
             "attention % of forward": _pct(ok, "attention_share"),
             "overhead %": _pct(ok, "engine_overhead_share"),
@@ -424,6 +433,22 @@ def _speculation(df: pd.DataFrame) -> dict[str, pd.Series]:
         "speculative": _spec_labels(df),
         "accepted %": (100 * df["spec_acceptance_rate"]).round(1),
         "mean accepted length": df["spec_mean_acceptance_length"].round(2),
+    }
+
+
+def _structured(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Structured outputs, where some run had them: the constraint, and the grammar masks' cost per
+    step (bitmask fill on the host + apply on the device) and as a share of step wall time."""
+    if "structured" not in df:
+        return {}
+    label = df["structured"].astype(object).fillna("off").astype(str)
+    if not (label != "off").any():
+        return {}
+    mask_s = _column(df, "time_grammar_fill_s") + _column(df, "time_grammar_apply_s")
+    return {
+        "structured": label,
+        "mask ms/step": (1e3 * mask_s / _column(df, "steps")).round(2),
+        "mask % of step": (100 * _column(df, "grammar_share")).round(1),
     }
 
 

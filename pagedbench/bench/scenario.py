@@ -18,7 +18,7 @@ import numpy as np
 from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.config import SpeculativeConfig
 from pagedbench.engine.block_manager import blocks_needed
-from pagedbench.sample.sampling_params import SamplingParams, is_int
+from pagedbench.sample.sampling_params import SamplingParams, is_int, structured_outputs_params
 
 ARRIVALS = ("batch", "poisson")
 # Scenario fields that are engine settings, the same for every backend: flags override them,
@@ -91,6 +91,8 @@ class Scenario:
     kv_cache_dtype: str = "auto"  # how K/V pages are stored (EngineConfig.kv_cache_dtype)
     speculative_config: dict | None = None  # vLLM's speculative_config for every backend's engine
     speculation_baseline: bool = False  # also run each backend without speculation, to compare
+    # Every request's structured-output constraint: StructuredOutputsParams' fields, e.g. {json = {...}}.
+    structured_outputs: dict | None = None
 
     def validate(self) -> None:
         positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
@@ -127,6 +129,11 @@ class Scenario:
             self._fail("num_blocks or kv_tokens", "is required, and only one of them (the KV budget)")
         if is_int(self.n) and self.n > self.max_num_seqs:
             self._fail("n", f"must be <= max_num_seqs ({self.max_num_seqs}), got {self.n}")
+        if self.structured_outputs is not None:
+            try:
+                structured_outputs_params(self.structured_outputs)
+            except (TypeError, ValueError) as e:
+                self._fail("structured_outputs", str(e).removeprefix("structured_outputs "))
         try:
             self.sampling_params(1)
         except ValueError as e:
@@ -167,7 +174,13 @@ class Scenario:
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             detokenize=False,  # runs compare token ids: no text work in the step (vLLM's --disable-detokenize)
+            structured_outputs=None if self.structured_outputs is None else dict(self.structured_outputs),
         )
+
+    @property
+    def structured_label(self) -> str:
+        """The constraint every request follows ("json", "regex", ...), or "off"."""
+        return "off" if self.structured_outputs is None else structured_outputs_params(self.structured_outputs).kind
 
     def scaled(self, factor: float) -> "Scenario":
         """Request counts, lengths and max_num_seqs times `factor`, the KV budget times
@@ -202,7 +215,12 @@ class Scenario:
         del content["name"], content["description"], content["enforce_eager"]
         if self.tensor_parallel_size == 1:
             del content["tensor_parallel_size"]
-        defaults = {"prompts": "random", "kv_cache_dtype": "auto", "speculative_config": None}
+        defaults = {
+            "prompts": "random",
+            "kv_cache_dtype": "auto",
+            "speculative_config": None,
+            "structured_outputs": None,
+        }
         for name, default in (defaults | {"speculation_baseline": False}).items():
             if content[name] == default:  # hashes from before these fields existed still match
                 del content[name]

@@ -6,6 +6,7 @@ TTFT is the first streamed chunk, ITL the gaps between chunks, TPOT (E2EL - TTFT
 Prompts are sent as token ids, so every server gets exactly the scenario's lengths."""
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,14 @@ class ClientResult:
         return (self.e2el_s - self.ttft_s) / (self.output_len - 1) if self.output_len > 1 else float("nan")
 
 
+def structured_outputs_body(params) -> dict:
+    """StructuredOutputsParams as the JSON object of vLLM's structured_outputs request field."""
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    if isinstance(fields["json"], type):  # a pydantic model class
+        fields["json"] = fields["json"].model_json_schema()
+    return {name: value for name, value in fields.items() if value is not None and value is not False}
+
+
 async def send(session, url: str, model: str, request: Request, api_key: str | None) -> ClientResult:
     p = request.params
     body = {
@@ -50,6 +59,8 @@ async def send(session, url: str, model: str, request: Request, api_key: str | N
         "stream_options": {"include_usage": True},
         "ignore_eos": p.ignore_eos,  # vLLM's extension; exact output lengths
     }
+    if p.structured_outputs is not None:  # vLLM's structured_outputs request field
+        body["structured_outputs"] = structured_outputs_body(p.structured_outputs)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     result = ClientResult(False, len(request.prompt_token_ids))
     start = last = time.perf_counter()

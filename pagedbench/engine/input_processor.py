@@ -7,16 +7,24 @@ from pagedbench.config import EngineConfig
 from pagedbench.engine.beam_search import BeamSearch
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.sequence import Sequence
+from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.config import ModelConfig
 from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams, is_int
 
 
 class InputProcessor:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, tokenizer, max_model_len: int, device: torch.device
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tokenizer,
+        max_model_len: int,
+        device: torch.device,
+        structured: StructuredOutputManager,
     ):
         self.config, self.model_config = config, model_config
         self.tokenizer, self.max_model_len, self.device = tokenizer, max_model_len, device
+        self.structured = structured
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         return tokenize(prompt, self.tokenizer, self.config.model)
@@ -30,6 +38,8 @@ class InputProcessor:
         else:
             has_tokenizer = self.tokenizer is not None
             validate_request(token_ids, params, self.max_model_len, vocab_size, has_tokenizer, self.config.max_logprobs)
+            if params.structured_outputs is not None:
+                self.structured.compile(params.structured_outputs)  # compiled once per constraint, checked here
         if params.width > max_num_seqs:
             name = "beam_width" if isinstance(params, BeamSearchParams) else "best_of"
             raise ValueError(f"{name}={params.width} is more than max_num_seqs={max_num_seqs}")
@@ -65,6 +75,8 @@ class InputProcessor:
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.generator = self.generator(params, 0)
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            seq.grammar = self.structured.matcher(params.structured_outputs)
         group = SequenceGroup(request_id, text, token_ids, params, [seq], seq.arrival_time)
         if isinstance(params, BeamSearchParams):
             group.beam = BeamSearch(params, self.model_config.eos_token_ids, self.max_model_len)

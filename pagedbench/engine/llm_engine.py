@@ -21,6 +21,7 @@ from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
 from pagedbench.engine.sequence import SequenceStatus
 from pagedbench.engine.speculator import Speculator
 from pagedbench.engine.stats import EngineStats, wasted_slots
+from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.engine.token_picker import TokenPicker
 from pagedbench.model.loader import resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
@@ -52,7 +53,18 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id
-        self.input_processor = InputProcessor(config, cfg, self.tokenizer, self.max_model_len, self.device)
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer,
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+            self.device,
+            self.stats,
+            ex.timer,
+            config.disable_any_whitespace,
+        )
+        self.input_processor = InputProcessor(
+            config, cfg, self.tokenizer, self.max_model_len, self.device, self.structured_outputs
+        )
         self.output_processor = OutputProcessor(self.tokenizer, cfg, self.max_model_len, self.scheduler)
         self.token_picker = TokenPicker(
             self.requests,
@@ -64,6 +76,7 @@ class LLMEngine:
             config.seed,
             self.stats,
             ex.timer,
+            self.structured_outputs,
         )
         self.speculator = self._speculator()
         self._ids = itertools.count()
@@ -76,7 +89,7 @@ class LLMEngine:
             proposer = NgramProposer(spec)
         else:
             proposer = DraftModelProposer(self.executor.draft_runner)
-        args = (self.model_config, self.token_picker.sampler, self.stats, self.max_model_len)
+        args = (self.model_config, self.token_picker.sampler, self.stats, self.max_model_len, self.structured_outputs)
         return Speculator(spec, proposer, self.scheduler, self.output_processor, self.requests, *args)
 
     @classmethod

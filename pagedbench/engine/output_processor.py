@@ -12,6 +12,7 @@ from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import Scheduler
 from pagedbench.engine.sequence import Sequence
 from pagedbench.engine.stopping import stop_check
+from pagedbench.engine.structured_outputs import advance
 from pagedbench.model.config import ModelConfig
 from pagedbench.sample.sampler import SamplerOutput
 
@@ -24,9 +25,12 @@ class OutputProcessor:
     def append_token(self, seq: Sequence, token: int) -> None:
         """`seq`'s next token: its text, and whether it stops `seq`."""
         seq.token_ids.append(token)
+        grammar_ended = seq.grammar is not None and not advance(seq, token)
         tokenizer = self._detokenizer(seq)
         new_text = detokenize_incrementally(tokenizer, seq) if tokenizer is not None else ""
         stop = stop_check(seq, token, new_text, self.model_config.eos_token_ids, self.max_model_len)
+        if stop is None and grammar_ended:  # the constrained output is complete: nothing may follow
+            stop = ("stop", None)
         if stop is not None:
             self.scheduler.finish(seq, *stop)
             if tokenizer is not None and not isinstance(seq.stop_reason, str):

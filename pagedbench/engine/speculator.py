@@ -19,6 +19,7 @@ from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
 from pagedbench.engine.sequence import Sequence
 from pagedbench.engine.stats import EngineStats
+from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.config import ModelConfig
 from pagedbench.sample.rejection import positions, verify
 from pagedbench.sample.sampler import Sampler, SamplerOutput, SamplingBatch, fill_logprobs
@@ -47,11 +48,12 @@ class Speculator:
         sampler: Sampler,
         stats: EngineStats,
         max_model_len: int,
+        structured: StructuredOutputManager,
     ):
         self.k, self.proposer = spec.num_speculative_tokens, proposer
         self.scheduler, self.outputs, self.requests = scheduler, outputs, requests
         self.model_config, self.sampler, self.stats = model_config, sampler, stats
-        self.max_model_len = max_model_len
+        self.max_model_len, self.structured = max_model_len, structured
         scheduler.lookahead = self.lookahead
 
     def room(self, seq: Sequence) -> int:
@@ -102,7 +104,8 @@ class Speculator:
                 verifying.append(seq)
                 rows += range(offset, offset + m + 1)
                 proposed += [*seq.spec_token_ids, -1]
-                judged += positions(seq, seq.spec_token_ids)
+                grammars = self.structured.lookahead(seq.grammar, seq.spec_token_ids) if seq.grammar else None
+                judged += positions(seq, seq.spec_token_ids, grammars)
             else:
                 plain.append(seq)
                 plain_rows.append(offset)
@@ -111,6 +114,7 @@ class Speculator:
             return plain, logits, []
         cfg = self.model_config
         batch = SamplingBatch.from_seqs(judged, cfg.vocab_size, logits.device, cfg.eos_token_ids)
+        batch.grammar = self.structured.mask(judged)
         proposed_ids = to_device(np.array(proposed, dtype=np.int64), logits.device)
         accepted, drawn = verify(self.sampler, logits[rows], batch, proposed_ids)
         accepted, drawn = to_list(torch.stack([accepted.long(), drawn]))  # the step's one wait for the device

@@ -28,6 +28,11 @@ class EngineStats:
     time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # per step: (time, blocks used, empty slots)
     spec: "SpecStats" = field(default_factory=lambda: SpecStats())
+    # Structured outputs: host seconds filling grammar bitmasks (part of "sample"), rows masked,
+    # and seconds compiling grammars (when requests are added, outside the steps).
+    grammar_fill_s: float = 0.0
+    grammar_rows: int = 0
+    grammar_compile_s: float = 0.0
 
     def reset(self) -> None:
         self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
@@ -37,6 +42,8 @@ class EngineStats:
         self.time = dict.fromkeys(STEP_PARTS, 0.0)
         self.timeline = []
         self.spec = SpecStats()
+        self.grammar_fill_s = self.grammar_compile_s = 0.0
+        self.grammar_rows = 0
 
     def time_columns(self) -> dict[str, float]:
         return {column: self.time[part] for column, part in zip(TIME_COLUMNS, STEP_PARTS)}

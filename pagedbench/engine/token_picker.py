@@ -14,6 +14,7 @@ from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import Scheduler
 from pagedbench.engine.sequence import Sequence
 from pagedbench.engine.stats import EngineStats
+from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.config import ModelConfig
 from pagedbench.sample.sampler import Sampler, SamplingBatch
 
@@ -30,9 +31,11 @@ class TokenPicker:
         seed: int,
         stats: EngineStats,
         timer: DeviceTimer,
+        structured: StructuredOutputManager,
     ):
         self.requests, self.scheduler, self.inputs, self.outputs = requests, scheduler, inputs, outputs
         self.model_config, self.device, self.stats, self.timer = model_config, device, stats, timer
+        self.structured = structured
         self.sampler = Sampler(device, seed)
         self.sampling_batch: SamplingBatch | None = None  # last step's, reused while its sequences run on
 
@@ -71,6 +74,7 @@ class TokenPicker:
         cfg = self.model_config
         batch = SamplingBatch.from_seqs(seqs, cfg.vocab_size, self.device, cfg.eos_token_ids, self.sampling_batch)
         self.sampling_batch = batch
+        batch.grammar = self.structured.mask(seqs)
         sample_start = self.timer.mark()
         out = self.sampler(logits, batch)
         self.timer.span("sample", sample_start)

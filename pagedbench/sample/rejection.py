@@ -29,17 +29,19 @@ class Position:
     prompt_token_ids: list[int]
     generator: torch.Generator | None
     output_token_ids: list[int]
+    grammar: object | None = None  # structured outputs: a fork of the sequence's matcher, past the proposals before
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
 
-def positions(seq, proposed: list[int]) -> list[Position]:
-    """The m + 1 rows that verify `proposed` (m tokens) after `seq`'s tokens."""
-    output = seq.output_token_ids
+def positions(seq, proposed: list[int], grammars: list | None = None) -> list[Position]:
+    """The m + 1 rows that verify `proposed` (m tokens) after `seq`'s tokens; under structured
+    outputs, row j reads grammars[j] (StructuredOutputManager.lookahead)."""
+    output, grammars = seq.output_token_ids, grammars or [None] * (len(proposed) + 1)
     return [
-        Position(seq.params, seq.prompt_token_ids, seq.generator, output + proposed[:j])
+        Position(seq.params, seq.prompt_token_ids, seq.generator, output + proposed[:j], grammars[j])
         for j in range(len(proposed) + 1)
     ]
 

@@ -1,4 +1,5 @@
-"""Batched sampling on the device: raw logprobs; allowed tokens, logit bias, logits processors,
+"""Batched sampling on the device: raw logprobs; the grammar mask of structured outputs; allowed
+tokens, logit bias, logits processors,
 then the bans of bad words and min_tokens (so no processor undoes them); repetition/frequency/
 presence penalties; greedy argmax or temperature, top-k, top-p, min-p and a draw.
 
@@ -36,6 +37,12 @@ class SamplingSequence(Protocol):
     def num_output_tokens(self) -> int: ...
 
 
+class LogitsMask(Protocol):
+    """A step's token mask (structured outputs' GrammarMask): sets forbidden logits to -inf in place."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
+
+
 @dataclass(slots=True)
 class Penalties:
     rows: torch.Tensor  # [P] rows of the batch with a penalty
@@ -68,6 +75,7 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) set to -inf: min_tokens, bad words
     processors: list[tuple] | None = None  # (processor, row indices, their output and prompt token ids)
     penalties: Penalties | None = None
+    grammar: LogitsMask | None = None  # structured outputs' mask (set by StructuredOutputManager.mask)
 
     @classmethod
     def from_seqs(
@@ -82,7 +90,7 @@ class SamplingBatch:
         it was built for the same sequences in the same order."""
         same = previous is not None and len(previous.seqs) == len(seqs)
         if same and all(a is b for a, b in zip(previous.seqs, seqs)):
-            batch = dataclasses.replace(previous, banned=None, processors=None, penalties=None)
+            batch = dataclasses.replace(previous, banned=None, processors=None, penalties=None, grammar=None)
         else:
             batch = cls._from_params(seqs, vocab_size, device)
         banned = [(i, t) for i, s in enumerate(seqs) for t in _banned_tokens(s, eos_token_ids)]
@@ -144,7 +152,8 @@ def _banned_tokens(seq: SamplingSequence, eos_token_ids) -> list[int]:
     of each bad word whose other tokens end the output."""
     p = seq.params
     banned = []
-    if seq.num_output_tokens < p.min_tokens:
+    grammar = getattr(seq, "grammar", None)
+    if seq.num_output_tokens < p.min_tokens and not (grammar is not None and grammar.is_completed()):
         banned += [*([] if p.ignore_eos else eos_token_ids), *p.stop_token_ids]
     for word in p._bad_words_token_ids or ():
         prefix = word[:-1]
@@ -308,11 +317,14 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Allowed tokens, logit biases, logits processors, bans (min_tokens, bad words) and penalties
-    (a new tensor only where a row uses one)."""
-    if all(x is None for x in (batch.allowed, batch.banned, batch.bias, batch.processors, batch.penalties)):
+    """The grammar mask, allowed tokens, logit biases, logits processors, bans (min_tokens, bad words)
+    and penalties (a new tensor only where a row uses one)."""
+    features = (batch.grammar, batch.allowed, batch.banned, batch.bias, batch.processors, batch.penalties)
+    if all(x is None for x in features):
         return logits
     logits = logits.clone()
+    if batch.grammar is not None:  # first, as vLLM applies the grammar bitmask before sampling
+        batch.grammar.apply(logits)
     if batch.allowed is not None:
         rows, mask = batch.allowed
         logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))

@@ -1,5 +1,5 @@
-"""What a request asks of sampling and stopping, with vLLM's names: SamplingParams, and
-BeamSearchParams for beam search."""
+"""What a request asks of sampling and stopping, with vLLM's names: SamplingParams (with
+StructuredOutputsParams for constrained decoding), and BeamSearchParams for beam search."""
 
 import dataclasses
 import inspect
@@ -12,6 +12,61 @@ GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy (divi
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint (one kind per request): the output follows a JSON schema
+    (`json`: a dict, a JSON string or a pydantic model class), a regular expression, one of the
+    `choice` strings, an EBNF (GBNF) or Lark `grammar`, or any JSON object or array (`json_object`).
+    Compiled by xgrammar (the `structured` extra), whose strict mode gives a schema's objects only
+    the properties it lists unless it says `additionalProperties`; checked when the request is added."""
+
+    json: str | dict | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without optional whitespace (compact output)
+
+    def __post_init__(self):
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) for c in self.choice):
+                raise TypeError(f"structured_outputs.choice must be a list of strings, got {self.choice!r}")
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict, type)):
+            kind = type(self.json).__name__
+            raise TypeError(f"structured_outputs.json must be a JSON schema (dict or str), got {kind}")
+        if self.json_object not in (None, True, False):
+            raise TypeError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        check_bools(self, ("disable_any_whitespace",))
+        kinds = self.kinds
+        if len(kinds) > 1:
+            raise ValueError(
+                f"structured_outputs takes one kind of constraint, got {' and '.join(kinds)} (vLLM: only one of "
+                "json, regex, choice, grammar, json_object)"
+            )
+        if not kinds:
+            raise ValueError("structured_outputs needs one of json, regex, choice, grammar, json_object")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraints set (valid params have exactly one)."""
+        kinds = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        return kinds + (["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping rules, with vLLM's names. temperature 0 (or under 1e-5) is greedy.
     A wrong type is a TypeError, a value out of range a ValueError; both name the field.
@@ -20,11 +75,11 @@ class SamplingParams:
     prefill and sharing its pages, and the n with the highest cumulative logprob returned.
     Sample i draws from seed + i when a seed is given, so sample 0 is the n=1 request's.
 
-    Logits go through: allowed_token_ids, logit_bias (added), logits_processors, then bad_words
-    and min_tokens (EOS and stop ids banned until then; after the processors, which cannot undo
-    them), then the repetition, frequency and presence penalties, then temperature, top-k, top-p,
-    min-p and sampling (greedy takes the argmax of the processed logits). logprobs and
-    prompt_logprobs are the model's raw log-probabilities, taken
+    Logits go through: the structured_outputs grammar mask, allowed_token_ids, logit_bias (added),
+    logits_processors, then bad_words and min_tokens (EOS and stop ids banned until then; after the
+    processors, which cannot undo them), then the repetition, frequency and presence penalties, then
+    temperature, top-k, top-p, min-p and sampling (greedy takes the argmax of the processed logits).
+    logprobs and prompt_logprobs are the model's raw log-probabilities, taken
     before all of that (vLLM v1's default "raw_logprobs").
 
     A logits processor follows vLLM's per-request contract: a callable (output_token_ids, logits[V])
@@ -56,6 +111,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit; in [-100, 100], as OpenAI's
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (text "", no stop strings)
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name: moved to structured_outputs
     _bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized by the engine
 
     def __post_init__(self):
@@ -75,6 +132,12 @@ class SamplingParams:
                 setattr(self, name, list(value))
         if self.best_of is None and is_int(self.n):
             self.best_of = self.n
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = structured_outputs_params(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -83,6 +146,11 @@ class SamplingParams:
         self._validate_stops()
         self._validate_token_lists()
         check_bools(self, ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                "structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         if self.seed is not None:
             if not is_int(self.seed):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
@@ -214,6 +282,15 @@ class BeamSearchParams:
     @property
     def width(self) -> int:
         return self.beam_width
+
+
+def structured_outputs_params(fields: dict) -> StructuredOutputsParams:
+    """StructuredOutputsParams from a dict of its fields (a JSON body, a scenario); TypeError naming an unknown one."""
+    known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"structured_outputs has no field {unknown[0]!r}; its fields: {', '.join(sorted(known))}")
+    return StructuredOutputsParams(**fields)
 
 
 def is_int(value) -> bool:

@@ -22,7 +22,23 @@ from pagedbench.entrypoints.cli.common import (
 )
 from pagedbench.model.presets import PRESETS
 
-SCENARIO_OVERRIDES = (*ENGINE_FIELDS, "num_prompts", "input_len", "output_len", "n", "speculation_baseline")
+SCENARIO_OVERRIDES = (
+    *ENGINE_FIELDS,
+    "num_prompts",
+    "input_len",
+    "output_len",
+    "n",
+    "speculation_baseline",
+    "structured_outputs",
+)
+
+
+def structured_outputs_arg(text: str) -> dict:
+    """--structured-outputs: a JSON object of StructuredOutputsParams' fields, or "off" (an empty dict)."""
+    return {} if text == "off" else json_object(text)
+
+
+structured_outputs_arg.__name__ = "JSON object or off"
 
 
 def add_scenario_args(p: argparse.ArgumentParser) -> None:
@@ -81,9 +97,16 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also run each backend without speculation (default: the scenario's; on in spec-decode)",
     )
+    overrides.add_argument(
+        "--structured-outputs",
+        type=structured_outputs_arg,
+        default=None,
+        help="every request's constraint, as JSON (vLLM's StructuredOutputsParams): {\"json\": {...schema...}}, "
+        '{"regex": "..."}, {"choice": [...]}, {"grammar": "..."}; "off" for none (default: the scenario\'s)',
+    )
     for flag in SCENARIO_OVERRIDES:
         special = ("model", "enable_prefix_caching", "enforce_eager", "kv_cache_dtype", "speculative_config")
-        if flag not in (*special, "speculation_baseline"):
+        if flag not in (*special, "speculation_baseline", "structured_outputs"):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
 
 
@@ -105,6 +128,8 @@ def scenario_from_args(args) -> Scenario:
         changes[length] = LengthRange(changes[length], changes[length])
     if "num_blocks" in changes:
         changes["kv_tokens"] = None
+    if changes.get("structured_outputs") == {}:  # --structured-outputs off
+        changes["structured_outputs"] = None
     scenario = dataclasses.replace(scenario, **changes)
     scenario.validate()
     return scenario

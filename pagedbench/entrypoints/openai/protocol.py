@@ -9,16 +9,27 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pagedbench.sample.sampling_params import SamplingParams, is_int
 
 # Request fields passed to SamplingParams as they are (OpenAI's and vLLM's extensions); a logits
-# processor is Python code, never a JSON value.
+# processor is Python code, never a JSON value; structured outputs come in several forms (structured.py).
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if not f.name.startswith("_")} - {
     "logprobs",
     "logits_processors",
+    "structured_outputs",
+    "guided_decoding",
 }
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+)
 UNSUPPORTED = {"suffix": None, "echo": False, "tools": None, "functions": None}
 # The fields of each endpoint's body besides the sampling ones. Values are checked where they are
 # used (SamplingParams, the prompt forms); the models name the fields, refuse unknown ones as
 # OpenAI does (a misspelt "max_token" is a 400, not 16 tokens) and give /openapi.json its schema.
-COMMON = ("model", "stream", "stream_options", "user", "priority", *UNSUPPORTED)
+COMMON = ("model", "stream", "stream_options", "user", "priority", *UNSUPPORTED, *STRUCTURED_FIELDS)
 ENDPOINT_FIELDS = {
     "CompletionRequest": (*COMMON, *SAMPLING_FIELDS, "prompt", "logprobs"),
     "ChatCompletionRequest": (

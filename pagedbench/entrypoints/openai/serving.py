@@ -18,6 +18,7 @@ from pagedbench.entrypoints.openai.protocol import (
     check_fields,
 )
 from pagedbench.entrypoints.openai.streaming import achain, stream_events
+from pagedbench.entrypoints.openai.structured import structured_outputs_of
 from pagedbench.sample.sampling_params import SamplingParams
 
 
@@ -63,6 +64,7 @@ class OpenAIServing:
         limits = self.limits
         kwargs = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
         kwargs.setdefault("max_tokens", default_max_tokens)
+        kwargs["structured_outputs"] = structured_outputs_of(body)[0]
         if isinstance(kwargs.get("logit_bias"), dict):  # JSON object keys are strings
             try:
                 kwargs["logit_bias"] = {int(k): v for k, v in kwargs["logit_bias"].items()}
@@ -128,11 +130,22 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
+    async def compile_grammar(self, body: dict, params: SamplingParams) -> None:
+        """The request's structured-output grammar compiled (or found in the cache) in a worker
+        thread, off the event loop and the step loop; a 400 naming the field when it is refused."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.structured_outputs.compile, params.structured_outputs)
+        except ValueError as e:
+            raise APIError(400, str(e), param=structured_outputs_of(body)[1]) from None
+
     async def respond(self, request, body: dict, prompts: list, params: SamplingParams, chat: bool):
         """The completion (or chat completion) of `prompts`: one JSON body, or an SSE stream."""
         created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.get("stream") and params.best_of != params.n:
             raise APIError(400, "best_of != n cannot be streamed (the best samples are known only at the end)")
+        await self.compile_grammar(body, params)
         stream = self.run(prompts, params, body.get("priority", 0))  # vLLM's extra: with --scheduling-policy priority
         first = await anext(stream)  # errors before the first output are plain JSON errors
         head = {"id": rid, "created": created, "model": self.model_name}
