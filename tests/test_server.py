@@ -232,6 +232,7 @@ def test_structured_outputs_round_trip_through_the_openai_client(client, chat_mo
         ({"response_format": {"type": "json_schema"}}, "response_format", "needs a 'schema' object"),
         ({"response_format": {"type": "yaml"}}, "response_format", "response_format.type must be"),
         ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "not available"),
+        ({"use_beam_search": True, "guided_choice": ["a", "b"]}, "use_beam_search", "do not run with beam search"),
     ],
 )
 def test_bad_structured_outputs_are_400s_naming_the_field(server, extra, param, message):

@@ -25,7 +25,7 @@ STRUCTURED_FIELDS = (
     "guided_grammar",
     "guided_decoding_backend",
 )
-UNSUPPORTED = {"suffix": None, "echo": False, "tools": None, "functions": None}
+UNSUPPORTED = {"suffix": None, "echo": False, "tools": None, "functions": None, "use_beam_search": False}
 # The fields of each endpoint's body besides the sampling ones. Values are checked where they are
 # used (SamplingParams, the prompt forms); the models name the fields, refuse unknown ones as
 # OpenAI does (a misspelt "max_token" is a 400, not 16 tokens) and give /openapi.json its schema.

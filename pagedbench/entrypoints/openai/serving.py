@@ -49,6 +49,8 @@ class OpenAIServing:
         if body.get("model") not in (None, self.model_name):
             message = f"model {body['model']!r} does not exist; this server has {self.model_name!r}"
             raise APIError(404, message, "not_found_error", "model")
+        if body.get("use_beam_search") and structured_outputs_of(body)[0] is not None:
+            raise APIError(400, "structured outputs do not run with beam search", param="use_beam_search")
         for name, default in UNSUPPORTED.items():
             if body.get(name, default) != default:
                 raise APIError(400, f"{name} is not supported", param=name)
