@@ -3,8 +3,9 @@
 from pagedbench.entrypoints.cli.main import main
 
 
-def test_run_prints_throughput_table(capsys):
-    assert main(["run", "--num-prompts", "3", "--input-len", "20", "--output-len", "5", "--no-warmup"]) == 0
+def test_run_prints_throughput_table(capsys, tmp_path):
+    args = ["--num-prompts", "3", "--input-len", "20", "--output-len", "5", "--no-warmup", "--out", str(tmp_path)]
+    assert main(["run", *args]) == 0
     out = capsys.readouterr().out
     assert "output tok/s" in out and "total tok/s" in out
     row = next(line for line in out.splitlines() if line.startswith("| sdpa"))

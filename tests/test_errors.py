@@ -185,8 +185,10 @@ def test_unavailable_backend_is_refused_with_its_reason(tiny_models, monkeypatch
         LLM(tiny_models["llama"][0], backend="sdpa")
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "pagedbench", *args], capture_output=True, text=True, timeout=120)
+def run_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "pagedbench", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
 
 
 @pytest.mark.parametrize(
@@ -207,8 +209,8 @@ def run_cli(*args):
     ],
 )
 @pytest.mark.slow
-def test_cli_errors_are_one_line(args, message):
-    proc = run_cli(*args)
+def test_cli_errors_are_one_line(args, message, tmp_path):
+    proc = run_cli(*args, cwd=tmp_path)  # nothing a failing command might write lands in the checkout
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -236,7 +238,7 @@ def test_broken_model_directories_are_one_line_errors(tiny_models, tmp_path):
     (no_key / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
         LLM(str(no_key), device="cpu")
-    proc = run_cli("run", "--model", str(truncated), "--num-prompts", "1")
+    proc = run_cli("run", "--model", str(truncated), "--num-prompts", "1", "--out", str(tmp_path / "reports"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pagedbench: error: cannot read weights from"), proc.stderr
