@@ -107,7 +107,7 @@ class FlexBackend(AttentionBackend):
         self.static_decode_batch = cuda  # flex's decoding kernel needs a static batch
         window = variant.sliding_window
         self._masks = PagedBlockMasks(block_size, self.kv_block_size, self.q_block_size, self.device, window)
-        self.score_mod = softcap_score_mod(variant.softcap) if variant.softcap is not None else None
+        self.score_mod = softcap_score_mod(variant.softcap, self.device) if variant.softcap is not None else None
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs):

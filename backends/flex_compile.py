@@ -89,11 +89,13 @@ def attend(
     return out * torch.sigmoid(aux.lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
 
 
-def softcap_score_mod(softcap: float) -> Callable:
-    """Gemma 2's logit soft-capping as a flex score_mod (applied to the scaled score)."""
+def softcap_score_mod(softcap: float, device: torch.device) -> Callable:
+    """Gemma 2's logit soft-capping as a flex score_mod (applied to the scaled score). The cap is a
+    tensor, not a constant: one compiled graph serves every cap value (Gemma 2's 50 and 30)."""
+    cap = torch.tensor(softcap, dtype=torch.float32, device=device)
 
     def capped(score, b, h, q_idx, kv_idx):
-        return softcap * torch.tanh(score / softcap)
+        return cap * torch.tanh(score / cap)
 
     return capped
 
