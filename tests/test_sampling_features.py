@@ -211,6 +211,34 @@ def test_batch_logits_processors_run_once_per_step_over_their_rows(llm):
     assert processor.calls == [3, 3, 3, 3]  # once per step, with the three rows that carry it
 
 
+def test_engine_wide_logits_processors_see_every_row(tiny_models):
+    """LLM(logits_processors=[...]): a BatchLogitsProcessor (class or instance) runs once per step over
+    every sampling row, after the request's own processors; anything else is a one-line TypeError."""
+    from pagedbench import BatchLogitsProcessor
+
+    class BanToken9(BatchLogitsProcessor):
+        seen: list = []
+
+        def __call__(self, output_token_ids, logits):
+            BanToken9.seen.append(len(output_token_ids))
+            logits[:, 9] = float("-inf")
+            return logits
+
+    llm = LLM(tiny_models["llama"][0], dtype="float32", device="cpu", logits_processors=[BanToken9])
+
+    def prefer_9(output_token_ids, logits):  # per request: would pick 9, the engine's processor bans it after
+        logits[9] = 1e4
+        return logits
+
+    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logits_processors=[prefer_9])] * 2
+    params.append(SamplingParams(temperature=1.0, seed=0, max_tokens=3, ignore_eos=True))
+    outs = llm.generate([{"prompt_token_ids": [3 + i]} for i in range(3)], params, use_tqdm=False)
+    assert all(9 not in o.outputs[0].token_ids and len(o.outputs[0].token_ids) == 3 for o in outs)
+    assert BanToken9.seen == [3, 3, 3]
+    with pytest.raises(TypeError, match="takes BatchLogitsProcessor instances or subclasses"):
+        LLM(tiny_models["llama"][0], device="cpu", logits_processors=[prefer_9])
+
+
 def test_skip_special_tokens(llm):
     eos_only = dict(temperature=1.0, max_tokens=3, ignore_eos=True, allowed_token_ids=[2])  # 2 is <eos>
     skipped = llm.generate(["hello"], SamplingParams(**eos_only), use_tqdm=False)[0].outputs[0]

@@ -25,12 +25,15 @@ from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.engine.token_picker import TokenPicker
 from pagedbench.model.loader import resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
-from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams
+from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, logits_processors: list | None = None):
+        """`logits_processors`: engine-wide BatchLogitsProcessors (instances, or subclasses built
+        with no arguments) that see every sampling row each step, after each request's own."""
         config.validate()
+        logits_processors = engine_logits_processors(logits_processors)
         if config.seed is None:  # one fresh seed, shared with the tensor-parallel workers
             config = dataclasses.replace(config, seed=secrets.randbelow(2**31))
         self.config = config
@@ -77,6 +80,7 @@ class LLMEngine:
             self.stats,
             ex.timer,
             self.structured_outputs,
+            logits_processors,
         )
         self.speculator = self._speculator()
         self._ids = itertools.count()
@@ -238,3 +242,22 @@ class LLMEngine:
         for seq in sched.seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self.scheduler.preempt(seq, swap=False)
+
+
+def engine_logits_processors(processors) -> list[BatchLogitsProcessor]:
+    """LLM(logits_processors=...): BatchLogitsProcessor instances, or subclasses to build; TypeError otherwise."""
+    if processors is None:
+        return []
+    if not isinstance(processors, (list, tuple)):
+        raise TypeError(f"logits_processors must be a list, got {type(processors).__name__}")
+    built = []
+    for p in processors:
+        if isinstance(p, type) and issubclass(p, BatchLogitsProcessor):
+            p = p()
+        if not isinstance(p, BatchLogitsProcessor):
+            raise TypeError(
+                "LLM(logits_processors=...) takes BatchLogitsProcessor instances or subclasses (batch-wise, every "
+                f"row); got {p!r} (a per-request function goes in SamplingParams.logits_processors)"
+            )
+        built.append(p)
+    return built

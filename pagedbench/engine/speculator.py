@@ -113,7 +113,8 @@ class Speculator:
         if not verifying:
             return plain, logits, []
         cfg = self.model_config
-        batch = SamplingBatch.from_seqs(judged, cfg.vocab_size, logits.device, cfg.eos_token_ids)
+        processors = self.sampler.logits_processors
+        batch = SamplingBatch.from_seqs(judged, cfg.vocab_size, logits.device, cfg.eos_token_ids, None, processors)
         batch.grammar = self.structured.mask(judged)
         proposed_ids = to_device(np.array(proposed, dtype=np.int64), logits.device)
         accepted, drawn = verify(self.sampler, logits[rows], batch, proposed_ids)

@@ -32,11 +32,12 @@ class TokenPicker:
         stats: EngineStats,
         timer: DeviceTimer,
         structured: StructuredOutputManager,
+        logits_processors: list = (),
     ):
         self.requests, self.scheduler, self.inputs, self.outputs = requests, scheduler, inputs, outputs
         self.model_config, self.device, self.stats, self.timer = model_config, device, stats, timer
         self.structured = structured
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, logits_processors)
         self.sampling_batch: SamplingBatch | None = None  # last step's, reused while its sequences run on
 
     def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
@@ -72,7 +73,10 @@ class TokenPicker:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """One batched draw for `seqs` (logits row i for seqs[i]), read back in one copy."""
         cfg = self.model_config
-        batch = SamplingBatch.from_seqs(seqs, cfg.vocab_size, self.device, cfg.eos_token_ids, self.sampling_batch)
+        processors = self.sampler.logits_processors
+        batch = SamplingBatch.from_seqs(
+            seqs, cfg.vocab_size, self.device, cfg.eos_token_ids, self.sampling_batch, processors
+        )
         self.sampling_batch = batch
         batch.grammar = self.structured.mask(seqs)
         sample_start = self.timer.mark()

@@ -19,11 +19,14 @@ NO_OP_ARGS = {
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args):
+    def __init__(self, model: str, logits_processors: list | None = None, **engine_args):
         """`model`: an HF model directory or a preset. `engine_args`: any EngineConfig field
         (backend, device, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
         max_model_len, seed, tensor_parallel_size, enable_prefix_caching, scheduling_policy,
         preemption_mode, swap_space, gpu_memory_utilization, cpu_kv_cache_bytes).
+
+        `logits_processors`: engine-wide BatchLogitsProcessors (instances or subclasses), applied to
+        every row each step after each request's own (SamplingParams.logits_processors).
 
         With tensor_parallel_size > 1 the engine starts worker processes (spawn): a script doing
         so needs the `if __name__ == "__main__":` guard; `shutdown()` (or exit) stops them."""
@@ -40,7 +43,7 @@ class LLM:
                 f"LLM() got an unknown engine argument {unknown[0]!r}; known: {', '.join(EngineConfig.names())}"
             )
         self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), logits_processors)
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -85,9 +85,11 @@ class SamplingBatch:
         device: torch.device,
         eos_token_ids: list[int] = (),
         previous: "SamplingBatch | None" = None,
+        engine_processors: list = (),
     ) -> "SamplingBatch":
         """The batch for `seqs`; the parameter tensors of `previous` are reused (no copy) when
-        it was built for the same sequences in the same order."""
+        it was built for the same sequences in the same order. `engine_processors` (LLM(logits_processors=...),
+        BatchLogitsProcessors) see every row, after each request's own processors."""
         same = previous is not None and len(previous.seqs) == len(seqs)
         if same and all(a is b for a, b in zip(previous.seqs, seqs)):
             batch = dataclasses.replace(previous, banned=None, processors=None, penalties=None, grammar=None)
@@ -103,6 +105,11 @@ class SamplingBatch:
                 entry[1].append(i)
                 entry[2].append(s.output_token_ids)
                 entry[3].append(s.prompt_token_ids)
+        if engine_processors and seqs:
+            rows, outputs = list(range(len(seqs))), [s.output_token_ids for s in seqs]
+            prompts = [s.prompt_token_ids for s in seqs]
+            for fn in engine_processors:
+                by_processor[("engine", id(fn))] = (fn, rows, outputs, prompts)
         batch.processors = list(by_processor.values()) or None
         penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
         if penalized:
@@ -215,8 +222,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(self, device: torch.device, seed: int, logits_processors: list = ()):
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.logits_processors = list(logits_processors)  # engine-wide BatchLogitsProcessors (every row)
         # top-p by sorting (one kernel on a GPU) or, on CPU where a sort of [B, V] costs tens of
         # milliseconds, by rejection draws (a few passes over the row, no sort).
         self.sort_top_p = device.type != "cpu"
