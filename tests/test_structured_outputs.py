@@ -183,6 +183,15 @@ def test_grammars_compile_once_per_constraint(llm):
     before = structured.num_compiled
     assert structured.compile(a) is structured.compile(b)
     assert structured.num_compiled == before + 1
+    pydantic = pytest.importorskip("pydantic")
+
+    class Point(pydantic.BaseModel):  # a pydantic model class, as vLLM takes it
+        x: int
+        y: int
+
+    point = StructuredOutputsParams(json=Point, disable_any_whitespace=True)
+    for text in run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=point)):
+        Point.model_validate_json(text)
 
 
 @pytest.mark.parametrize(

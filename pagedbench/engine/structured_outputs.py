@@ -5,8 +5,8 @@ batched call and applied to the logits on the device in one operation.
 
 A matcher forks with its sequence (n > 1 samples) and needs no rollback: preemption keeps a
 sequence's tokens, and speculative verification judges each proposed position with a fork of the
-matcher advanced by the proposals before it (sample/rejection.py), so rejected tokens never reach
-the sequence's own matcher."""
+matcher advanced by the proposals before it (`lookahead`), so rejected tokens never reach the
+sequence's own matcher."""
 
 import dataclasses
 import json
@@ -200,8 +200,10 @@ def _spec_text(params: StructuredOutputsParams) -> str:
 def json_schema_text(schema) -> str:
     """A JSON schema (dict, JSON string or pydantic model class) as canonical JSON text; ValueError
     for text that is not JSON."""
-    if isinstance(schema, type):
-        schema = schema.model_json_schema()  # a pydantic BaseModel subclass, as vLLM accepts
+    if isinstance(schema, type):  # a pydantic BaseModel subclass, as vLLM accepts
+        if not hasattr(schema, "model_json_schema"):
+            raise ValueError(f"structured_outputs.json: {schema.__name__} is not a pydantic model class")
+        schema = schema.model_json_schema()
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
