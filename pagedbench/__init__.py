@@ -6,7 +6,13 @@ from pagedbench.config import EngineConfig
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from pagedbench.entrypoints.llm import LLM
-from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams
+from pagedbench.sample.sampling_params import (
+    BatchLogitsProcessor,
+    BeamSearchParams,
+    GuidedDecodingParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 EngineArgs = EngineConfig  # vLLM's name: LLMEngine.from_engine_args(EngineArgs(model=...))
 
@@ -17,6 +23,8 @@ __all__ = [
     "EngineArgs",
     "Logprob",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "BatchLogitsProcessor",
     "RequestOutput",
     "CompletionOutput",
