@@ -233,3 +233,43 @@ def test_a_model_without_a_tokenizer_refuses_structured_outputs(tokenizerless_mo
     llm = LLM(str(tokenizerless_model), dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="structured outputs need a tokenizer"):
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(structured_outputs=JSON), use_tqdm=False)
+
+
+def test_structured_scenario_flag_and_bench_serve_body():
+    """The `structured` scenario's constraint reaches every request; --structured-outputs overrides or
+    turns it off; bench-serve sends it as vLLM's structured_outputs field; a bad one names the field."""
+    from pagedbench.bench.scenario import load_scenario, parse_scenario
+    from pagedbench.bench.serve_client import structured_outputs_body
+
+    scenario = load_scenario("structured")
+    params = scenario.sampling_params(8).structured_outputs
+    assert scenario.structured_label == "json" and params.disable_any_whitespace and params.json["type"] == "object"
+    assert structured_outputs_body(params) == {
+        "json": scenario.structured_outputs["json"],
+        "disable_any_whitespace": True,
+    }
+    plain = load_scenario("synthetic")
+    assert plain.structured_label == "off" and plain.sampling_params(8).structured_outputs is None
+    data = {"description": "x", "num_prompts": 1, "input_len": 4, "output_len": 4, "num_blocks": 8}
+    assert (
+        parse_scenario(data, "a").content_hash()
+        != parse_scenario(data | {"structured_outputs": {"regex": "a"}}, "b").content_hash()
+    )
+    with pytest.raises(ValueError, match="scenario 'c': structured_outputs .*one kind of constraint"):
+        parse_scenario(data | {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "c")
+
+
+@pytest.mark.slow
+def test_compare_reports_the_grammar_cost(tmp_path, capsys):
+    import pandas as pd
+
+    from pagedbench.entrypoints.cli.main import main
+
+    args = ["--backends", "sdpa", "--num-prompts", "4", "--input-len", "8", "--output-len", "24", "--no-warmup"]
+    so = '{"choice": ["yes", "no"]}'
+    assert main(["compare", *args, "--structured-outputs", so, "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert "mask ms/step" in capsys.readouterr().out
+    row = pd.read_csv(tmp_path / "compare-synthetic.csv").iloc[0]
+    assert row["structured"] == "choice" and row["grammar_rows"] > 0 and row["time_grammar_fill_s"] > 0
+    assert row["time_grammar_apply_s"] > 0 and 0 < row["grammar_share"] < 1
+    assert row["total_output_tokens"] <= 4 * 4  # "yes" or "no" (a byte a token), then EOS: the grammar's end
