@@ -30,7 +30,7 @@ SCHEMA = {
 }
 JSON = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 REGEX = r"(\d{3}-[a-z]{2,5}|none)"
-CHOICES = ["positive", "negative", 'say "ok" \\ ü']
+CHOICES = ["positive", "negative", 'say "ok" \\ ü', "😀 emoji"]  # quotes, a backslash, non-ASCII, non-BMP
 GRAMMAR = 'root ::= "(" num ("+" num){0,3} ")"\nnum ::= [1-9] [0-9]?'  # EBNF
 LARK = 'start: "[" NUM ("," NUM)~0..2 "]"\nNUM: /[0-9]/'
 PROMPTS = ["the quick brown fox", "paged attention stores keys", "a scheduler batches requests", "hello world"]
@@ -91,14 +91,13 @@ def test_json_object_and_the_older_names(llm):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, guided_decoding=GuidedDecodingParams(regex="[ab]{4}"))
     assert params.structured_outputs.regex == "[ab]{4}" and params.guided_decoding is None
     assert all(re.fullmatch("[ab]{4}", t) for t in run(llm, PROMPTS, params))
-    outs = llm.generate(
-        PROMPTS, SamplingParams(**sampled(seed=1), structured_outputs={"json_object": True}), use_tqdm=False
-    )
+    any_object = {"json_object": True, "disable_any_whitespace": True}
+    outs = llm.generate(PROMPTS, SamplingParams(**sampled(seed=1), structured_outputs=any_object), use_tqdm=False)
     for c in (c for o in outs for c in o.outputs):
-        if c.finish_reason == "stop":  # any JSON value may nest deeper than max_tokens; a finished one parses
-            assert isinstance(json.loads(c.text), (dict, list))
+        if c.finish_reason == "stop":  # any object may nest deeper than max_tokens; a finished one parses
+            assert isinstance(json.loads(c.text), dict)
         else:
-            assert c.text.lstrip()[:1] in "{["
+            assert c.text.startswith("{")
 
 
 def test_n_samples_each_follow_the_schema(llm):
@@ -119,6 +118,17 @@ def test_constrained_rows_leave_others_alone(llm):
     assert mixed[0::2] == alone[0::2]
     for text in mixed[1::2]:
         check_json(text)
+
+
+def test_a_non_bmp_choice_and_a_grammar_overridden(llm, caplog):
+    """An emoji choice comes out as itself (not as surrogate halves); settings that leave the grammar no
+    token (allowed_token_ids disjoint from it) end the output with a warning naming the request."""
+    emoji = StructuredOutputsParams(choice=["😀 ok"])
+    assert run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, structured_outputs=emoji)) == ["😀 ok"]
+    digits = StructuredOutputsParams(regex="[0-9]+")
+    params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[5], structured_outputs=digits)
+    out = llm.generate({"prompt_token_ids": [7, 8]}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1 and "breaks its structured-output constraint" in caplog.text
 
 
 def test_min_tokens_does_not_strand_a_finished_grammar(llm):
@@ -202,6 +212,7 @@ def test_grammars_compile_once_per_constraint(llm):
         (dict(regex="a("), "structured_outputs.regex: Regex parsing error"),
         (dict(regex=r"[^\s\S]"), "no output the tokenizer can produce satisfies it"),
         (dict(grammar="root ::= "), "structured_outputs.grammar: EBNF parser error"),
+        (dict(json="[" * 5000 + "]" * 5000), "structured_outputs.json: nested too deeply to read"),
     ],
 )
 def test_bad_constraints_are_one_line_errors_and_others_run_on(llm, constraint, message):
@@ -227,6 +238,12 @@ def test_bad_params_are_refused_up_front():
         SamplingParams(structured_outputs={"jsn": {}})
     with pytest.raises(ValueError, match="not both"):
         SamplingParams(structured_outputs=JSON, guided_decoding=JSON)
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported by xgrammar"):
+        StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"\s?")
+    with pytest.raises(ValueError, match="backend 'outlines' is not available"):
+        StructuredOutputsParams(json=SCHEMA, backend="outlines")
+    vllm_options = StructuredOutputsParams(json=SCHEMA, backend="xgrammar", disable_fallback=True)
+    assert vllm_options.kind == "json"  # vLLM's options that apply to xgrammar are taken
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_outputs(tokenizerless_model):

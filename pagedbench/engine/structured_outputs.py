@@ -10,6 +10,7 @@ sequence's own matcher."""
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import threading
@@ -23,7 +24,10 @@ from pagedbench.device.transfer import to_device
 from pagedbench.engine.stats import EngineStats
 from pagedbench.sample.sampling_params import StructuredOutputsParams
 
+logger = logging.getLogger(__name__)
 INSTALL_HINT = 'structured outputs need xgrammar: pip install -e ".[structured]"'
+MAX_CACHED_GRAMMARS = 1024  # distinct constraints kept compiled (a server may see a new schema per request)
+COMPILER_CACHE_BYTES = 512 << 20  # xgrammar's own cache, as vLLM bounds it
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*|Check failed: \(.*?\) is false:\s*")
 # JSON string characters as xgrammar (0.2.8) writes them: in plain strings, in strings with minLength/
 # maxLength (mlc-ai/xgrammar#800: control characters let through) and in its builtin JSON grammar.
@@ -79,7 +83,7 @@ class StructuredOutputManager:
         # made steps 10x slower (measured on 2 cores); on a GPU host a few spare cores fill masks.
         self.threads = 1 if device.type == "cpu" else max(1, min(4, (os.cpu_count() or 2) // 4))
         self._compiler = None
-        self._compiled: dict[tuple, object] = {}  # constraint key -> CompiledGrammar
+        self._compiled: dict[tuple, object] = {}  # constraint key -> CompiledGrammar, oldest first
         self._lock = threading.Lock()
         self._batch_matcher = None
         self._special_ids: set[int] = set()  # ids no grammar accepts (special, or past the tokenizer's vocabulary)
@@ -94,7 +98,7 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids)
             )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_limit_bytes=COMPILER_CACHE_BYTES)
             self._special_ids = set(info.special_token_ids) - set(info.stop_token_ids)
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads)
         return self._compiler
@@ -106,6 +110,9 @@ class StructuredOutputManager:
         if self.disable_any_whitespace and not params.disable_any_whitespace:
             params = dataclasses.replace(params, disable_any_whitespace=True)
         key = constraint_key(params)
+        compiled = self._compiled.get(key)  # a hit never waits behind another thread's compile
+        if compiled is not None:
+            return compiled
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
@@ -120,6 +127,8 @@ class StructuredOutputManager:
             self.stats.grammar_compile_s += time.perf_counter() - start
             self._check_satisfiable(compiled, params)
             self._compiled[key] = compiled
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:  # the oldest compiled goes first
+                del self._compiled[next(iter(self._compiled))]
             self.num_compiled += 1
             return compiled
 
@@ -172,11 +181,21 @@ class StructuredOutputManager:
 
 
 def advance(seq, token: int) -> bool:
-    """Move `seq`'s matcher past its new `token`. False when the grammar refuses the token (a logits
-    processor re-allowed it) or has ended (its stop token accepted, or nothing may follow): the
-    sequence's constrained output is complete or cannot go on."""
+    """Move `seq`'s matcher past its new `token`. False when the grammar has ended (its stop token
+    accepted, or nothing may follow) or refuses the token: the constrained output is complete, or
+    cannot go on. A refused token means the request's other settings overrode the grammar's mask (a
+    logits processor re-allowed a token, or allowed_token_ids / bad_words left none it allows):
+    logged, since the output then breaks its constraint."""
     matcher = seq.grammar
-    if matcher.is_terminated() or not matcher.accept_token(token):
+    if matcher.is_terminated():
+        return False
+    if not matcher.accept_token(token):
+        logger.warning(
+            "request %s: token %d breaks its structured-output constraint (its logits processors, "
+            "allowed_token_ids or bad_words overrode the grammar); the output ends here",
+            seq.request_id,
+            token,
+        )
         return False
     return not matcher.is_terminated()
 
@@ -209,9 +228,14 @@ def json_schema_text(schema) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("structured_outputs.json: nested too deeply to read") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json: a JSON schema is an object, got {type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True)
+    try:
+        return json.dumps(schema, sort_keys=True)
+    except RecursionError:
+        raise ValueError("structured_outputs.json: nested too deeply to read") from None
 
 
 def strict_json_strings(ebnf: str) -> str:
@@ -223,18 +247,15 @@ def strict_json_strings(ebnf: str) -> str:
 
 def _compile(compiler, params: StructuredOutputsParams):
     kind = params.kind
-    if kind in ("json", "json_object"):
-        xgr = xgrammar()
-        if kind == "json":
-            schema = json_schema_text(params.json)
-            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
-        else:
-            grammar = xgr.Grammar.builtin_json_grammar()
+    if kind in ("json", "json_object"):  # json_object: any JSON object, as vLLM and OpenAI
+        schema = json_schema_text(params.json) if kind == "json" else '{"type": "object"}'
+        grammar = xgrammar().Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
         return compiler.compile_grammar(strict_json_strings(str(grammar)))
     if kind == "regex":
         return compiler.compile_regex(params.regex)
     if kind == "choice":  # one EBNF alternative per choice, each a JSON-escaped string literal
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+        literals = (json.dumps(c, ensure_ascii=False) for c in params.choice)  # no \ud83d\ude00 surrogate pairs
+        return compiler.compile_grammar("root ::= " + " | ".join(literals))
     if "::=" in params.grammar:  # EBNF / GBNF, xgrammar's own form
         return compiler.compile_grammar(params.grammar)
     return compiler.compile_lark(params.grammar)

@@ -25,6 +25,11 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON without optional whitespace (compact output)
+    # vLLM's other options, as they apply to its xgrammar backend (the only one here):
+    backend: str | None = None  # None, "auto" or "xgrammar"
+    disable_fallback: bool = False  # there is no other backend to fall back to
+    disable_additional_properties: bool = False  # xgrammar's strict mode already refuses unlisted properties
+    whitespace_pattern: str | None = None  # not supported by xgrammar: a ValueError (use disable_any_whitespace)
 
     def __post_init__(self):
         if self.choice is not None:
@@ -42,7 +47,13 @@ class StructuredOutputsParams:
             raise TypeError(f"structured_outputs.json must be a JSON schema (dict or str), got {kind}")
         if self.json_object not in (None, True, False):
             raise TypeError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
-        check_bools(self, ("disable_any_whitespace",))
+        check_bools(self, ("disable_any_whitespace", "disable_fallback", "disable_additional_properties"))
+        if self.backend not in (None, "auto", "xgrammar"):
+            raise ValueError(f"structured_outputs.backend {self.backend!r} is not available; this engine has xgrammar")
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by xgrammar; use disable_any_whitespace"
+            )
         kinds = self.kinds
         if len(kinds) > 1:
             raise ValueError(

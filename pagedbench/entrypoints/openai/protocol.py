@@ -24,6 +24,7 @@ STRUCTURED_FIELDS = (
     "guided_choice",
     "guided_grammar",
     "guided_decoding_backend",
+    "guided_whitespace_pattern",
 )
 UNSUPPORTED = {"suffix": None, "echo": False, "tools": None, "functions": None, "use_beam_search": False}
 # The fields of each endpoint's body besides the sampling ones. Values are checked where they are

@@ -16,6 +16,11 @@ def structured_outputs_of(body: dict) -> tuple[StructuredOutputsParams | None, s
         backend = body["guided_decoding_backend"]
         message = f"guided_decoding_backend {backend!r} is not available; this server has xgrammar"
         raise APIError(400, message, param="guided_decoding_backend")
+    if body.get("guided_whitespace_pattern") is not None:
+        message = (
+            "guided_whitespace_pattern is not supported by xgrammar; use structured_outputs.disable_any_whitespace"
+        )
+        raise APIError(400, message, param="guided_whitespace_pattern")
     given = [name for name in ("structured_outputs", *GUIDED_FIELDS) if body.get(name) is not None]
     fmt = _response_format(body.get("response_format"))
     given += ["response_format"] if fmt is not None else []
@@ -49,7 +54,7 @@ def _response_format(fmt) -> dict | None:
         return {"json_object": True}
     if kind == "json_schema":
         spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise APIError(400, "response_format.json_schema needs a 'schema' object", param="response_format")
         return {"json": spec["schema"]}
     message = f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
