@@ -15,7 +15,7 @@ GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy (divi
 class StructuredOutputsParams:
     """vLLM's structured-output constraint (one kind per request): the output follows a JSON schema
     (`json`: a dict, a JSON string or a pydantic model class), a regular expression, one of the
-    `choice` strings, an EBNF (GBNF) or Lark `grammar`, or any JSON object or array (`json_object`).
+    `choice` strings, an EBNF (GBNF) or Lark `grammar`, or any JSON object (`json_object`).
     Compiled by xgrammar (the `structured` extra), whose strict mode gives a schema's objects only
     the properties it lists unless it says `additionalProperties`; checked when the request is added."""
 
