@@ -143,6 +143,11 @@ def kv_scale_layout(storage: torch.dtype, pages: tuple[int, ...]) -> tuple[tuple
     return (tuple(pages[:3]), torch.float16) if per_token_scales(storage) else ((1, 1, 1), torch.float32)
 
 
+def scale_bytes_per_slot(storage: torch.dtype) -> int:
+    """Bytes of scale each stored slot and KV head carries: int8's fp16, none for a per-layer scale."""
+    return kv_scale_layout(storage, ())[1].itemsize if per_token_scales(storage) else 0
+
+
 def _quantize(x: torch.Tensor, storage: torch.dtype, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H, D] -> (stored values, the scale per (token, head) [T, H] for int8, else `scale`)."""
     if per_token_scales(storage):

@@ -171,11 +171,14 @@ class EngineConfig:
             if maximum is not None and not value <= maximum:
                 raise ValueError(f"{f.name} must be <= {maximum}, got {value}")
         SpeculativeConfig.parse(self.speculative_config)
-        _ = self.disable_any_whitespace  # checks structured_outputs_config
+        self._check_structured_outputs_config()
 
     @property
     def disable_any_whitespace(self) -> bool:
-        """structured_outputs_config's disable_any_whitespace, checked (ValueError naming a bad key)."""
+        """structured_outputs_config's disable_any_whitespace: every JSON constraint compact."""
+        return (self.structured_outputs_config or {}).get("disable_any_whitespace", False)
+
+    def _check_structured_outputs_config(self) -> None:
         so = self.structured_outputs_config or {}
         unknown = sorted(set(so) - {"backend", "disable_any_whitespace"})
         if unknown:
@@ -186,7 +189,6 @@ class EngineConfig:
             raise ValueError(f"structured_outputs_config backend must be xgrammar (or auto), got {so['backend']!r}")
         if not isinstance(so.get("disable_any_whitespace", False), bool):
             raise ValueError("structured_outputs_config disable_any_whitespace must be true or false")
-        return so.get("disable_any_whitespace", False)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

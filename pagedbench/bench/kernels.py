@@ -21,7 +21,7 @@ from pagedbench.backends.base import (
     AttentionVariant,
     kv_scale_layout,
     kv_storage_dtype,
-    per_token_scales,
+    scale_bytes_per_slot,
     write_kv,
 )
 from pagedbench.backends.registry import resolve
@@ -279,7 +279,7 @@ def run_kernels(
 def kv_bytes_per_slot(kv_cache_dtype: str, dtype: torch.dtype, grid: KernelGrid) -> float:
     """Bytes one K or V value takes as stored, relative to `dtype` (int8 adds its fp16 scale per head)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
-    scale = kv_scale_layout(storage, ())[1].itemsize / grid.head_dim if per_token_scales(storage) else 0
+    scale = scale_bytes_per_slot(storage) / grid.head_dim
     return (storage.itemsize + scale) / dtype.itemsize
 
 

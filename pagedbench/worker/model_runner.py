@@ -12,6 +12,7 @@ from pagedbench.backends.base import (
     kv_storage_dtype,
     one_line,
     per_token_scales,
+    scale_bytes_per_slot,
 )
 from pagedbench.device.transfer import to_device, to_host
 from pagedbench.model.config import ModelConfig
@@ -28,8 +29,7 @@ def kv_bytes_per_block(
     int8 pages add an fp16 scale per token and KV head)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
     slots = 2 * cfg.num_layers * block_size * tp.local_heads(cfg)[1]
-    scale_bytes = kv_scale_layout(storage, ())[1].itemsize if per_token_scales(storage) else 0
-    return slots * (cfg.head_dim * storage.itemsize + scale_bytes)
+    return slots * (cfg.head_dim * storage.itemsize + scale_bytes_per_slot(storage))
 
 
 class ModelRunner:

@@ -16,13 +16,12 @@ SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if not f.name.startswi
     "structured_outputs",
     "guided_decoding",
 }
+# vLLM's older structured-output fields -> StructuredOutputsParams' (structured.py reads them all).
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_FIELDS = (
     "response_format",
     "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
+    *GUIDED_FIELDS,
     "guided_decoding_backend",
     "guided_whitespace_pattern",
 )

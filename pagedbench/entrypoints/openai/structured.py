@@ -3,10 +3,9 @@
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields. One form per request;
 a bad one is a 400 naming its field."""
 
-from pagedbench.entrypoints.openai.protocol import APIError
+from pagedbench.entrypoints.openai.protocol import GUIDED_FIELDS, APIError
 from pagedbench.sample.sampling_params import StructuredOutputsParams, structured_outputs_params
 
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values: xgrammar is the one there is
 
 
