@@ -12,12 +12,16 @@ instead of Triton; decodes stay on flex's Triton decoding kernel (FLASH wants K/
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 logger = logging.getLogger(__name__)
+# Eager flex runs only where chosen (compile=False, PAGEDBENCH_FLEX_COMPILE=0, sinks on a CPU) and
+# the provider says so; torch's warning about it would repeat that on every run.
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
 
 compile_stats = {"graphs": 0}  # graphs compiled by this process (each one is a recompile of `attend`)
 _announced: set[str] = set()  # call kinds whose first compile this process has announced
@@ -80,13 +84,13 @@ def attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager flex: q [B, H, Q, D] over k, v [1, H_kv, N, D] (broadcast, GQA) -> [B, H, Q, D].
-    Sinks [H] (a logit per head in the denominator, no value) rescale flex's output through its
-    log-sum-exp: out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink)."""
+    Sinks (a logit per query head in the denominator, no value), shaped to broadcast with the
+    log-sum-exp [B, H, Q], rescale flex's output: out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink)."""
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
     if sinks is None:
         return flex_attention(q, k, v, score_mod, **kwargs)
     out, aux = flex_attention(q, k, v, score_mod, return_aux=AuxRequest(lse=True), **kwargs)
-    return out * torch.sigmoid(aux.lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
+    return out * torch.sigmoid(aux.lse - sinks).unsqueeze(-1).to(out.dtype)
 
 
 def softcap_score_mod(softcap: float, device: torch.device) -> Callable:

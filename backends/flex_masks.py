@@ -23,6 +23,7 @@ MIN_ROW_CAPACITY = 64
 MIN_TOKEN_CAPACITY = 1024
 MIN_PAGE_CAPACITY = 1024
 MIN_KV_BLOCK = 16
+NO_WINDOW = 2**30  # a window past every position: the plain mask
 
 
 def capacity(n: int, minimum: int) -> int:
@@ -35,16 +36,15 @@ def visible_slot(
     seq: torch.Tensor,
     kv_idx: torch.Tensor,
     pos: torch.Tensor,
-    window: torch.Tensor | None = None,
+    window: torch.Tensor,
 ) -> torch.Tensor:
     """The mask_mod rule: cache slot `kv_idx` holds a token of sequence `seq` at a logical position
-    <= `pos` (and > pos - window). `inv` [seqs, pages] is the inverse page table; `page` and
-    `window` markers whose lengths are the page size and the window."""
+    in (pos - window, pos]. `inv` [seqs, pages] is the inverse page table; `page` a marker whose
+    length is the page size; `window` a 0-d tensor (NO_WINDOW without one)."""
     bs = page.shape[0]  # static: a constant in the compiled kernel
     logical = inv[seq, kv_idx // bs]
     key_pos = logical * bs + kv_idx % bs
-    seen = (logical >= 0) & (key_pos <= pos)
-    return seen if window is None else seen & (key_pos > pos - window.shape[0])
+    return (logical >= 0) & (key_pos <= pos) & (key_pos > pos - window)
 
 
 def _as_mask_rows(t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -64,17 +64,21 @@ class PagedBlockMasks:
         q_block_size: int,
         device: torch.device,
         sliding_window: int | None = None,
+        packed_heads: int = 1,
     ):
         self.block_size, self.kv_block_size, self.q_block_size = block_size, kv_block_size, q_block_size
         self.device = device
-        # The page size and window must be compile-time constants in the mask_mod (a captured int would
-        # become a dynamic symbol): they are the static lengths of these marker tensors.
+        # Decode rows hold `packed_heads` query heads per query token (q-major, see FlexBackend):
+        # one query block holds a whole row.
+        self.packed_heads = packed_heads
+        self.decode_q_block = capacity(MAX_DECODE_QUERY * packed_heads, q_block_size)
+        # The page size must be a compile-time constant in the mask_mod (a captured int would become a
+        # dynamic symbol): it is the static length of this marker tensor.
         self._page = torch.empty(block_size, dtype=torch.int8, device=device)
         torch._dynamo.mark_static(self._page)
-        self._window = None
-        if sliding_window is not None:
-            self._window = torch.empty(sliding_window, dtype=torch.int8, device=device)
-            torch._dynamo.mark_static(self._window)
+        # The window is a value, not a constant: windowed and plain layers (Gemma's, the check's
+        # variants) share their compiled graphs.
+        self._window = torch.tensor(sliding_window or NO_WINDOW, dtype=torch.int32, device=device)
         self._buffers: dict[str, torch.Tensor] = {}
         self._inv_written: tuple[torch.Tensor, ...] | None = None  # (inv, seq, page) entries of the last step
 
@@ -123,13 +127,14 @@ class PagedBlockMasks:
         else:
             self._list_shared_blocks(counts[0, :rows], tables[0, :rows], arrays.entry_row, pages)
         full = [_as_mask_rows(t[1, :rows], plan.kind) for t in (counts, tables)] if plan.full_blocks else [None, None]
+        decode = plan.kind == "decode"
         return BlockMask.from_kv_blocks(
             _as_mask_rows(counts[0, :rows], plan.kind),
             _as_mask_rows(tables[0, :rows], plan.kind),
             *full,
-            BLOCK_SIZE=(self.q_block_size, kv_block),
+            BLOCK_SIZE=(self.decode_q_block if decode else self.q_block_size, kv_block),
             mask_mod=self._mask_mod(plan, arrays.mask_seq, arrays.mask_pos),
-            seq_lengths=(plan.q_len, num_pages * self.block_size),
+            seq_lengths=(plan.q_len * self.packed_heads if decode else plan.q_len, num_pages * self.block_size),
             compute_q_blocks=False,
         )
 
@@ -150,11 +155,12 @@ class PagedBlockMasks:
         """`visible_slot` over persistent copies of the call's query sequences and positions."""
         inv, page, window = self._buffers["inv"], self._page, self._window
         if plan.kind == "decode":
-            rows = plan.rows
+            rows, g = plan.rows, self.packed_heads
             seq = self._buffer("decode_seq", (capacity(rows, MIN_ROW_CAPACITY),))
             seq[:rows].copy_(mask_seq)
-            pos = self._buffer("decode_pos", (capacity(rows, MIN_ROW_CAPACITY), MAX_DECODE_QUERY))
-            pos[:rows, : plan.q_len].copy_(mask_pos.view(rows, -1))
+            pos = self._buffer("decode_pos", (capacity(rows, MIN_ROW_CAPACITY), MAX_DECODE_QUERY * g))
+            row_pos = mask_pos.view(rows, -1)  # [rows, q_len] -> packed query rows q * g + head
+            pos[:rows, : plan.q_len * g].copy_(row_pos if g == 1 else row_pos.repeat_interleave(g, dim=1))
 
             def visible(b, h, q_idx, kv_idx):
                 return visible_slot(inv, page, seq[b], kv_idx, pos[b, q_idx], window)
@@ -191,7 +197,7 @@ class PagedBlockMasks:
         block = mask.kv_indices.reshape(rows, -1).cpu()[row, column].long()
         slot = block[:, None, None] * kv_block + torch.arange(kv_block)  # [E, 1, kv_block]
         q_in_row = torch.arange(int(real.max()))[None, :, None]  # [1, Q, 1]
-        if kind == "decode":
+        if kind == "decode":  # real_rows count packed query rows
             b, q_idx = row[:, None, None], q_in_row
         else:
             b, q_idx = torch.zeros(1, dtype=torch.long), row[:, None, None] * self.q_block_size + q_in_row

@@ -81,6 +81,12 @@ def get_backend(name: str) -> type[AttentionBackend]:
     return cls
 
 
+def loads_by_name(name: str) -> bool:
+    """Whether a fresh process loading `name` gets the class this one has (not one set at run time)."""
+    cls = _loaded.get(name)
+    return cls is None or f"{cls.__module__}:{cls.__qualname__}" == _targets().get(name)
+
+
 class Resolved(NamedTuple):
     """What `resolve` found: the class, its provider, and why it cannot run here (None: it can)."""
 

@@ -168,3 +168,59 @@ def test_engine_check_teacher_forces_the_model_through_each_backend(monkeypatch)
     assert verdict["sdpa", "float32"]["max_abs_error"] < 1e-4
     bad = verdict[ReadsNeighboursPage.name, "float32"]
     assert bad["status"] == "fail" and "logits differ" in bad["reason"]
+
+
+def test_helpers_start_only_where_they_pay(monkeypatch):
+    """One helper per spare core (capped) on a CPU for a grid of configurations with flex or triton;
+    none on CUDA, for fast backends only, for a handful of cases, or for a backend registered at
+    run time (a fresh process could not load it)."""
+    from pagedbench.bench import check_parallel
+
+    groups, cpu = check_parallel.groups_of(check.build_cases([torch.float32], full=False)), torch.device("cpu")
+    monkeypatch.setattr(check_parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert check_parallel.helper_count(groups, ["reference", "flex"], cpu) == 1
+    assert check_parallel.helper_count(groups, ["triton"], cpu) == 1
+    assert check_parallel.helper_count(groups, ["reference", "sdpa"], cpu) == 0
+    assert check_parallel.helper_count(groups, ["flex"], torch.device("cuda")) == 0
+    assert check_parallel.helper_count(groups[:3], ["flex"], cpu) == 0
+    monkeypatch.setitem(registry._loaded, ReadsNeighboursPage.name, ReadsNeighboursPage)
+    assert check_parallel.helper_count(groups, ["flex", ReadsNeighboursPage.name], cpu) == 0
+    monkeypatch.setattr(check_parallel.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert check_parallel.helper_count(groups, ["flex"], cpu) == check_parallel.MAX_HELPERS
+
+
+def test_check_and_helpers_claim_every_configuration_once():
+    import multiprocessing
+
+    from pagedbench.bench.check_parallel import Split, groups_of
+
+    cases = check.build_cases([torch.float32], full=False)
+    groups = groups_of(cases)
+    assert [c for g in groups for c in g] == cases
+    assert all(len({(c.head_dim, c.heads, c.block_size, c.variant) for c in g}) == 1 for g in groups)
+    split, claimed = Split(multiprocessing.get_context("spawn"), len(groups)), []
+    while (index := (split.claim_back() if len(claimed) % 3 else split.claim_front())) is not None:
+        claimed.append(index)
+    assert split.claim_back() is None and split.claim_front() is None
+    assert sorted(claimed) == list(range(len(groups)))
+    assert claimed[:3] == [0, len(groups) - 1, len(groups) - 2]  # the front in order, helpers from the back
+
+
+@pytest.mark.slow
+def test_check_with_a_helper_gives_the_serial_rows_in_grid_order(monkeypatch, caplog):
+    """A helper process runs configurations from the far end; the rows are those of a serial run."""
+    from pagedbench.bench import check_parallel
+
+    every_case = check.build_cases
+    few = lambda dtypes, full: [c for c in every_case(dtypes, full) if c.batch in ("mixed", "length one")]  # noqa: E731
+    monkeypatch.setattr(check, "build_cases", few)
+    monkeypatch.setattr(check_parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+    backends, cpu = ["reference", "sdpa", "triton"], torch.device("cpu")
+    assert len(check_parallel.groups_of(few([torch.float32], False))) >= check_parallel.MIN_GROUPS
+    with caplog.at_level("INFO", logger="pagedbench"):
+        parallel = check.run_check(backends, cpu, [torch.float32])
+    assert "1 helper process(es)" in caplog.text
+    monkeypatch.setattr(check_parallel, "helper_count", lambda *args: 0)
+    serial = check.run_check(backends, cpu, [torch.float32])
+    keys = ["case", "backend", "status", "max_abs_error", "placement_diff"]
+    assert [{k: r.get(k) for k in keys} for r in parallel] == [{k: r.get(k) for k in keys} for r in serial]

@@ -82,11 +82,21 @@ VARIANTS = {
 }
 
 
+# --quick's configurations beside the default (GQA-4, head_dim 64, page 16): each other head
+# layout, head_dim and page size, and the two large sizes together, in three configurations
+# rather than five one-at-a-time (each configuration costs a compiled flex graph per call kind).
+QUICK_CONFIGS = (
+    {"heads": "MHA", "head_dim": 128},
+    {"heads": "GQA-3", "block_size": 128},
+    {"heads": "MQA", "head_dim": 128, "block_size": 128},
+)
+
+
 def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
-    """--quick: every batch shape on one configuration, then heads, head_dim and page size varied
-    one at a time on the mixed and shared-prefix batches, then each variant on the mixed batch (and
-    the window on the chunked-prefill and shared-prefix ones). --full: the whole cross product,
-    then every variant on every batch."""
+    """--quick: every batch shape on one configuration, then QUICK_CONFIGS on the mixed and
+    shared-prefix batches, then each variant on the mixed batch (and the window on the
+    chunked-prefill and shared-prefix ones). --full: the whole cross product, then every variant
+    on every batch."""
     cases = []
     for dtype in dtypes:
         if full:
@@ -101,14 +111,8 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             continue
         for batch, (seqs, shared) in _batches(16, 2048).items():
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared))
-        for batch in ("mixed", "shared prefix"):
-            for change in (
-                {"heads": "MHA"},
-                {"heads": "GQA-3"},
-                {"heads": "MQA"},
-                {"head_dim": 128},
-                {"block_size": 128},
-            ):
+        for change in QUICK_CONFIGS:
+            for batch in ("mixed", "shared prefix"):
                 seqs, shared = _batches(change.get("block_size", 16), 2048)[batch]
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **change))
         batches = _batches(16, 2048)
@@ -201,10 +205,23 @@ def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scal
 def run_check(
     backends: list[str], device: torch.device, dtypes: list[torch.dtype], full: bool = False, rows: list | None = None
 ) -> list[dict]:
-    """Every case of the grid; rows are appended to `rows` (a report.CsvLog writes each out) as they come."""
+    """Every case of the grid; rows are appended to `rows` (a report.CsvLog writes each out) in grid
+    order. On a multi-core CPU, helper processes run configurations from the far end (`check_parallel`)."""
+    from pagedbench.bench.check_parallel import groups_of, sharing_groups
+
     rows = [] if rows is None else rows
-    for case in tqdm(build_cases(dtypes, full), desc="check", disable=None):
-        rows += run_case(case, backends, device)
+    groups = groups_of(build_cases(dtypes, full))
+    with (
+        tqdm(total=sum(map(len, groups)), desc="check", disable=None) as bar,
+        sharing_groups(groups, backends, device, run_case) as (split, collect),
+    ):
+        for index in range(len(groups)) if split is None else iter(split.claim_front, None):
+            for case in groups[index]:
+                rows += run_case(case, backends, device)
+                bar.update()
+        for index, group_rows in sorted(collect().items()):
+            rows += group_rows
+            bar.update(len(groups[index]))
     return rows
 
 
