@@ -23,7 +23,7 @@ MIN_ROW_CAPACITY = 64
 MIN_TOKEN_CAPACITY = 1024
 MIN_PAGE_CAPACITY = 1024
 MIN_KV_BLOCK = 16
-NO_WINDOW = 2**30  # a window past every position: the plain mask
+NO_WINDOW = 2**31 - 1  # a window past every position (int32): the plain mask
 
 
 def capacity(n: int, minimum: int) -> int:
@@ -178,7 +178,13 @@ class PagedBlockMasks:
     def tile_counts(self, mask: BlockMask, kind: str, real_rows: np.ndarray) -> tuple[int, int]:
         """(kept, computed) score entries of one call, over its real query rows: each BlockMask row
         computes real rows x (full + masked blocks) x kv_block and keeps real rows x full blocks x
-        kv_block plus the slots of its masked blocks that the mask_mod keeps. Syncs: diagnostics only."""
+        kv_block plus the slots of its masked blocks that the mask_mod keeps, per query token and
+        head (a packed decode row's G heads count once, like a prefill row). Syncs: diagnostics only."""
+        g = self.packed_heads if kind == "decode" else 1
+        kept, computed = self._tile_counts(mask, kind, real_rows)
+        return kept // g, computed // g
+
+    def _tile_counts(self, mask: BlockMask, kind: str, real_rows: np.ndarray) -> tuple[int, int]:
         kv_block, rows = self.kv_block_size, len(real_rows)
         masked = mask.kv_num_blocks.reshape(-1)[:rows].long().cpu()
         full = (

@@ -34,3 +34,14 @@ ENGINE_BACKENDS = [
     pytest.param("reference", marks=pytest.mark.slow),
     pytest.param("flex", marks=pytest.mark.slow),
 ]
+
+
+def rows_with_pid(case, backends, device):
+    """A stand-in for the check's run_case (module level, so a spawned helper can load it): one row
+    per backend saying which process made it; in a helper, a case named "dies" kills the process."""
+    import multiprocessing
+    import os
+
+    if case.batch == "dies" and multiprocessing.parent_process() is not None:
+        os._exit(3)
+    return [{"case": case.name, "backend": name, "pid": os.getpid()} for name in backends]

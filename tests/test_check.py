@@ -189,26 +189,96 @@ def test_helpers_start_only_where_they_pay(monkeypatch):
     assert check_parallel.helper_count(groups, ["flex"], cpu) == check_parallel.MAX_HELPERS
 
 
-def test_check_and_helpers_claim_every_configuration_once():
-    import multiprocessing
-
-    from pagedbench.bench.check_parallel import Split, groups_of
+def test_check_and_helpers_claim_every_configuration_once(tmp_path):
+    """The check claims from the front until it meets a helper's claim; two helpers walk from the
+    back, each passing over what the other took: every configuration is claimed exactly once."""
+    from pagedbench.bench.check_parallel import Sharing, compile_group, groups_of
 
     cases = check.build_cases([torch.float32], full=False)
     groups = groups_of(cases)
     assert [c for g in groups for c in g] == cases
-    assert all(len({(c.head_dim, c.heads, c.block_size, c.variant) for c in g}) == 1 for g in groups)
-    split, claimed = Split(multiprocessing.get_context("spawn"), len(groups)), []
-    while (index := (split.claim_back() if len(claimed) % 3 else split.claim_front())) is not None:
-        claimed.append(index)
-    assert split.claim_back() is None and split.claim_front() is None
-    assert sorted(claimed) == list(range(len(groups)))
-    assert claimed[:3] == [0, len(groups) - 1, len(groups) - 2]  # the front in order, helpers from the back
+    assert all(len({compile_group(c) for c in g}) == 1 for g in groups)
+    assert all(compile_group(a[-1]) != compile_group(b[0]) for a, b in zip(groups, groups[1:]))
+    caps = next(g for g in groups if g[0].variant.softcap)  # caps 50 and 30: one graph, one configuration
+    assert {c.variant.softcap for c in caps} == {50.0, 30.0}
+    check_side, helpers = Sharing(groups, tmp_path), [Sharing(groups, tmp_path) for _ in range(2)]
+    mine, owners = check_side.mine(), {}
+    backwards = [reversed(range(len(groups))) for _ in helpers]
+    for step in range(3 * len(groups)):  # interleaved: check, helper 0, helper 1, ...
+        if step % 3 == 0:
+            index = next(mine, None)
+            if index is not None:
+                owners.setdefault(index, []).append("check")
+        else:
+            h = step % 3 - 1
+            for index in backwards[h]:  # a helper passes over taken ones to its next claim
+                if helpers[h].claim(index):
+                    owners.setdefault(index, []).append(f"helper {h}")
+                    break
+    assert sorted(owners) == list(range(len(groups))) and all(len(o) == 1 for o in owners.values())
+    first = check_side.first_theirs
+    assert all(owners[i] == ["check"] for i in range(first)) and 0 < first < len(groups)
+    assert all(owners[i] != ["check"] for i in range(first, len(groups)))
+    assert {o[0] for i, o in owners.items() if i >= first} == {"helper 0", "helper 1"}
+    assert Sharing(groups).claim(0) and list(Sharing(groups).mine()) == list(range(len(groups)))  # no helpers
+
+
+def _share(groups, monkeypatch):
+    """Run `groups` through check_parallel with one helper and tests.helpers.rows_with_pid, the check
+    waiting until the helper has claimed a configuration: (rows by group, log of the check)."""
+    import time
+
+    from pagedbench.bench import check_parallel
+    from tests.helpers import rows_with_pid
+
+    monkeypatch.setattr(check_parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+    cpu, by_group = torch.device("cpu"), {}
+    with check_parallel.sharing_groups(groups, ["triton"], cpu, rows_with_pid) as sharing:
+        deadline = time.monotonic() + 120
+        while not sharing.claimed(len(groups) - 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for index in sharing.mine():
+            by_group[index] = [row for case in groups[index] for row in rows_with_pid(case, ["triton"], cpu)]
+        by_group.update(sharing.collect())
+    return by_group
+
+
+@pytest.mark.slow
+def test_helpers_run_configurations_from_the_far_end(monkeypatch, caplog):
+    import os
+
+    from pagedbench.bench.check_parallel import groups_of
+
+    groups = groups_of(check.build_cases([torch.float32], full=False))
+    with caplog.at_level("INFO", logger="pagedbench"):
+        by_group = _share(groups, monkeypatch)
+    assert sorted(by_group) == list(range(len(groups)))
+    assert [[row["case"] for row in by_group[i]] for i in range(len(groups))] == [[c.name for c in g] for g in groups]
+    pids = [{row["pid"] for row in by_group[i]} for i in range(len(groups))]
+    helper = [i for i, p in enumerate(pids) if p != {os.getpid()}]
+    assert helper and helper == list(range(helper[0], len(groups)))  # the far end, contiguous
+    assert "1 helper process(es)" in caplog.text and "a helper died" not in caplog.text
+
+
+@pytest.mark.slow
+def test_a_configuration_whose_helper_died_runs_in_the_check(monkeypatch, caplog):
+    import dataclasses
+    import os
+
+    from pagedbench.bench.check_parallel import groups_of
+
+    groups = groups_of(check.build_cases([torch.float32], full=False))
+    groups[-1] = [dataclasses.replace(groups[-1][0], batch="dies")]  # the helper's first claim
+    with caplog.at_level("INFO", logger="pagedbench"):
+        by_group = _share(groups, monkeypatch)
+    assert sorted(by_group) == list(range(len(groups)))
+    assert {row["pid"] for rows in by_group.values() for row in rows} == {os.getpid()}
+    assert "a helper died; the check runs configuration" in caplog.text
 
 
 @pytest.mark.slow
 def test_check_with_a_helper_gives_the_serial_rows_in_grid_order(monkeypatch, caplog):
-    """A helper process runs configurations from the far end; the rows are those of a serial run."""
+    """Through run_check on real backends: rows equal to a serial run's, in grid order."""
     from pagedbench.bench import check_parallel
 
     every_case = check.build_cases
@@ -219,7 +289,7 @@ def test_check_with_a_helper_gives_the_serial_rows_in_grid_order(monkeypatch, ca
     assert len(check_parallel.groups_of(few([torch.float32], False))) >= check_parallel.MIN_GROUPS
     with caplog.at_level("INFO", logger="pagedbench"):
         parallel = check.run_check(backends, cpu, [torch.float32])
-    assert "1 helper process(es)" in caplog.text
+    assert "1 helper process(es)" in caplog.text and "a helper died" not in caplog.text
     monkeypatch.setattr(check_parallel, "helper_count", lambda *args: 0)
     serial = check.run_check(backends, cpu, [torch.float32])
     keys = ["case", "backend", "status", "max_abs_error", "placement_diff"]

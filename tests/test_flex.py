@@ -237,11 +237,12 @@ def test_mixed_tile_efficiency(batch_size, context_len, q_block_size):
 
 
 def test_tile_efficiency_counts_what_the_mask_drops():
-    """Independent numbers: one decode at position 16 (17 keys in pages of 16) computes 2 blocks = 32
-    entries and keeps 17; a 16-token prompt in one 16-row block computes 256 entries, keeps 136."""
-    assert efficiency([(16, 1)]) == pytest.approx(17 / 32)
+    """Independent numbers: one decode at position 20 (21 keys in pages of 16) computes 2 blocks = 32
+    entries and keeps 21; a 16-token prompt in one 16-row block computes 256 entries, keeps 136.
+    Together they count per query token (a decode row's packed heads weigh as much as a prefill row)."""
+    assert efficiency([(20, 1)]) == pytest.approx(21 / 32)
     assert efficiency([(0, 16)], q_block_size=16) == pytest.approx(136 / 256)
-    assert efficiency([(16, 1), (0, 16)], q_block_size=16) == pytest.approx((17 + 136) / (32 + 256))
+    assert efficiency([(20, 1), (0, 16)], q_block_size=16) == pytest.approx((21 + 136) / (32 + 256))
 
 
 def test_int32_overflow_is_refused():

@@ -427,3 +427,33 @@ def test_threads_sets_and_records_torch_threads(tmp_path, capsys):
         torch.set_num_threads(before)
     assert main([*grid, "--threads", "0"]) == 2
     assert capsys.readouterr().err.startswith("pagedbench: error: --threads must be in 1..")
+
+
+def test_a_swallowed_sigterm_is_raised_again(monkeypatch, tmp_path, capsys):
+    """SIGTERM becomes a KeyboardInterrupt wherever the main thread is; one raised inside a finalizer
+    (torch.compile's weakref callbacks) is swallowed, so it is raised again until the command stops."""
+    import os
+    import signal
+    import time
+
+    from pagedbench.bench import kernels
+
+    timed, swallowed = [], []
+
+    def time_then_swallow(*args):
+        if len(timed) == 1:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except KeyboardInterrupt:
+                swallowed.append(True)  # as a finalizer would; the next one must still stop the run
+            time.sleep(10)
+        timed.append(args)
+        return {"forward_median_ms": 1.0}
+
+    monkeypatch.setattr(kernels, "_time_backend", time_then_swallow)
+    start = time.monotonic()
+    args = ["kernels", "--backends", "reference", "--phases", "decode", "--batch-sizes", "1,2", "--context-lens", "16"]
+    code = main([*args, "--out", str(tmp_path)])
+    assert code == 130 and swallowed and time.monotonic() - start < 8
+    assert "interrupted after" in capsys.readouterr().err

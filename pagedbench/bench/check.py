@@ -213,13 +213,17 @@ def run_check(
     groups = groups_of(build_cases(dtypes, full))
     with (
         tqdm(total=sum(map(len, groups)), desc="check", disable=None) as bar,
-        sharing_groups(groups, backends, device, run_case) as (split, collect),
+        sharing_groups(groups, backends, device, run_case) as sharing,
     ):
-        for index in range(len(groups)) if split is None else iter(split.claim_front, None):
-            for case in groups[index]:
-                rows += run_case(case, backends, device)
-                bar.update()
-        for index, group_rows in sorted(collect().items()):
+        try:
+            for index in sharing.mine():
+                for case in groups[index]:
+                    rows += run_case(case, backends, device)
+                    bar.update()
+        except KeyboardInterrupt:  # keep what the helpers finished too
+            rows += [row for _, group_rows in sorted(sharing.collect(wait=False).items()) for row in group_rows]
+            raise
+        for index, group_rows in sorted(sharing.collect().items()):
             rows += group_rows
             bar.update(len(groups[index]))
     return rows

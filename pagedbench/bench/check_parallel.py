@@ -1,21 +1,27 @@
 """Running the check's grid in helper processes too, from the far end, on a multi-core CPU.
 
-On a CPU nearly all of a cold `check` is compiling flex graphs (a C++ build of a few seconds per
-configuration and call kind, on one core) and interpreting Triton. The grid is split into
-configurations (cases sharing compiled graphs); the check takes them from the front, helpers
-from the back, until they meet, so each graph is built once and every core works. Helpers run
-the same `run_case` with the check's thread count (part of the key under which inductor caches
-a CPU graph, so graphs a helper built are loaded, not rebuilt, by a later run), and send their
-rows back; the check writes every row in grid order. A configuration whose helper died is run by
-the check itself.
-"""
+On a CPU nearly all of a cold `check` is single-core work: compiling flex graphs (a C++ build of a
+few seconds per configuration and call kind) and interpreting Triton. The grid is split into
+configurations (runs of cases that share compiled graphs); the check takes them from the front,
+helpers from the back (each claimed by creating a file), until they meet, so every core works
+and each graph is built once, or twice where the two meet. Helpers run the same `run_case` with
+the check's thread count (part of the key under which inductor caches a CPU graph, so graphs a
+helper built are loaded, not rebuilt, by a later run) and leave each configuration's rows in a
+file; the check writes every row in grid order. A configuration whose helper died is run by the
+check itself."""
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
-import queue
+import pickle
+import signal
+import sys
+import tempfile
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -27,8 +33,16 @@ SLOW_BACKENDS = {"flex", "triton"}  # compiled per configuration, or interpreted
 
 
 def compile_group(case) -> tuple:
-    """Cases with equal keys run on the same compiled graphs."""
-    return (case.dtype, case.heads, case.head_dim, case.block_size, case.variant)
+    """Cases with equal keys run on the same compiled flex graphs (the window and the soft-cap's
+    value are runtime values in them)."""
+    return (
+        case.dtype,
+        case.heads,
+        case.head_dim,
+        case.block_size,
+        case.variant.softcap is not None,
+        case.variant.sinks,
+    )
 
 
 def groups_of(cases: list) -> list[list]:
@@ -42,91 +56,122 @@ def groups_of(cases: list) -> list[list]:
 
 
 def helper_count(groups: list, backends: list[str], device: torch.device) -> int:
-    """Helpers worth starting: one per spare core (at most MAX_HELPERS) on a CPU when a slow backend
-    is among `backends`, every backend loads by name in a fresh process (not one registered at run
-    time) and the grid has MIN_GROUPS configurations."""
+    """Helpers worth starting: one per core beyond the first (at most MAX_HELPERS) on a CPU when a
+    slow backend is among `backends`, every backend loads by name in a fresh process (not one
+    registered at run time, nor one whose import failed) and the grid has MIN_GROUPS configurations."""
     from pagedbench.backends.registry import loads_by_name
 
     if device.type != "cpu" or not SLOW_BACKENDS & set(backends) or len(groups) < MIN_GROUPS:
         return 0
     if not all(loads_by_name(name) for name in backends):
         return 0
-    return max(0, min(len(os.sched_getaffinity(0)) - 1, MAX_HELPERS))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(cores - 1, MAX_HELPERS))
 
 
-class Split:
-    """Which configurations are whose: the check claims from the front, helpers from the back."""
+class Sharing:
+    """The grid's configurations between the check and its helpers. Each is claimed by creating a
+    file (O_EXCL: exactly one process wins it); the check claims from the front and stops at the
+    first one a helper has, helpers from the back, passing over those already taken."""
 
-    def __init__(self, ctx, num_groups: int):
-        self.lock = ctx.Lock()
-        self.front = ctx.Value("i", 0, lock=False)  # groups the check has claimed
-        self.back = ctx.Value("i", num_groups, lock=False)  # first group a helper has claimed
+    def __init__(self, groups: list[list], folder: Path | None = None, helpers=(), run_here: Callable | None = None):
+        self.groups, self.folder, self.helpers, self.run_here = groups, folder, list(helpers), run_here
+        self.first_theirs = len(groups)  # where the check stopped: the helpers have every group from here
 
-    def claim_front(self) -> int | None:
-        with self.lock:
-            if self.front.value >= self.back.value:
-                return None
-            self.front.value += 1
-            return self.front.value - 1
+    def claim(self, index: int) -> bool:
+        if self.folder is None:
+            return True
+        try:
+            os.close(os.open(self.folder / f"{index}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
 
-    def claim_back(self) -> int | None:
-        with self.lock:
-            if self.back.value <= self.front.value:
-                return None
-            self.back.value -= 1
-            return self.back.value
+    def claimed(self, index: int) -> bool:
+        return self.folder is None or (self.folder / f"{index}.claim").exists()
+
+    def mine(self) -> Iterator[int]:
+        """The check's configurations, claimed one at a time as it gets to them."""
+        for index in range(len(self.groups)):
+            if not self.claim(index):
+                self.first_theirs = index
+                return
+            yield index
+
+    def collect(self, wait: bool = True) -> dict[int, list[dict]]:
+        """The helpers' rows by group: those finished so far, or (wait) every one from first_theirs
+        on, waiting while a helper lives and running here any whose helper died."""
+        theirs = range(self.first_theirs, len(self.groups)) if wait else range(len(self.groups))
+        got = {}
+        while self.folder is not None:
+            alive = any(helper.is_alive() for helper in self.helpers)  # before the look: a last one after they exit
+            for index in theirs:
+                path = self.folder / f"{index}.pkl"
+                if index not in got and path.exists():
+                    got[index] = pickle.loads(path.read_bytes())
+            if not wait or len(got) == len(theirs) or not alive:
+                break
+            time.sleep(0.05)
+        if wait and self.helpers:
+            logger.info("helpers ran %d of %d configurations", len(got), len(self.groups))
+        for index in theirs if wait else ():
+            if index not in got:
+                logger.warning("a helper died; the check runs configuration %d itself", index)
+                got[index] = self.run_here(self.groups[index])
+        return got
 
 
 @contextlib.contextmanager
 def sharing_groups(
     groups: list[list], backends: list[str], device: torch.device, run_case: Callable
-) -> Iterator[tuple[Split | None, Callable[[], dict[int, list[dict]]]]]:
-    """Yields (split, collect): the body claims groups with split.claim_front() (split is None:
-    no helpers, run everything), then collect() returns the helpers' rows by group, running any
-    group a helper claimed but never delivered."""
+) -> Iterator[Sharing]:
+    """A Sharing of `groups` with helper processes running `run_case` on theirs (none where
+    helper_count says so: the check runs every group)."""
     count = helper_count(groups, backends, device)
     if not count:
-        yield None, dict
+        yield Sharing(groups)
         return
     ctx = multiprocessing.get_context("spawn")  # never fork a process whose OpenMP threads have run
-    split, results = Split(ctx, len(groups)), ctx.Queue()
-    args = (run_case, groups, backends, str(device), torch.get_num_threads(), split, results)
-    helpers = [ctx.Process(target=_help, args=args, daemon=True) for _ in range(count)]
-    for helper in helpers:
-        helper.start()
-    logger.info("running the grid in %d helper process(es) too", count)
-
-    def collect() -> dict[int, list[dict]]:
-        got: dict[int, list[dict]] = {}
-        mine = range(split.back.value, len(groups))
-        while len(got) < len(mine):
-            try:
-                index, rows = results.get(timeout=1.0)
-                got[index] = rows
-            except queue.Empty:
-                if not any(helper.is_alive() for helper in helpers) and results.empty():
-                    break
-        for index in mine:
-            if index not in got:  # its helper died: run it here
-                logger.warning("a helper died; the check runs its configuration itself")
-                got[index] = [row for case in groups[index] for row in run_case(case, backends, device)]
-        return got
-
-    try:
-        yield split, collect
-    finally:
-        for helper in helpers:
-            helper.terminate()
-        for helper in helpers:
-            helper.join()
+    helpers = []
+    with tempfile.TemporaryDirectory(prefix="pagedbench-check-") as folder:
+        try:
+            for _ in range(count):
+                args = (run_case, groups, backends, str(device), torch.get_num_threads(), folder)
+                helpers.append(ctx.Process(target=_help, args=args, daemon=True))
+                helpers[-1].start()
+            logger.info("running the grid in %d helper process(es) too", count)
+            run_here = functools.partial(_rows, run_case, backends=backends, device=device)
+            yield Sharing(groups, Path(folder), helpers, run_here)
+        finally:
+            for helper in helpers:
+                helper.terminate()
+            for helper in helpers:
+                helper.join(timeout=5)
+                if helper.is_alive():
+                    helper.kill()
+                    helper.join()
 
 
-def _help(run_case, groups, backends, device: str, threads: int, split: Split, results) -> None:
-    """In a helper: claim configurations from the back and send their rows until none is left."""
+def _rows(run_case: Callable, cases: list, backends: list[str], device: torch.device) -> list[dict]:
+    return [row for case in cases for row in run_case(case, backends, device)]
+
+
+def _help(run_case: Callable, groups, backends, device: str, threads: int, folder: str) -> None:
+    """In a helper: claim configurations from the back and leave their rows in files (written whole,
+    then renamed) until the front is reached or the check is gone."""
     import warnings
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the check's to handle
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # stopped by the check: clean up on the way out
     warnings.simplefilter("ignore")  # the check says whatever there is to say
     torch.set_num_threads(threads)
-    while (index := split.claim_back()) is not None:
-        rows = [row for case in groups[index] for row in run_case(case, backends, torch.device(device))]
-        results.put((index, rows))
+    sharing, parent = Sharing(groups, Path(folder)), multiprocessing.parent_process()
+    for index in reversed(range(len(groups))):
+        if parent is not None and not parent.is_alive():
+            return
+        if not sharing.claim(index):
+            continue
+        rows = _rows(run_case, groups[index], backends, torch.device(device))
+        partial = Path(folder, f"{index}.tmp")
+        partial.write_bytes(pickle.dumps(rows))
+        partial.rename(Path(folder, f"{index}.pkl"))

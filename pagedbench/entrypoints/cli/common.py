@@ -5,6 +5,7 @@ warning, integer-list flags."""
 import contextlib
 import os
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -104,18 +105,33 @@ def keep_partial(log):
     """On Ctrl-C or SIGTERM (a time limit), render the rows measured so far, then stop."""
     from pagedbench.bench.report import render, tidy
 
+    caught = threading.Event()
+
+    def raise_again():  # raised inside a finalizer (torch.compile's weakrefs), the interrupt is swallowed
+        while not caught.wait(2.0):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # wakes a blocking call too
+
+    retry = threading.Thread(target=raise_again, daemon=True)
+
     def terminate(signum, frame):
+        if caught.is_set():  # the partial report is being written
+            return
+        if not retry.is_alive():
+            with contextlib.suppress(RuntimeError):  # started once
+                retry.start()
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         yield
     except KeyboardInterrupt:
+        caught.set()
         if not len(log):
             raise Interrupted("interrupted before any row was complete; nothing written") from None
         paths = [log.path, *render(tidy(list(log), log.kind, log.command), log.path.parent, log.path.stem)]
         raise Interrupted(f"interrupted after {len(log)} rows; kept: {', '.join(map(str, paths))}") from None
     finally:
+        caught.set()
         signal.signal(signal.SIGTERM, previous)
 
 
