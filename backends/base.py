@@ -63,11 +63,12 @@ def cap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """softmax over the last dim of scores [..., H, q, S]; with sinks [H], each head's sink logit
-    joins the denominator (a column that is then dropped)."""
+    """softmax over the last dim of scores [..., H, q, S]; with sinks [H] (or [H, q]: one per
+    query row), each row's sink logit joins the denominator (a column that is then dropped)."""
     if sinks is None:
         return scores.softmax(-1)
-    sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+    sink = sinks.to(scores.dtype)
+    sink = (sink[:, None] if sink.dim() == 1 else sink)[..., None].expand(*scores.shape[:-1], 1)
     return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pagedbench.backends.base import AttentionVariant
 from pagedbench.backends.registry import get_backend, list_backends, probe
 
 from pagedbench.bench.problems import attend_dense, place, random_attention_batch, random_problem
@@ -101,15 +102,28 @@ def test_sdpa_names_its_cuda_kernel():
     assert SDPBackend.CUDNN_ATTENTION not in CUDA_KERNELS
 
 
-def test_sdpa_cuda_path_repeats_kv_heads_for_gqa():
-    """The CUDA path (no enable_gqa: the memory-efficient kernel lacks it) repeats each KV head
-    for its query heads; on CPU it must equal the enable_gqa path."""
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa4", "mqa", "mha"])
+@pytest.mark.parametrize(
+    "variant",
+    [AttentionVariant(), AttentionVariant(sliding_window=6), AttentionVariant(softcap=2.0, sinks=True)],
+    ids=["plain", "window", "softcap-sinks"],
+)
+def test_sdpa_packs_gqa_heads_into_query_rows(heads, variant):
+    """sdpa packs the G query heads of each KV head into query rows (K/V never repeated, the mask
+    and the sinks repeated per row): every head must still see its own KV head, window and sink."""
+    from pagedbench.backends.reference import ReferenceBackend
     from pagedbench.backends.sdpa import SDPABackend
 
     from pagedbench.bench.problems import random_attention_batch
 
-    batch = random_attention_batch([(30, 1), (0, 20), (5, 7)], 8, 2, 16, 16)
-    backend = SDPABackend(8, 2, 16, 0.25, 16, torch.device("cpu"), torch.float32)
-    state = backend.prepare(batch.metadata)
-    repeated = backend._forward(batch.q, batch.k_cache, batch.v_cache, state, enable_gqa=False)
-    torch.testing.assert_close(repeated, backend.forward(batch.q, batch.k_cache, batch.v_cache, state))
+    num_heads, num_kv_heads = heads
+    batch = random_attention_batch([(30, 1), (9, 1), (0, 20), (5, 7)], num_heads, num_kv_heads, 16, 16)
+    args = (num_heads, num_kv_heads, 16, 0.25, 16, torch.device("cpu"), torch.float32, variant)
+    sinks = torch.randn(num_heads) if variant.sinks else None
+    out = []
+    for cls in (SDPABackend, ReferenceBackend):
+        backend = cls(*args)
+        out.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata), sinks=sinks))
+    torch.testing.assert_close(out[0], out[1])
+    state = SDPABackend(*args).prepare(batch.metadata)
+    assert [g.mask.shape[2] for g in state] == [g.max_q * num_heads // num_kv_heads for g in state]

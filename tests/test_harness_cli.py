@@ -457,3 +457,15 @@ def test_a_swallowed_sigterm_is_raised_again(monkeypatch, tmp_path, capsys):
     code = main([*args, "--out", str(tmp_path)])
     assert code == 130 and swallowed and time.monotonic() - start < 8
     assert "interrupted after" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_timer_on_cuda_times_the_device_not_one_launch():
+    """time_kernel queues its calls (no sync between them): one per repeat, each the GPU time of
+    a known copy, which at 2 x 1 GiB cannot beat any GPU's memory."""
+    from pagedbench.bench.kernels import time_kernel
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = time_kernel(lambda: dst.copy_(src), torch.device("cuda"), warmup=1, repeats=5)
+    assert len(times) == 5 and all(2 * src.numel() / t < 20e12 for t in times)

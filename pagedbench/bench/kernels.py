@@ -160,8 +160,32 @@ def visible_kv_tokens(spec: list[tuple[int, int]], window: int | None = None) ->
     return sum(c + q if window is None else min(c + q, window + q - 1) for c, q in spec)
 
 
+def time_kernel(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Device seconds per call after `warmup` untimed calls. On CUDA, as triton's do_bench: the L2
+    cache flushed before each call, each call between its own events, and no sync until the last,
+    so the host queues launches ahead and the GPU's time is measured, not one Python call's
+    launch latency (longer than a whole decode kernel at small batches; it is what the engine's
+    CUDA graphs remove). A call whose launch is slower than its kernel still shows the gap.
+    On CPU: time_call."""
+    if device.type != "cuda":
+        return time_call(fn, device, warmup, repeats)
+    for _ in range(warmup):
+        fn()
+    flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8, device=device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    synchronize(device)
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    synchronize(device)
+    return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
 def time_call(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call: CUDA events on GPU, perf_counter on CPU; after `warmup` untimed calls."""
+    """Seconds per call, host included (a step's prepare): CUDA events around each call, synced
+    after each, on GPU; perf_counter on CPU; after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -186,7 +210,7 @@ def copy_bandwidth(device: torch.device) -> float:
     nbytes = (256 if device.type == "cuda" else 64) << 20
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = min(time_call(lambda: dst.copy_(src), device, warmup=2, repeats=10))
+    seconds = min(time_kernel(lambda: dst.copy_(src), device, warmup=2, repeats=10))
     return 2 * nbytes / seconds / 1e9
 
 
@@ -358,7 +382,7 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
         forward(state)  # a JIT-compiling first call is never timed
     prepare = time_call(lambda: backend.prepare(batch.metadata), device, grid.warmup, grid.repeats)
     state = backend.prepare(batch.metadata)
-    forward_times = time_call(lambda: forward(state), device, grid.warmup, grid.repeats)
+    forward_times = time_kernel(lambda: forward(state), device, grid.warmup, grid.repeats)
     efficiency = getattr(backend, "tile_efficiency", None)  # flex: share of computed scores its mask keeps
     return {
         "prepare_min_ms": 1e3 * min(prepare),
@@ -370,7 +394,7 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
 
 def _time_dense(spec, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
     calls = dense_calls(spec, point["num_heads"], point["num_kv_heads"], grid.head_dim, dtype, device)
-    forward = time_call(lambda: dense_forward(calls, grid.head_dim**-0.5), device, grid.warmup, grid.repeats)
+    forward = time_kernel(lambda: dense_forward(calls, grid.head_dim**-0.5), device, grid.warmup, grid.repeats)
     return {"status": "ok", "reason": "", **_forward_columns(forward, point), "vs_dense": 1.0}
 
 
