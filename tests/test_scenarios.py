@@ -129,6 +129,13 @@ def test_content_hash_follows_content_not_name_or_description():
     assert s.scaled(0.5).content_hash() != s.content_hash()
     as_blocks = parse_scenario({**{k: v for k, v in VALID.items() if k != "kv_tokens"}, "num_blocks": 63}, "bad")
     assert as_blocks.content_hash() == parse_scenario(VALID, "bad").content_hash()  # 1000 tokens = 63 blocks
+    # a JSON schema's property order is what outputs follow: two orders are two workloads
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    reordered = {**schema, "properties": dict(reversed(schema["properties"].items()))}
+    hashes = {
+        parse_scenario({**VALID, "structured_outputs": {"json": s}}, "j").content_hash() for s in (schema, reordered)
+    }
+    assert len(hashes) == 2
 
 
 def test_request_set_shapes():

@@ -188,8 +188,8 @@ def test_preset_json_schema():
 def test_grammars_compile_once_per_constraint(llm):
     structured = llm.llm_engine.structured_outputs
     a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = StructuredOutputsParams(json='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
-    assert constraint_key(a) == constraint_key(b)
+    b = StructuredOutputsParams(json='{"type":"object",\n "properties": {"x": {"type": "integer"}}}')
+    assert constraint_key(a) == constraint_key(b)  # a dict and its JSON text, whitespace aside
     before = structured.num_compiled
     assert structured.compile(a) is structured.compile(b)
     assert structured.num_compiled == before + 1
@@ -202,6 +202,55 @@ def test_grammars_compile_once_per_constraint(llm):
     point = StructuredOutputsParams(json=Point, disable_any_whitespace=True)
     for text in run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=point)):
         Point.model_validate_json(text)
+
+
+NAME_AGE = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"],
+}
+AGE_NAME = NAME_AGE | {"properties": dict(reversed(NAME_AGE["properties"].items()))}  # same required list
+
+
+def test_json_outputs_keep_the_schemas_property_order(llm):
+    """Properties come out in the schema's order, not sorted (as OpenAI and vLLM: a "reasoning" before
+    an "answer"), for a dict, a JSON string, a pydantic model and a server request body; schemas that
+    differ only in property order are compiled apart, never served from one cache entry."""
+    from pagedbench.entrypoints.openai.structured import structured_outputs_of
+
+    structured = llm.llm_engine.structured_outputs
+    forward = StructuredOutputsParams(json=NAME_AGE, disable_any_whitespace=True)
+    reverse = StructuredOutputsParams(json=AGE_NAME, disable_any_whitespace=True)
+    assert constraint_key(forward) != constraint_key(reverse)
+    before = structured.num_compiled
+    assert structured.compile(forward) is not structured.compile(reverse)
+    assert structured.num_compiled == before + 2
+    greedy = dict(temperature=0, max_tokens=MAX_TOKENS)
+    for params, order in ((forward, ["name", "age"]), (reverse, ["age", "name"])):
+        for text in run(llm, PROMPTS, SamplingParams(**greedy, structured_outputs=params)):
+            assert list(json.loads(text)) == order, text
+            jsonschema.validate(json.loads(text), NAME_AGE)
+
+    text_schema = StructuredOutputsParams(json=json.dumps(AGE_NAME, indent=2), disable_any_whitespace=True)
+    assert constraint_key(text_schema) == constraint_key(reverse)  # one entry: same schema, same order
+    raw = json.dumps({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": AGE_NAME}}})
+    body_params, _ = structured_outputs_of(json.loads(raw))  # as the server reads a request body
+    assert list(body_params.json["properties"]) == ["age", "name"]
+    for params in (text_schema, body_params):
+        params = StructuredOutputsParams(json=params.json, disable_any_whitespace=True)
+        for text in run(llm, PROMPTS[:2], SamplingParams(**greedy, structured_outputs=params)):
+            assert list(json.loads(text)) == ["age", "name"], text
+
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):  # fields declared in reverse alphabetical order
+        name: str = pydantic.Field(max_length=8)
+        age: int = pydantic.Field(ge=0, le=99)
+
+    person = StructuredOutputsParams(json=Person, disable_any_whitespace=True)
+    for text in run(llm, PROMPTS[:2], SamplingParams(**greedy, structured_outputs=person)):
+        assert list(json.loads(text)) == ["name", "age"], text
+        Person.model_validate_json(text)
 
 
 @pytest.mark.parametrize(

@@ -201,7 +201,9 @@ def advance(seq, token: int) -> bool:
 
 
 def constraint_key(params: StructuredOutputsParams) -> tuple:
-    """What identifies a compiled grammar: the constraint and the options that change it."""
+    """What identifies a compiled grammar: the constraint and the options that change it. A JSON
+    schema's key order is part of it (its property order is the output's), so two schemas that
+    differ only in key order are compiled apart."""
     return (params.kind, _spec_text(params), params.disable_any_whitespace)
 
 
@@ -217,8 +219,12 @@ def _spec_text(params: StructuredOutputsParams) -> str:
 
 
 def json_schema_text(schema) -> str:
-    """A JSON schema (dict, JSON string or pydantic model class) as canonical JSON text; ValueError
-    for text that is not JSON."""
+    """A JSON schema (dict, JSON string or pydantic model class) as JSON text, re-serialized (the given
+    whitespace does not matter) in the schema's own key order; ValueError for text that is not JSON.
+    The order is kept, not sorted: xgrammar writes an object's properties in the order of its
+    `properties`, and OpenAI and vLLM keep the schema's order (a "reasoning" property before an
+    "answer"). A pydantic model's schema lists its fields as declared; a JSON string's order is its
+    text's."""
     if isinstance(schema, type):  # a pydantic BaseModel subclass, as vLLM accepts
         if not hasattr(schema, "model_json_schema"):
             raise ValueError(f"structured_outputs.json: {schema.__name__} is not a pydantic model class")
@@ -233,7 +239,7 @@ def json_schema_text(schema) -> str:
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json: a JSON schema is an object, got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True)
+        return json.dumps(schema)  # never sort_keys: the order of `properties` is the output's
     except RecursionError:
         raise ValueError("structured_outputs.json: nested too deeply to read") from None
 
