@@ -469,3 +469,45 @@ def test_kernel_timer_on_cuda_times_the_device_not_one_launch():
     dst = torch.empty_like(src)
     times = time_kernel(lambda: dst.copy_(src), torch.device("cuda"), warmup=1, repeats=5)
     assert len(times) == 5 and all(2 * src.numel() / t < 20e12 for t in times)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["kernels", "--backends", "flash-attn", "--batch-sizes", "2", "--context-lens", "32", "--phases", "decode"],
+            "pagedbench: error: kernels timed no backend, only the dense yardstick: flash-attn: unavailable: no CUDA",
+        ),
+        (
+            ["kernels", "--backends", "flex", "--kv-cache-dtype", "int8", "--batch-sizes", "2", "--context-lens", "32"],
+            "pagedbench: error: kernels timed no backend, only the dense yardstick: flex: unavailable: kv_cache_dtype",
+        ),
+        (
+            ["check", "--backends", "flash-attn"],
+            "pagedbench: error: check ran no case, every one was skipped: flash-at",
+        ),
+        (
+            ["check", "--backends", "flex", "--kv-cache-dtype", "int8"],
+            "pagedbench: error: check measured no KV quality: flex int8: kv_cache_dtype int8: ",
+        ),
+    ],
+    ids=["kernels-unavailable", "kernels-kv-unreadable", "check-all-skipped", "check-kv-unreadable"],
+)
+def test_measuring_nothing_exits_1_with_one_line(args, message, tmp_path, capsys):
+    """Every measuring command that measured nothing it was asked for says why in one line and
+    exits 1 (its report is still written)."""
+    assert main([*args, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(message), err
+    assert list(tmp_path.iterdir())  # the report of what happened is kept
+
+
+def test_check_kv_skips_an_unavailable_backend_among_others(tmp_path, capsys):
+    """`check --kv-cache-dtype` over several backends skips one that cannot run here with its
+    reason, as plain check does, and measures the rest (exit 0)."""
+    args = ["check", "--kv-cache-dtype", "int8", "--backends", "sdpa,flash-attn", "--out", str(tmp_path)]
+    assert main(args) == 0
+    frame = pd.read_csv(next(tmp_path.glob("check-kv*.csv")))
+    status = dict(zip(frame["backend"], frame["status"]))
+    assert status == {"sdpa": "ok", "flash-attn": "unavailable"}
+    assert frame.loc[frame["backend"] == "flash-attn", "reason"].str.startswith("kv_cache_dtype int8: ").all()

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import torch
 
+from pagedbench.backends.registry import get_backend
 from pagedbench.config import EngineConfig
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.sequence import Sequence
@@ -84,18 +85,28 @@ def compare(quantized: torch.Tensor, exact: torch.Tensor, next_tokens: torch.Ten
 def kv_quality(
     backends: list[str], kv_cache_dtypes: list[str], model: str = "py-byte-target", device=None, dtype=None
 ) -> list[dict]:
-    """One row per backend x quantized kv_cache_dtype (unavailable ones with their reason)."""
+    """One row per backend x quantized kv_cache_dtype; a backend that cannot run here, or cannot
+    read such pages, gets "unavailable" rows with its reason (and is not run for nothing)."""
     segments = held_out_segments()
     next_tokens = targets(segments)
     rows = []
     for backend in backends:
-        exact = teacher_forced_logprobs(model, backend, "auto", segments, device, dtype)
-        for kv in kv_cache_dtypes:
-            head = {"model": model, "backend": backend, "kv_cache_dtype": kv}
+        heads = {kv: {"model": model, "backend": backend, "kv_cache_dtype": kv} for kv in kv_cache_dtypes}
+        reasons = {kv: get_backend(backend).kv_cache_reason(kv_cache_dtype=kv) for kv in kv_cache_dtypes}
+        rows += [{**heads[kv], "status": "unavailable", "reason": why} for kv, why in reasons.items() if why]
+        readable = [kv for kv, why in reasons.items() if why is None]
+        if not readable:
+            continue
+        try:
+            exact = teacher_forced_logprobs(model, backend, "auto", segments, device, dtype)
+        except ValueError as e:  # the backend cannot run this model here: it says why
+            rows += [{**heads[kv], "status": "unavailable", "reason": str(e)} for kv in readable]
+            continue
+        for kv in readable:
             try:
                 quantized = teacher_forced_logprobs(model, backend, kv, segments, device, dtype)
-            except ValueError as e:  # this backend cannot read such pages: it says why
-                rows.append({**head, "status": "unavailable", "reason": str(e)})
+            except ValueError as e:
+                rows.append({**heads[kv], "status": "unavailable", "reason": str(e)})
                 continue
-            rows.append({**head, "status": "ok", **compare(quantized, exact, next_tokens)})
+            rows.append({**heads[kv], "status": "ok", **compare(quantized, exact, next_tokens)})
     return rows

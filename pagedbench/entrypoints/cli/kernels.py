@@ -10,6 +10,7 @@ import torch
 
 from pagedbench.device.dtypes import dtype_name, resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
+    NothingMeasured,
     add_overwrite_flag,
     add_threads_flag,
     backend_names,
@@ -23,7 +24,7 @@ from pagedbench.entrypoints.cli.common import (
 
 
 def cmd_kernels(args) -> None:
-    from pagedbench.bench.kernels import GRID_PRESETS, run_kernels
+    from pagedbench.bench.kernels import DENSE, GRID_PRESETS, run_kernels
     from pagedbench.bench.report import CsvLog, kernel_table, markdown, not_run_lines, tidy, write_reports
 
     prepare_out_dir(args.out)
@@ -54,6 +55,9 @@ def cmd_kernels(args) -> None:
     print("\n".join([markdown(kernel_table(kernels)), *not_run_lines(kernels)]))
     paths = write_reports({"kernels": kernels}, args.out, stem)
     print(f"reports: {', '.join(map(str, paths))}")
+    if not ((kernels["backend"] != DENSE) & (kernels["status"] == "ok")).any():
+        why = "; ".join(not_run_lines(kernels))
+        raise NothingMeasured(f"kernels timed no backend, only the dense yardstick: {why}")
 
 
 def cmd_check(args) -> int:
@@ -87,6 +91,9 @@ def cmd_check(args) -> int:
     print(summary(rows))
     paths = write_reports({"check": tidy(rows, "check", "check")}, args.out, stem)
     print(f"reports: {', '.join(map(str, paths))}")
+    if not any(row["status"] in ("pass", "fail") for row in rows):
+        skipped = dict.fromkeys(f"{row['backend']}: {row['reason']}" for row in rows)
+        raise NothingMeasured(f"check ran no case, every one was skipped: {'; '.join(skipped)}")
     failed = sum(row["status"] == "fail" for row in rows)
     if failed:
         print(f"pagedbench: check failed: {failed} case(s)", file=sys.stderr)
@@ -114,6 +121,9 @@ def check_kv_quality(args) -> int:
     path = Path(args.out) / f"{stem}.csv"
     table.to_csv(path, index=False)
     print(f"reports: {path}")
+    if not (table["status"] == "ok").any():
+        unavailable = dict.fromkeys(f"{row.backend} {row.kv_cache_dtype}: {row.reason}" for row in table.itertuples())
+        raise NothingMeasured(f"check measured no KV quality: {'; '.join(unavailable)}")
     return 0
 
 
