@@ -2,10 +2,25 @@
 built once per test session; Hugging Face's own greedy outputs as the reference."""
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
+
+from pagedbench.device.cpu_threads import usable_cores
+
+
+def pytest_configure(config):
+    """Each xdist worker gets cores / workers torch threads, its subprocesses (CLI, server) too
+    through OMP_NUM_THREADS: n workers of all-cores threads each oversubscribe the machine, and a
+    descheduled OpenMP thread stalls every parallel region of its worker."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        threads = max(1, len(usable_cores()) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

@@ -1,5 +1,7 @@
 """The `pagedbench` command end to end (small workloads)."""
 
+import pytest
+
 from pagedbench.entrypoints.cli.main import main
 
 
@@ -83,3 +85,62 @@ def test_run_compares_nothing_with_itself(tmp_path):
     )
     rows = pd.read_csv(tmp_path / "run-synthetic.csv")
     assert rows["identical_token_share"].isna().all() and rows["throughput_vs_best"].isna().all()
+
+
+ARGPARSE_FAILURES = {
+    "bad int": (["run", "--num-prompts", "1e7"], "pagedbench run: error: argument --num-prompts", "pagedbench run"),
+    "bad choice": (["run", "--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'", "pagedbench run"),
+    "bad json": (["run", "--speculative-config", "{bad json"], "argument --speculative-config", "pagedbench run"),
+    "threads": (["run", "--threads", "x"], "argument --threads: invalid int value: 'x'", "pagedbench run"),
+    "unknown option": (["run", "--bogus"], "unrecognized arguments: --bogus", "pagedbench run"),
+    "unknown subcommand": (["frob"], "invalid choice: 'frob'", "pagedbench"),
+    "no subcommand": ([], "the following arguments are required: command", "pagedbench"),
+    "missing required": (
+        ["report"],
+        "pagedbench report: error: the following arguments are required",
+        "pagedbench report",
+    ),
+    "bad float": (["kv-calc", "tiny-llama", "--memory", "lots"], "argument --memory", "pagedbench kv-calc"),
+    "top-level option": (["--bogus"], "pagedbench: error: ", "pagedbench"),
+    "ambiguous option": (["run", "--num", "3"], "ambiguous option: --num could match", "pagedbench run"),
+    "not an object": (
+        ["compare", "--structured-outputs", "[1]"],
+        "argument --structured-outputs",
+        "pagedbench compare",
+    ),
+    "newline in value": (["run", "--bogus\nvalue"], "unrecognized arguments: --bogus value", "pagedbench run"),
+    "serve port": (["serve", "--port", "x"], "argument --port: invalid int value", "pagedbench serve"),
+    "kernels": (["kernels", "--head-dim", "x"], "argument --head-dim: invalid int value", "pagedbench kernels"),
+}
+
+
+@pytest.mark.parametrize("argv,says,prog", ARGPARSE_FAILURES.values(), ids=ARGPARSE_FAILURES.keys())
+def test_argparse_errors_are_one_line_with_a_help_pointer(argv, says, prog, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert e.value.code == 2 and out == ""
+    assert len(lines) == 1 and lines[0].strip(), err
+    assert says in lines[0] and lines[0].endswith(f"(see {prog} --help)") and "usage:" not in err
+
+
+def test_every_subcommand_parser_has_the_one_line_error_class():
+    import argparse
+
+    from pagedbench.entrypoints.cli.common import CLIParser
+    from pagedbench.entrypoints.cli.main import build_parser
+
+    parser = build_parser()
+    assert isinstance(parser, CLIParser)
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert sub.choices and all(type(p) is CLIParser for p in sub.choices.values())
+
+
+def test_trained_pair_parser_errors_in_one_line(capsys):
+    from pagedbench.model.trained_pair import main as trained_pair_main
+
+    with pytest.raises(SystemExit) as e:
+        trained_pair_main(["--epochs", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--help" in err and "usage:" not in err

@@ -1,7 +1,8 @@
 """What several `pagedbench` commands share: backend lists, the output directory and report
 names that never replace an earlier run's, partial results on Ctrl-C or SIGTERM, the busy-machine
-warning, integer-list flags."""
+warning, integer-list flags, the parser class whose errors are one line."""
 
+import argparse
 import contextlib
 import os
 import signal
@@ -10,7 +11,37 @@ from pathlib import Path
 
 import torch
 
+from pagedbench.device.cpu_threads import choose_threads
 from pagedbench.device.dtypes import resolve_device_dtype
+
+
+class CLIParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr, exit 2, no usage block:
+    `pagedbench run: error: argument --threads: invalid int value: 'x' (see pagedbench run --help)`.
+    add_subparsers gives every subcommand's parser this class too."""
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", type(self))
+        return super().add_subparsers(**kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:  # an unknown option after a subcommand is that subcommand's: its help lists the options
+            self._innermost(namespace).error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
+    def _innermost(self, namespace) -> "CLIParser":
+        """The parser of the subcommand the namespace holds (this one when there is none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(namespace, action.dest, None))
+                if isinstance(chosen, CLIParser):
+                    return chosen._innermost(namespace)
+        return self
+
+    def error(self, message: str):
+        message = " ".join(str(message).splitlines())  # an argument value may hold a newline
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def backend_names(text: str | None) -> list[str]:
@@ -72,13 +103,18 @@ def report_stem(out: str, base: str, overwrite: bool) -> str:
 
 def add_threads_flag(parser) -> None:
     parser.add_argument(
-        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's, from OMP_NUM_THREADS)"
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: OMP_NUM_THREADS, else the usable cores less those busy at start)",
     )
 
 
 def apply_threads(threads: int | None) -> None:
-    """--threads: torch's CPU thread count for this command (recorded as cpu_threads in every row)."""
+    """--threads: torch's CPU thread count for this command (recorded as cpu_threads in every row);
+    without it, OMP_NUM_THREADS, else the usable cores less the busy ones (device.cpu_threads)."""
     if threads is None:
+        choose_threads()
         return
     if not 1 <= threads <= 4 * (os.cpu_count() or 1):
         raise ValueError(f"--threads must be in 1..{4 * (os.cpu_count() or 1)}, got {threads}")

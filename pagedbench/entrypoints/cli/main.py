@@ -11,7 +11,7 @@ import sys
 import torch
 
 from pagedbench.entrypoints.cli import kernels, run, serve, tools
-from pagedbench.entrypoints.cli.common import Interrupted, NothingMeasured, apply_threads
+from pagedbench.entrypoints.cli.common import CLIParser, Interrupted, NothingMeasured, apply_threads
 from pagedbench.worker.tp_workers import WorkerError
 
 
@@ -30,10 +30,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CLIParser:
     from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(
+    parser = CLIParser(
         prog="pagedbench",
         description="Compare paged-attention backends in one engine.",
         formatter_class=_HelpFormatter,
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Errors are one line on stderr with exit code 2; `check` exits 1 when a case fails, and run, "
         "compare and bench-serve exit 1 when nothing was measured."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CLIParser)  # one-line errors too
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
     commands = (  # in the order `pagedbench --help` lists them
         run.register,  # run, compare
