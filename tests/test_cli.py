@@ -135,12 +135,3 @@ def test_every_subcommand_parser_has_the_one_line_error_class():
     assert isinstance(parser, CLIParser)
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     assert sub.choices and all(type(p) is CLIParser for p in sub.choices.values())
-
-
-def test_trained_pair_parser_errors_in_one_line(capsys):
-    from pagedbench.model.trained_pair import main as trained_pair_main
-
-    with pytest.raises(SystemExit) as e:
-        trained_pair_main(["--epochs", "3"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "--help" in err and "usage:" not in err

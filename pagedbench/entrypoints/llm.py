@@ -117,9 +117,15 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to a conversation (a list of {"role", "content"}
-        messages) or to each of a list of conversations, under the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [chat_prompt(self.engine.tokenizer, c) for c in conversations]
+        messages) or to each of a list of conversations, under the tokenizer's chat template.
+        Messages are checked as OpenAI's API checks them (model/chat_messages.py): a bad one
+        raises ValueError naming it (`messages[1].role: ...`; in a batch `messages[2][1].role`)
+        before any conversation is queued."""
+        tokenizer = self.engine.tokenizer
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], list):  # a batch
+            prompts = [chat_prompt(tokenizer, c, f"messages[{i}]") for i, c in enumerate(messages)]
+        else:
+            prompts = [chat_prompt(tokenizer, messages)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, params: list, desc: str, use_tqdm: bool, priority=None) -> list[RequestOutput]:

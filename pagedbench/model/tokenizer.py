@@ -4,6 +4,7 @@ import logging
 from pathlib import Path
 
 from pagedbench.backends.base import one_line
+from pagedbench.model.chat_messages import validate_messages
 
 logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -64,11 +65,12 @@ def preset_tokenizer(vocab_size: int, eos_token_ids: list[int]):
     return fast
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> dict:
-    """The prompt of a conversation (OpenAI-style messages) under the tokenizer's chat template,
-    with the assistant's turn opened; ValueError when there is no template or the messages don't fit it."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
+def chat_prompt(tokenizer, messages: list[dict], param: str = "messages") -> dict:
+    """The prompt of a conversation (OpenAI-style messages, checked as OpenAI checks them: a
+    MessageError naming the field, `param` being the list's name) under the tokenizer's chat
+    template, with the assistant's turn opened; ValueError when there is no template or the
+    messages don't fit it."""
+    messages = validate_messages(messages, param)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
     try:

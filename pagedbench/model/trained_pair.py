@@ -10,6 +10,7 @@ byte-level tokenizer, training.json with the held-out bits per byte). `LLM("py-b
 and `LLM("py-byte-draft")` load the committed ones by name.
 """
 
+import argparse
 import json
 import math
 import pathlib
@@ -126,9 +127,7 @@ def build_pair(out: pathlib.Path = WEIGHTS) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedbench.entrypoints.cli.common import CLIParser  # errors in one line, as the CLI's
-
-    parser = CLIParser(prog="python -m pagedbench.model.trained_pair", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=WEIGHTS, help="where the two model directories go")
     args = parser.parse_args(argv)
     for name, record in build_pair(args.out).items():

@@ -23,6 +23,7 @@ from pagedbench.entrypoints.openai.protocol import (
     openapi_body,
 )
 from pagedbench.entrypoints.openai.serving import OpenAIServing
+from pagedbench.model.chat_messages import MessageError
 from pagedbench.model.tokenizer import chat_prompt
 from pagedbench.sample.sampling_params import is_int
 
@@ -109,10 +110,7 @@ def _add_tokenizer_routes(app, serving: OpenAIServing, authorized) -> None:
         body = await serving.tokenizer_body(request, "TokenizeRequest")
         prompt = body.get("prompt")
         if "messages" in body:
-            try:
-                ids = chat_prompt(engine.tokenizer, body["messages"])["prompt_token_ids"]
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
+            ids = _chat_prompt(engine.tokenizer, body["messages"])["prompt_token_ids"]
         elif isinstance(prompt, str):
             ids = engine.tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
         else:
@@ -146,14 +144,22 @@ def _add_completion_routes(app, serving: OpenAIServing, authorized) -> None:
     @app.post("/v1/chat/completions", dependencies=[authorized], openapi_extra=chat_body)
     async def chat(request: Request):
         body = await serving.body_of(request, "ChatCompletionRequest")
-        try:
-            prompt = chat_prompt(serving.engine.tokenizer, body.get("messages"))
-        except ValueError as e:
-            hint = "; use /v1/completions" if "template" in str(e) else ""
-            raise APIError(400, f"{e}{hint}", param="messages") from None
+        prompt = _chat_prompt(serving.engine.tokenizer, body.get("messages"), "; use /v1/completions")
         if "max_completion_tokens" in body:
             body["max_tokens"] = body["max_completion_tokens"]
         top = int_or_none(body.get("top_logprobs"), "top_logprobs")
         # A chat reply may run to the end of the context (vLLM's default); a completion stops at 16.
         params = serving.sampling_params(body, (top or 0) if body.get("logprobs") else None, default_max_tokens=None)
         return await serving.respond(request, body, [prompt], params, chat=True)
+
+
+def _chat_prompt(tokenizer, messages, no_template_hint: str = "") -> dict:
+    """chat_prompt's refusals as 400s: a message OpenAI would refuse names its field as the param
+    (`messages[1].role`); a missing template or one the messages don't fit names `messages`."""
+    try:
+        return chat_prompt(tokenizer, messages)
+    except MessageError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except ValueError as e:
+        hint = no_template_hint if "no chat template" in str(e) else ""
+        raise APIError(400, f"{e}{hint}", param="messages") from None
