@@ -421,6 +421,33 @@ def test_metrics_count_requests_not_samples(server):
     assert grew("vllm:prefix_cache_queries_total") == 4 and "vllm:prefix_cache_hits_total" in m
 
 
+def test_bench_serve_warm_ups_are_sent_and_kept_out_of_the_metrics(server, tmp_path, capsys):
+    """--num-warmups N: N requests reach the server first; the report counts only the measured ones."""
+    from pagedbench.entrypoints.cli.main import main
+
+    success = 'vllm:request_success_total{finished_reason="length"}'
+    before = wait_idle(server).get(success, 0)
+    args = ["bench-serve", "--base-url", server, "--api-key", KEY, "--scenario", "online", "--num-prompts", "4"]
+    args += ["--scale", "0.5", "--request-rate", "inf", "--num-warmups", "3", "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert "pagedbench: 3 warm-up requests in " in capsys.readouterr().out
+    import pandas as pd
+
+    assert (pd.read_csv(tmp_path / "bench-serve-online.csv")["completed"] == 4).all()
+    assert wait_idle(server)[success] - before == 3 + 4
+    assert main([*args[:-4], "--num-warmups", "-1", "--out", str(tmp_path)]) == 2
+    assert "--num-warmups must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_serve_warms_up_before_it_announces(chat_model):
+    """The server compiles and runs a step of each kind before it binds, and says how long it took."""
+    proc, url = start_server(chat_model, "--num-blocks", "64")
+    proc.terminate()
+    out = proc.communicate(timeout=30)[0].decode()
+    warmed, serving = out.index("pagedbench: warmed up in "), out.index("pagedbench: serving ")
+    assert warmed < serving and "s compiling)" in out[warmed:serving]
+
+
 def test_bench_serve_against_our_server(server, tmp_path, capsys):
     from pagedbench.entrypoints.cli.main import main
 

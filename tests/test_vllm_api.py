@@ -229,3 +229,26 @@ def test_prompts_of_no_known_form_are_a_clear_error(llm, prompts):
 def test_sampling_params_of_another_type_are_a_clear_error(llm, params):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
         llm.generate(["a", "b"], params, use_tqdm=False)
+
+
+def test_warm_up_leaves_no_trace(tiny_models):
+    """LLMEngine.warm_up (what `serve` runs before it binds) steps a full prefill chunk and a few
+    decodes, then leaves the engine as it found it: no requests, no stats, no cached prefix; the
+    first real request gives the tokens it would have given without it."""
+    from pagedbench import EngineConfig, LLMEngine
+
+    params = SamplingParams(temperature=0, max_tokens=6)
+    config = EngineConfig(model=tiny_models["llama"][0], dtype="fp32", max_num_batched_tokens=64, num_blocks=64)
+    cold = LLM(tiny_models["llama"][0], dtype="fp32", num_blocks=64).generate([[5, 6, 7, 8]], params)
+    engine = LLMEngine(config)
+    seconds, compiling = engine.warm_up()
+    assert seconds > 0 and compiling == 0  # sdpa compiles nothing
+    assert not engine.requests and engine.stats.steps == 0 and engine.stats.generation_tokens == 0
+    assert engine.block_manager.num_used_blocks == 0 and engine.block_manager.num_cached_blocks == 0
+    engine.add_request({"prompt_token_ids": [5, 6, 7, 8]}, params, request_id="real")
+    with pytest.raises(ValueError, match="warm_up runs on an idle engine"):
+        engine.warm_up()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert outputs[0].outputs[0].token_ids == cold[0].outputs[0].token_ids

@@ -168,6 +168,27 @@ class LLMEngine:
         """Forget every cached prefix (blocks in use stay with their sequences)."""
         self.block_manager.reset_prefix_cache()
 
+    def warm_up(self, num_seqs: int = 4) -> tuple[float, float]:
+        """Run, before the first real request, what a serving step can need: a full chunk of
+        prefill (max_num_batched_tokens, as vLLM's profile run) beside a few short prompts, then
+        their decodes together. Compiled backends (flex) build their graphs and lazy initialisation
+        happens here, not in the first requests' latency. It leaves no trace: its requests finish,
+        and the stats and the cached prefixes are reset. Returns (seconds, of which compiling)."""
+        if self.has_unfinished_requests():
+            raise ValueError("warm_up runs on an idle engine, before requests are added")
+        start, compiled = time.perf_counter(), self.backend.compile_seconds
+        vocab = self.model_config.vocab_size
+        long_len = max(1, min(self.config.max_num_batched_tokens, self.max_model_len - 4))
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, detokenize=False)
+        for i, length in enumerate([long_len] + [8] * min(num_seqs, self.config.max_num_seqs - 1)):
+            ids = [(7 * t + i) % (vocab - 1) + 1 for t in range(length)]
+            self.add_request({"prompt_token_ids": ids}, params, request_id=f"warm-up-{i}")
+        while self.has_unfinished_requests():
+            self.step()
+        self.stats.reset()
+        self.reset_prefix_cache()
+        return time.perf_counter() - start, self.backend.compile_seconds - compiled
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

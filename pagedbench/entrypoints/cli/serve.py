@@ -43,7 +43,11 @@ def cmd_serve(args) -> None:
     from pagedbench.entrypoints.async_llm import AsyncLLM
 
     config = EngineConfig.from_cli_args(args)
-    llm = AsyncLLM(LLMEngine(config), max_pending=args.max_pending)
+    engine = LLMEngine(config)
+    # Compile and capture before announcing: the first requests must not wait for it (vLLM does the same).
+    seconds, compiling = engine.warm_up()
+    print(f"pagedbench: warmed up in {seconds:.1f} s ({compiling:.1f} s compiling), {engine.cuda_graphs}", flush=True)
+    llm = AsyncLLM(engine, max_pending=args.max_pending)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit, max_n=args.max_n)
     app = build_app(llm, args.served_model_name or args.model, args.api_key, limits)
     print(f"pagedbench: serving {args.model} ({args.backend}) on http://{args.host}:{args.port}/v1", flush=True)
@@ -53,6 +57,8 @@ def cmd_serve(args) -> None:
 def cmd_bench_serve(args) -> None:
     from pagedbench.bench.serve_client import parse_rates, parse_slos
 
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     scenario = load_scenario(args.scenario).scaled(args.scale)
     default_rate = f"{scenario.request_rate:g}" if scenario.arrival == "poisson" else "inf"
     rates, slos = parse_rates(args.request_rate or default_rate), parse_slos(args.goodput)
@@ -65,11 +71,26 @@ def cmd_bench_serve(args) -> None:
     prepare_out_dir(args.out)
     requests = build_requests(scenario, _vocab_size(model))
     head = {"backend": backend, "base_url": url, "model": model, "scenario": scenario.name, "scale": args.scale}
+    if args.num_warmups:
+        _warm_up(url, model, requests, scenario.seed, args)
     rows = [_load_at(rate, url, requests, scenario.seed, slos, args, head) for rate in rates]
     stem = report_stem(args.out, f"bench-serve-{scenario.name}", args.overwrite)
     _write_bench_serve(rows, Path(args.out) / stem, url, model, scenario.name)
     if not any(row["completed"] for row in rows):
         raise NothingMeasured(f"every request to {url} failed: nothing was measured")
+
+
+def _warm_up(url: str, model: str, requests, seed: int, args) -> None:
+    """vLLM's --num-warmups: the scenario's first requests (cycled), all at once, results dropped."""
+    import math
+
+    from pagedbench.bench.serve_client import replay
+
+    warm = [requests[i % len(requests)] for i in range(args.num_warmups)]
+    results, seconds = asyncio.run(replay(url, model, warm, math.inf, args.max_concurrency, args.api_key, seed))
+    failed = sum(not r.ok for r in results)
+    note = f", {failed} failed, e.g. {next(r.error for r in results if not r.ok)}" if failed else ""
+    print(f"pagedbench: {len(warm)} warm-up requests in {seconds:.1f} s, kept out of the metrics{note}")
 
 
 def _server_card(url: str, api_key: str | None, model: str | None) -> dict:
@@ -167,6 +188,9 @@ def register(sub) -> None:
         help="requests/s, Poisson arrivals; comma-separated for a sweep (default: the scenario's rate, else inf)",
     )
     bs.add_argument("--max-concurrency", type=int, default=None)
+    bs.add_argument(
+        "--num-warmups", type=int, default=0, help="warm-up requests sent first, kept out of the metrics (as vLLM's)"
+    )
     bs.add_argument("--model", default=None, help="the model name the server knows (default: its first)")
     bs.add_argument("--label", default=None, help="the backend column (default: the server's backend, else its URL)")
     bs.add_argument("--api-key", default=None)
