@@ -171,13 +171,13 @@ def test_engine_check_teacher_forces_the_model_through_each_backend(monkeypatch)
 
 
 def test_helpers_start_only_where_they_pay(monkeypatch):
-    """One helper per spare core (capped) on a CPU for a grid of configurations with flex or triton;
+    """One helper per spare free core (capped) on a CPU for a grid of configurations with flex or triton;
     none on CUDA, for fast backends only, for a handful of cases, or for a backend registered at
     run time (a fresh process could not load it)."""
     from pagedbench.bench import check_parallel
 
     groups, cpu = check_parallel.groups_of(check.build_cases([torch.float32], full=False)), torch.device("cpu")
-    monkeypatch.setattr(check_parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(check_parallel, "default_threads", lambda: (2, "2 usable cores, 0 busy at start"))
     assert check_parallel.helper_count(groups, ["reference", "flex"], cpu) == 1
     assert check_parallel.helper_count(groups, ["triton"], cpu) == 1
     assert check_parallel.helper_count(groups, ["reference", "sdpa"], cpu) == 0
@@ -185,8 +185,10 @@ def test_helpers_start_only_where_they_pay(monkeypatch):
     assert check_parallel.helper_count(groups[:3], ["flex"], cpu) == 0
     monkeypatch.setitem(registry._loaded, ReadsNeighboursPage.name, ReadsNeighboursPage)
     assert check_parallel.helper_count(groups, ["flex", ReadsNeighboursPage.name], cpu) == 0
-    monkeypatch.setattr(check_parallel.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(check_parallel, "default_threads", lambda: (64, "64 usable cores, 0 busy at start"))
     assert check_parallel.helper_count(groups, ["flex"], cpu) == check_parallel.MAX_HELPERS
+    monkeypatch.setattr(check_parallel, "default_threads", lambda: (1, "2 usable cores, 1 busy at start"))
+    assert check_parallel.helper_count(groups, ["flex"], cpu) == 0  # no helper on a busy core
 
 
 def test_check_and_helpers_claim_every_configuration_once(tmp_path):
@@ -231,7 +233,7 @@ def _share(groups, monkeypatch):
     from pagedbench.bench import check_parallel
     from tests.helpers import rows_with_pid
 
-    monkeypatch.setattr(check_parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(check_parallel, "default_threads", lambda: (2, "2 usable cores, 0 busy at start"))
     cpu, by_group = torch.device("cpu"), {}
     with check_parallel.sharing_groups(groups, ["triton"], cpu, rows_with_pid) as sharing:
         deadline = time.monotonic() + 120
@@ -284,7 +286,7 @@ def test_check_with_a_helper_gives_the_serial_rows_in_grid_order(monkeypatch, ca
     every_case = check.build_cases
     few = lambda dtypes, full: [c for c in every_case(dtypes, full) if c.batch in ("mixed", "length one")]  # noqa: E731
     monkeypatch.setattr(check, "build_cases", few)
-    monkeypatch.setattr(check_parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(check_parallel, "default_threads", lambda: (2, "2 usable cores, 0 busy at start"))
     backends, cpu = ["reference", "sdpa", "triton"], torch.device("cpu")
     assert len(check_parallel.groups_of(few([torch.float32], False))) >= check_parallel.MIN_GROUPS
     with caplog.at_level("INFO", logger="pagedbench"):

@@ -138,6 +138,13 @@ def test_content_hash_follows_content_not_name_or_description():
     assert len(hashes) == 2
 
 
+def test_structured_outputs_errors_name_the_field_once():
+    with pytest.raises(ValueError, match=r"^scenario 's': structured_outputs\.choice must not be empty$"):
+        parse_scenario({**VALID, "structured_outputs": {"choice": []}}, "s")
+    with pytest.raises(ValueError, match=r"^scenario 's': structured_outputs has no field 'bogus'"):
+        parse_scenario({**VALID, "structured_outputs": {"bogus": 1}}, "s")
+
+
 def test_request_set_shapes():
     s = parse_scenario({**VALID, "shared_prefix_len": 4, "arrival": "poisson", "request_rate": 10.0}, "p")
     requests = build_requests(s, vocab_size=100)

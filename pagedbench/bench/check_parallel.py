@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from pagedbench.device.cpu_threads import default_threads
+
 logger = logging.getLogger(__name__)
 
 MAX_HELPERS = 3
@@ -65,8 +67,8 @@ def helper_count(groups: list, backends: list[str], device: torch.device) -> int
         return 0
     if not all(loads_by_name(name) for name in backends):
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(cores - 1, MAX_HELPERS))
+    free_cores = default_threads()[0]  # a helper on a busy core would only slow the others
+    return max(0, min(free_cores - 1, MAX_HELPERS))
 
 
 class Sharing:

@@ -71,7 +71,10 @@ def busy_warning(device: torch.device) -> str | None:
     if device.type == "cpu" and load > BUSY_LOAD_PER_CORE * cores:
         return (
             f"the machine is busy (load average {load:.2f} on {cores} cores): CPU timings will be slower and "
-            f"noisier; set OMP_NUM_THREADS and rerun when idle"
+            f"noisier. torch runs {torch.get_num_threads()} thread(s); a thread on a busy core stalls the others "
+            f"at every OpenMP barrier (one of 2 cores busy: 400-490 output tok/s with 2 threads, 990-1020 with 1, "
+            f"docs/benchmarks.md). Without OMP_NUM_THREADS or --threads, commands take the cores free at start; "
+            f"rerun when idle for figures to compare"
         )
     return None
 

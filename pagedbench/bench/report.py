@@ -636,6 +636,7 @@ def plot_throughput(serving: pd.DataFrame, path: Path) -> Path:
     ax.barh(medians.index[::-1], medians.values[::-1], color="tab:blue")
     for y, value in enumerate(medians.values[::-1]):
         ax.text(value, y, f" {value:.0f}", va="center")
+    ax.set_xlim(0, 1.15 * max(medians.max(), 1))  # room for the value beside the longest bar
     ax.set_xlabel("output tokens/s (median over runs)")
     ax.set_title(_title("Output throughput by backend", ok), fontsize="medium")
     return _save(fig, path)
@@ -723,6 +724,6 @@ def plot_kernel_bandwidth(kernels: pd.DataFrame, path: Path) -> Path:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # nothing drawn outside the axes is cut
     plt.close(fig)
     return path

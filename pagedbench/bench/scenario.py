@@ -132,8 +132,11 @@ class Scenario:
         if self.structured_outputs is not None:
             try:
                 structured_outputs_params(self.structured_outputs)
-            except (TypeError, ValueError) as e:
-                self._fail("structured_outputs", str(e).removeprefix("structured_outputs "))
+            except (TypeError, ValueError) as e:  # a message naming structured_outputs(.field) already
+                field, _, message = str(e).partition(" ")
+                if not field.startswith("structured_outputs"):
+                    field, message = "structured_outputs", str(e)
+                self._fail(field, message)
         try:
             self.sampling_params(1)
         except ValueError as e:

@@ -46,7 +46,7 @@ class TPShard:
         if cfg.num_heads % n:
             problems.append(f"num_attention_heads={cfg.num_heads}")
         if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
-            problems.append(f"num_key_value_heads={cfg.num_kv_heads} (nor does it divide it)")
+            problems.append(f"num_key_value_heads={cfg.num_kv_heads} (and is not a multiple of it)")
         if cfg.intermediate_size % n:
             problems.append(f"intermediate_size={cfg.intermediate_size}")
         if problems:
