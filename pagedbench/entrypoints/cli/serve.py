@@ -46,7 +46,8 @@ def cmd_serve(args) -> None:
     engine = LLMEngine(config)
     # Compile and capture before announcing: the first requests must not wait for it (vLLM does the same).
     seconds, compiling = engine.warm_up()
-    print(f"pagedbench: warmed up in {seconds:.1f} s ({compiling:.1f} s compiling), {engine.cuda_graphs}", flush=True)
+    warm = f"warmed up in {seconds:.1f} s ({compiling:.1f} s compiling); CUDA graphs {engine.cuda_graphs}"
+    print(f"pagedbench: {warm}", flush=True)
     llm = AsyncLLM(engine, max_pending=args.max_pending)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit, max_n=args.max_n)
     app = build_app(llm, args.served_model_name or args.model, args.api_key, limits)
