@@ -7,6 +7,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedbench.model.config import ModelConfig
+from pagedbench.model.gguf import REAL_MODELS, gguf_model_dir, is_gguf
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.parallel import NO_TP, TPShard, full_shape, local_part
 from pagedbench.model.preset_init import decisive_reason, decisive_weights
@@ -18,12 +19,13 @@ logger = logging.getLogger(__name__)
 
 def resolve_model_config(model: str, need_weights: bool = True) -> tuple[ModelConfig, Path | None]:
     """(config, model directory or None for a preset). The trained pair (py-byte-target,
-    py-byte-draft) is found by name."""
+    py-byte-draft) and the real GGUF models (smollm2-135m-instruct) are found by name; a .gguf
+    file is converted once into a cached directory (gguf.py)."""
     if model in PRESETS:
         return ModelConfig.from_dict(PRESETS[model]), None
-    path = trained_models().get(model, Path(model))
+    path = gguf_model_dir(model) if is_gguf(model) else trained_models().get(model, Path(model))
     if not path.exists():
-        known = ", ".join([*PRESETS, *trained_models()])
+        known = ", ".join([*PRESETS, *trained_models(), *REAL_MODELS])
         raise FileNotFoundError(f"model {model!r} is neither a directory nor a preset ({known})")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {model!r} has no config.json")
