@@ -2,8 +2,8 @@
 
 Torch's OpenMP threads meet at a barrier after every parallel region. On a core that another
 process holds, a thread is descheduled for a whole time slice and every other thread waits at
-the barrier for it: with one of 2 cores busy, 2 threads ran the README's first command about
-10x slower than 1 thread (measured figures in docs/benchmarks.md). So a busy core gets no thread.
+the barrier for it: with one of 2 cores busy, 2 threads ran the README's first command 2-2.5x
+slower than 1 thread (docs/benchmarks.md; 10x has been seen). So a busy core gets no thread.
 """
 
 import logging

@@ -34,6 +34,13 @@ class MessageError(ValueError):
         self.param = param
 
 
+def _only(obj: dict, known: tuple[str, ...], where: str, what: str) -> None:
+    """Refuse a field `obj` may not carry, naming the ones it may."""
+    for key in obj:
+        if key not in known:
+            raise MessageError(f"{where}.{key}", f"unknown field; {what} has {', '.join(sorted(known))}")
+
+
 def _type_name(value) -> str:
     return "null" if value is None else type(value).__name__
 
@@ -56,10 +63,7 @@ def _message(message, where: str) -> dict:
     role = message["role"]
     if not isinstance(role, str) or role not in ROLES:
         raise MessageError(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
-    known = ("role", "content", *FIELDS[role])
-    for key in message:
-        if key not in known:
-            raise MessageError(f"{where}.{key}", f"unknown field; a {role} message has {', '.join(sorted(known))}")
+    _only(message, ("role", "content", *FIELDS[role]), where, f"a {role} message")
     for key in UNSUPPORTED_FIELDS:
         if message.get(key) is not None:
             raise MessageError(f"{where}.{key}", "is not supported")
@@ -106,9 +110,7 @@ def _content(content, where: str) -> str:
         if kind != "text":
             problem = "missing" if kind is None else f"{kind!r} content parts are not supported (only 'text')"
             raise MessageError(f"{at}.type", problem)
-        for key in part:
-            if key not in ("type", "text"):
-                raise MessageError(f"{at}.{key}", "unknown field; a text part has text, type")
+        _only(part, ("type", "text"), at, "a text part")
         if not isinstance(part.get("text"), str):
             got = "missing" if "text" not in part else f"must be a string, got {_type_name(part['text'])}"
             raise MessageError(f"{at}.text", got)
@@ -125,9 +127,7 @@ def _tool_calls(tool_calls, where: str) -> list[dict]:
         at = f"{where}[{i}]"
         if not isinstance(call, dict):
             raise MessageError(at, f"must be an object with id, type and function, got {_type_name(call)}")
-        for key in call:
-            if key not in ("id", "type", "function"):
-                raise MessageError(f"{at}.{key}", "unknown field; a tool call has function, id, type")
+        _only(call, ("id", "type", "function"), at, "a tool call")
         if not isinstance(call.get("id"), str):
             raise MessageError(f"{at}.id", "missing" if "id" not in call else "must be a string")
         if call.get("type") != "function":
@@ -136,9 +136,7 @@ def _tool_calls(tool_calls, where: str) -> list[dict]:
         function = call.get("function")
         if not isinstance(function, dict):
             raise MessageError(f"{at}.function", "must be an object with name and arguments")
-        for key in function:
-            if key not in ("name", "arguments"):
-                raise MessageError(f"{at}.function.{key}", "unknown field; a function call has arguments, name")
+        _only(function, ("name", "arguments"), f"{at}.function", "a function call")
         for key in ("name", "arguments"):
             if not isinstance(function.get(key), str):
                 raise MessageError(f"{at}.function.{key}", "missing" if key not in function else "must be a string")

@@ -43,9 +43,9 @@ def build_parser() -> CLIParser:
     )
     parser.epilog = (
         "Errors are one line on stderr with exit code 2; `check` exits 1 when a case fails, and run, "
-        "compare and bench-serve exit 1 when nothing was measured."
+        "compare, kernels, check and bench-serve exit 1 when they measured nothing."
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=CLIParser)  # one-line errors too
+    sub = parser.add_subparsers(dest="command", required=True)  # CLIParser's: one-line errors too
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
     commands = (  # in the order `pagedbench --help` lists them
         run.register,  # run, compare

@@ -89,9 +89,14 @@ def _warm_up(url: str, model: str, requests, seed: int, args) -> None:
 
     warm = [requests[i % len(requests)] for i in range(args.num_warmups)]
     results, seconds = asyncio.run(replay(url, model, warm, math.inf, args.max_concurrency, args.api_key, seed))
-    failed = sum(not r.ok for r in results)
-    note = f", {failed} failed, e.g. {next(r.error for r in results if not r.ok)}" if failed else ""
-    print(f"pagedbench: {len(warm)} warm-up requests in {seconds:.1f} s, kept out of the metrics{note}")
+    print(f"pagedbench: {len(warm)} warm-up requests in {seconds:.1f} s, kept out of the metrics")
+    _say_failures(results)
+
+
+def _say_failures(results) -> None:
+    failures = [r.error for r in results if not r.ok]
+    if failures:
+        print(f"pagedbench: {len(failures)} of {len(results)} requests failed, e.g. {failures[0]}", file=sys.stderr)
 
 
 def _server_card(url: str, api_key: str | None, model: str | None) -> dict:
@@ -129,9 +134,7 @@ def _load_at(rate: float, url: str, requests, seed: int, slos, args, head: dict)
     results, duration = asyncio.run(
         replay(url, head["model"], requests, rate, args.max_concurrency, args.api_key, seed)
     )
-    failures = [r.error for r in results if not r.ok]
-    if failures:
-        print(f"pagedbench: {len(failures)} of {len(results)} requests failed, e.g. {failures[0]}", file=sys.stderr)
+    _say_failures(results)
     row = {
         "kind": "bench-serve",
         "timestamp": pd.Timestamp.now(tz="UTC").isoformat(timespec="seconds"),
