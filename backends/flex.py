@@ -111,8 +111,9 @@ class FlexBackend(AttentionBackend):
         # it shares the compiled graph of multi-token decodes. CUDA's decoding kernel packs GQA itself.
         self.packed_heads = 1 if cuda else num_heads // num_kv_heads
         window = variant.sliding_window
+        flash_prefill = (self.kernel_options["prefill"] or {}).get("BACKEND") == "FLASH"
         self._masks = PagedBlockMasks(
-            block_size, self.kv_block_size, self.q_block_size, self.device, window, self.packed_heads
+            block_size, self.kv_block_size, self.q_block_size, self.device, window, self.packed_heads, flash_prefill
         )
         self.score_mod = softcap_score_mod(variant.softcap, self.device) if variant.softcap is not None else None
 

@@ -65,8 +65,11 @@ class PagedBlockMasks:
         device: torch.device,
         sliding_window: int | None = None,
         packed_heads: int = 1,
+        exact_prefill_width: bool = False,
     ):
         self.block_size, self.kv_block_size, self.q_block_size = block_size, kv_block_size, q_block_size
+        # FA4's flex kernels (BACKEND=FLASH, prefill only) refuse index tables wider than the KV-block count.
+        self.exact_prefill_width = exact_prefill_width
         self.device = device
         # Decode rows hold `packed_heads` query heads per query token (q-major, see FlexBackend):
         # one query block holds a whole row.
@@ -114,8 +117,9 @@ class PagedBlockMasks:
         """The call's BlockMask (after fill_inverse): row r, a decode row or a prefill query block,
         lists its sequence's pages, as full blocks where `plan.full_blocks` allows, else masked."""
         rows, kv_block = plan.rows, self.kv_block_size
-        # kv_indices as wide as the cache's KV-block count (flex takes the count from the last dim).
-        width = capacity(-(-num_pages * self.block_size // kv_block) + 1, MIN_PAGE_CAPACITY)
+        # kv_indices at least as wide as the cache's KV-block count (flex takes the count from the last dim).
+        kv_blocks = -(-num_pages * self.block_size // kv_block)
+        width = capacity(kv_blocks + 1, MIN_PAGE_CAPACITY)
         cap_rows = capacity(rows, MIN_ROW_CAPACITY)
         counts = self._buffer(f"{plan.kind}_counts", (2, cap_rows))  # [masked, full]
         tables = self._buffer(f"{plan.kind}_tables", (2, cap_rows, width))
@@ -126,6 +130,8 @@ class PagedBlockMasks:
             tables[arrays.entry_full, arrays.entry_row, arrays.entry_col] = pages
         else:
             self._list_shared_blocks(counts[0, :rows], tables[0, :rows], arrays.entry_row, pages)
+        if plan.kind == "prefill" and self.exact_prefill_width:  # one page per KV block here: columns < kv_blocks
+            tables = tables[..., :kv_blocks]
         full = [_as_mask_rows(t[1, :rows], plan.kind) for t in (counts, tables)] if plan.full_blocks else [None, None]
         decode = plan.kind == "decode"
         return BlockMask.from_kv_blocks(

@@ -3,6 +3,8 @@ for a CUDA graph — its replay reruns the captured call with the objects captur
 whose prepare() does not refill static buffers in place replays stale state and is caught."""
 
 import functools
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -76,7 +78,7 @@ def test_padding_does_not_change_the_real_rows(backend):
     torch.testing.assert_close(got[:4], eager, atol=1e-5, rtol=1e-5)
 
 
-def graph_engine(monkeypatch, backend_cls=FlashAttnBackend, max_num_seqs=8):
+def graph_engine(monkeypatch, backend_cls=FlashAttnBackend, max_num_seqs=8, capture=fake_capture):
     """A tiny engine whose runner replays fake-captured decode graphs through `backend_cls`
     (flash-attn with the FA4 fake: the backend whose prepare() is graph-safe)."""
     install_only(monkeypatch, "fa4")
@@ -86,9 +88,36 @@ def graph_engine(monkeypatch, backend_cls=FlashAttnBackend, max_num_seqs=8):
     engine.runner.backend = backend_cls(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, 16, CPU, torch.float32
     )
-    graphs = DecodeGraphs(engine.runner, max_num_seqs, engine.max_model_len, capture=fake_capture)
+    graphs = DecodeGraphs(engine.runner, max_num_seqs, engine.max_model_len, capture=capture)
     graphs.capture_all()
     return llm, graphs
+
+
+def test_graphs_keep_the_state_their_kernels_write(monkeypatch):
+    """A CUDA graph records addresses, not objects: the state prepare() gave each capture (here
+    triton's split-KV scratch) must live as long as its graph. Freed, its memory goes to other
+    tensors that every replay then overwrites: on an H200, `compare` at batch 256 died of an
+    illegal memory access."""
+    from pagedbench.backends.triton import TritonBackend
+
+    scratch = []
+    launch = TritonBackend._launch
+
+    def recording_launch(self, *args, **kwargs):
+        result = launch(self, *args, **kwargs)
+        if result.partials is not None:
+            scratch.append(weakref.ref(result.partials[0]))
+        return result
+
+    def graph_like_capture(fn, pool):  # keeps the output, as torch.cuda.graph does, not `fn` or its state
+        out = fn()
+        return (lambda: out), pool
+
+    monkeypatch.setattr(TritonBackend, "_launch", recording_launch)
+    llm, graphs = graph_engine(monkeypatch, backend_cls=TritonBackend, max_num_seqs=4, capture=graph_like_capture)
+    assert sorted(graphs.graphs) == [1, 2, 4] and len(scratch) == 3  # every bucket's decode splits its keys
+    gc.collect()
+    assert all(ref() is not None for ref in scratch)
 
 
 def test_graphs_replay_decode_steps_exactly(monkeypatch):

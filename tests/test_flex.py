@@ -374,6 +374,25 @@ def test_decode_without_full_blocks_as_on_cuda(compile):
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("compile", MODES)
+def test_prefill_mask_as_narrow_as_flash_requires(compile):
+    """FA4's flex kernels (BACKEND=FLASH, on H200: "n-block dimension must be <= 16") take a prefill
+    index table no wider than the cache's KV-block count; the narrowed mask, run here, still equals
+    reference (the CUDA kernel itself is checked by test_flash_kernels_match_triton_on_cuda)."""
+    spec = ragged_batch_spec("mixed", 16, random.Random(3))
+    batch = random_attention_batch(spec, 8, 2, 64, 16, seed=3)
+    backend = FlexBackend(8, 2, 64, 64**-0.5, 16, torch.device("cpu"), torch.float32, compile=compile)
+    backend._masks.exact_prefill_width = True
+    state = backend.prepare(batch.metadata)
+    prefill = next(call for call in state.calls if call.kind == "prefill")
+    num_pages = batch.k_cache.shape[0]
+    assert prefill.block_mask.kv_indices.shape[-1] == num_pages  # pages of 16 = KV blocks of 16
+    assert prefill.block_mask.full_kv_indices.shape[-1] == num_pages
+    got = backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
+    expected = run_backend("reference", batch, 8, 2, 64, 16, torch.float32, "cpu")
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
 def test_page_size_is_a_compile_time_constant():
     """The mask_mod reads the page size from a static shape, not a captured int (which dynamo would
     make a dynamic symbol, and FLASH refuses): another page size compiles its own graph."""

@@ -95,6 +95,10 @@ class _Graph:
     replay: Callable[[], torch.Tensor]  # -> logits [bucket, V]
     buffers: dict  # numpy dtype -> the flat static input buffer each replay's inputs are copied into
     inputs: StepInputs  # views of those buffers (the capture's step)
+    # The backend state the captured kernels read and write (triton's split-KV scratch, say): a
+    # graph records addresses, not objects, so it lives as long as the graph, or a replay writes
+    # into freed memory that other tensors now hold (on an H200: an illegal memory access).
+    state: object
 
 
 class DecodeGraphs:
@@ -129,7 +133,7 @@ class DecodeGraphs:
             for _ in range(2):  # warm-up outside the graph: lazy initialisation, JIT compiles
                 step()
             replay, pool = self._capture(step, pool)
-            self.graphs[bucket] = _Graph(replay, buffers, inputs)
+            self.graphs[bucket] = _Graph(replay, buffers, inputs, state)
         if cuda:
             torch.cuda.synchronize(self.runner.device)
             self.capture_bytes = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
