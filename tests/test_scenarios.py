@@ -10,7 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from pagedbench.bench.scenario import LengthRange, build_requests, builtin_scenarios, load_scenario, parse_scenario
+from pagedbench.bench.scenario import (
+    LengthRange,
+    build_requests,
+    builtin_scenarios,
+    chat_conversations,
+    load_scenario,
+    parse_scenario,
+)
 from pagedbench.entrypoints.cli.main import main
 
 REQUIRED_BUILTINS = {
@@ -85,6 +92,8 @@ def test_valid_file_parses_with_defaults(tmp_path):
         ({"n": 2}, "n/best_of > 1 needs temperature > 0"),
         ({"n": 300, "temperature": 1.0}, "n must be <= max_num_seqs (256), got 300"),
         ({"name": "x"}, "name is not a scenario field"),
+        ({"prompts": "chat", "shared_prefix_len": 4}, "shared_prefix_len must be 0 with prompts 'chat'"),
+        ({"prompts": "sharegpt"}, "prompts must be one of random, python-source, chat"),
     ],
 )
 def test_invalid_field_is_a_one_line_error_naming_it(change, message):
@@ -156,6 +165,49 @@ def test_request_set_shapes():
     arrivals = [r.arrival_time for r in requests]
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
     assert all(r.arrival_time == 0 for r in build_requests(parse_scenario(VALID, "b"), 100))
+
+
+def test_chat_prompts_are_conversations_under_the_chat_template():
+    """prompts "chat": each prompt is a conversation cut after one of its user turns, formatted by
+    the model's chat template with the assistant's turn opened; every such prompt within
+    input_len is drawn once before any repeats, in an order the seed fixes."""
+    from pagedbench.model.tokenizer import PRESET_CHAT_TEMPLATE, preset_tokenizer
+
+    tokenizer = preset_tokenizer(512, [0])  # a preset's byte-level tokenizer and template
+    conversations = chat_conversations()
+    cuts = [c[: i + 1] for c in conversations for i, m in enumerate(c) if m["role"] == "user"]
+    assert len(conversations) >= 20 and len(cuts) > len(conversations)  # multi-turn
+    assert all(c[-1]["role"] == "user" for c in cuts)
+    expected = {tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in cuts}
+    assert "<|assistant|>" in PRESET_CHAT_TEMPLATE
+    scenario = parse_scenario(
+        {**VALID, "prompts": "chat", "num_prompts": len(cuts) + 5, "input_len": {"min": 1, "max": 4000}}, "c"
+    )
+    requests = build_requests(scenario, 512, tokenizer)
+    texts = [tokenizer.decode(r.prompt_token_ids) for r in requests]
+    assert set(texts[: len(cuts)]) == expected  # each once ...
+    assert set(texts[len(cuts) :]) <= expected  # ... before any repeats
+    assert [r.prompt_token_ids for r in build_requests(scenario, 512, tokenizer)] == [
+        r.prompt_token_ids for r in requests
+    ]
+    short = parse_scenario({**VALID, "prompts": "chat", "input_len": {"min": 1, "max": 120}}, "c")
+    assert all(len(r.prompt_token_ids) <= 120 for r in build_requests(short, 512, tokenizer))
+    with pytest.raises(ValueError, match="prompts 'chat' need the model's tokenizer and chat template"):
+        build_requests(scenario, 512)
+    with pytest.raises(ValueError, match="no chat prompt is 1-5 tokens long"):
+        build_requests(
+            parse_scenario({**VALID, "prompts": "chat", "input_len": {"min": 1, "max": 5}}, "c"), 512, tokenizer
+        )
+
+
+def test_chat_scenario_runs_on_a_preset(tmp_path):
+    """The built-in chat scenario, shrunk, end to end on a preset (byte-level tokenizer and template)."""
+    args = ["run", "--scenario", "chat", "--scale", "0.05", "--model", "tiny-llama", "--no-warmup"]
+    assert main([*args, "--device", "cpu", "--out", str(tmp_path)]) == 0
+    import pandas as pd
+
+    row = pd.read_csv(tmp_path / "run-chat.csv").iloc[0]
+    assert row["prompts"] == "chat" and row["num_requests"] == load_scenario("chat").scaled(0.05).num_prompts
 
 
 DIGEST = """

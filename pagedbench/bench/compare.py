@@ -16,7 +16,7 @@ from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.bench.peers import HFContinuousBatching, peer_provider, peer_unavailable_reason
-from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, build_requests
+from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, model_requests
 from pagedbench.config import EngineConfig, speculation_label
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.engine.llm_engine import LLMEngine
@@ -257,7 +257,7 @@ def compare(
         peer_unavailable_reason(peer, scenario)  # an unknown name fails here, before any run
     dev, dt = resolve_device_dtype(device, dtype)
     model, model_path = resolve_model_config(scenario.model)
-    requests = build_requests(scenario, model.vocab_size)
+    requests = model_requests(scenario, model, model_path)
     env, workload = environment(dev, dt), scenario_columns(scenario, scale, dt)
     out = Comparison([] if rows is None else rows, [], [], {})
     measured = _compare_backends(scenario, backends, requests, dev, dt, repeats, warmup, (env, workload), out)

@@ -37,7 +37,8 @@ ENGINE_FIELDS = (
     "kv_cache_dtype",
     "speculative_config",
 )
-PROMPT_SOURCES = ("random", "python-source")
+PROMPT_SOURCES = ("random", "python-source", "chat")
+CHAT_CONVERSATIONS = "chat-conversations.json"  # in pagedbench.scenarios, written for pagedbench
 
 
 MAX_PROMPTS = 1_000_000
@@ -85,8 +86,10 @@ class Scenario:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # ranks the model is sharded over; num_blocks is each rank's KV budget
     enforce_eager: bool = False  # no CUDA graphs (how the engine runs, not what: outside the hash)
-    # "random" token ids (vLLM's random dataset), or "python-source": held-out Python source as
-    # bytes, for a byte-level model (the trained pair), where a draft has something to predict.
+    # "random" token ids (vLLM's random dataset); "python-source": held-out Python source as
+    # bytes, for a byte-level model (the trained pair), where a draft has something to predict;
+    # "chat": multi-turn conversations (CHAT_CONVERSATIONS) under the model's chat template, each
+    # prompt a conversation up to one of its user turns, drawn among those within input_len tokens.
     prompts: str = "random"
     kv_cache_dtype: str = "auto"  # how K/V pages are stored (EngineConfig.kv_cache_dtype)
     speculative_config: dict | None = None  # vLLM's speculative_config for every backend's engine
@@ -115,6 +118,8 @@ class Scenario:
             self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.prompts not in PROMPT_SOURCES:
             self._fail("prompts", f"must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
+        if self.prompts == "chat" and self.shared_prefix_len:
+            self._fail("shared_prefix_len", "must be 0 with prompts 'chat' (turns of a conversation share theirs)")
         try:
             SpeculativeConfig.parse(self.speculative_config)
         except (TypeError, ValueError) as e:
@@ -239,8 +244,9 @@ class Request:
     arrival_time: float  # seconds after the run starts
 
 
-def build_requests(scenario: Scenario, vocab_size: int) -> list[Request]:
-    """The scenario's request set; the same in every process for the same seed and vocabulary."""
+def build_requests(scenario: Scenario, vocab_size: int, tokenizer=None) -> list[Request]:
+    """The scenario's request set; the same in every process for the same seed and vocabulary
+    (and, for prompts "chat", the model's tokenizer, whose chat template formats them)."""
     rng = np.random.default_rng(scenario.seed)
     n = scenario.num_prompts
     prefix = rng.integers(0, vocab_size, size=scenario.shared_prefix_len).tolist()
@@ -248,6 +254,8 @@ def build_requests(scenario: Scenario, vocab_size: int) -> list[Request]:
     output_lens = scenario.output_len.sample(rng, n)
     if scenario.prompts == "python-source":
         prefix, bodies = _python_source(scenario, rng, input_lens, vocab_size)
+    elif scenario.prompts == "chat":
+        bodies = _chat(scenario, rng, tokenizer)
     else:
         tokens = rng.integers(0, vocab_size, size=int(input_lens.sum()))
         bodies = np.split(tokens, np.cumsum(input_lens)[:-1])
@@ -262,6 +270,17 @@ def build_requests(scenario: Scenario, vocab_size: int) -> list[Request]:
     ]
 
 
+def model_requests(scenario: Scenario, config, path) -> list[Request]:
+    """build_requests for the resolved model (`config`, its directory `path` or None for a
+    preset), loading its tokenizer only for prompts that need it."""
+    from pagedbench.model.tokenizer import tokenizer_for
+
+    tokenizer = None
+    if scenario.prompts == "chat":
+        tokenizer = tokenizer_for(None, path, config.vocab_size, config.eos_token_ids)
+    return build_requests(scenario, config.vocab_size, tokenizer)
+
+
 def _python_source(scenario: Scenario, rng, input_lens, vocab_size: int) -> tuple[list[int], list[np.ndarray]]:
     """Byte ids of held-out Python source (trained_pair.corpus): a shared prefix from its start,
     and each body from a random place."""
@@ -273,6 +292,38 @@ def _python_source(scenario: Scenario, rng, input_lens, vocab_size: int) -> tupl
     prefix = text[: scenario.shared_prefix_len].tolist()
     starts = rng.integers(0, len(text) - int(input_lens.max()), size=len(input_lens))
     return prefix, [text[s : s + n] for s, n in zip(starts, input_lens)]
+
+
+def chat_conversations() -> list[list[dict]]:
+    """The conversations of prompts "chat": OpenAI-style messages, each ending with a user turn."""
+    return json.loads(resources.files("pagedbench.scenarios").joinpath(CHAT_CONVERSATIONS).read_text())
+
+
+def _chat(scenario: Scenario, rng, tokenizer) -> list[np.ndarray]:
+    """Token ids of num_prompts chat prompts: every conversation cut after each of its user turns,
+    under the tokenizer's chat template with the assistant's turn opened; those within input_len,
+    in a seeded order, each once before any repeats."""
+    from pagedbench.model.tokenizer import chat_prompt
+
+    if tokenizer is None:
+        raise ValueError(f"scenario {scenario.name!r}: prompts 'chat' need the model's tokenizer and chat template")
+    pool = []
+    for conversation in chat_conversations():
+        for turn, message in enumerate(conversation):
+            if message["role"] == "user":
+                try:
+                    ids = chat_prompt(tokenizer, conversation[: turn + 1])["prompt_token_ids"]
+                except ValueError as e:
+                    raise ValueError(f"scenario {scenario.name!r}: prompts 'chat': {e}") from None
+                if scenario.input_len.min <= len(ids) <= scenario.input_len.max:
+                    pool.append(np.array(ids, dtype=np.int64))
+    if not pool:
+        raise ValueError(
+            f"scenario {scenario.name!r}: no chat prompt is {scenario.input_len} tokens long under this model's "
+            "chat template (input_len bounds the prompts drawn)"
+        )
+    order = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-scenario.num_prompts // len(pool)))])
+    return [pool[i] for i in order[: scenario.num_prompts]]
 
 
 # ---- loading ------------------------------------------------------------------------------

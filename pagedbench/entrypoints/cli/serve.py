@@ -6,7 +6,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from pagedbench.bench.scenario import build_requests, load_scenario
+from pagedbench.bench.scenario import build_requests, load_scenario, model_requests
 from pagedbench.config import EngineConfig
 from pagedbench.entrypoints.cli.common import NothingMeasured, add_overwrite_flag, prepare_out_dir, report_stem
 from pagedbench.model.presets import PRESETS
@@ -70,7 +70,7 @@ def cmd_bench_serve(args) -> None:
     model = args.model or card["id"]
     backend = args.label or card.get("backend") or url  # pagedbench serve names its backend
     prepare_out_dir(args.out)
-    requests = build_requests(scenario, _vocab_size(model))
+    requests = _requests(scenario, model)
     head = {"backend": backend, "base_url": url, "model": model, "scenario": scenario.name, "scale": args.scale}
     if args.num_warmups:
         _warm_up(url, model, requests, scenario.seed, args)
@@ -114,13 +114,21 @@ def _server_card(url: str, api_key: str | None, model: str | None) -> dict:
         return {}
 
 
-def _vocab_size(model: str) -> int:
+def _requests(scenario, model: str):
+    """The scenario's requests for the served `model`, resolved here where it can be (a preset,
+    directory or GGUF file); else random ids that every real vocabulary has."""
     from pagedbench.model.loader import resolve_model_config
 
     try:
-        return resolve_model_config(model)[0].vocab_size
+        config, path = resolve_model_config(model)
     except (ValueError, FileNotFoundError, OSError):
-        return 1000  # token ids every real vocabulary has
+        if scenario.prompts == "chat":
+            raise ValueError(
+                f"scenario {scenario.name!r} formats its prompts with the model's chat template: "
+                f"--model must name the served model's directory, GGUF file or preset here (got {model!r})"
+            ) from None
+        return build_requests(scenario, 1000)
+    return model_requests(scenario, config, path)
 
 
 def _load_at(rate: float, url: str, requests, seed: int, slos, args, head: dict) -> dict:
