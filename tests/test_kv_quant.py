@@ -58,7 +58,7 @@ def test_same_memory_holds_twice_the_fp8_pages():
 
 @pytest.fixture(scope="module")
 def teacher_forced():
-    segments = kv_quality.held_out_segments(4, 384)
+    segments = kv_quality.held_out_segments("py-byte-target", 4, 384)
     runs = [("sdpa", kv) for kv in ["auto", *QUANTIZED]] + [("reference", "int8"), ("reference", "fp8")]
     logprobs = {
         (backend, kv): kv_quality.teacher_forced_logprobs("py-byte-target", backend, kv, segments, **CPU32)
@@ -95,7 +95,7 @@ def test_backends_agree_on_the_same_quantized_pages(teacher_forced):
     for kv in ("int8", "fp8"):
         torch.testing.assert_close(lp["reference", kv], lp["sdpa", kv], atol=5e-4, rtol=0)
     pytest.importorskip("triton")
-    short = kv_quality.held_out_segments(1, 160)
+    short = kv_quality.held_out_segments("py-byte-target", 1, 160)
     for kv in ("int8", "fp8"):
         got, expected = (
             kv_quality.teacher_forced_logprobs("py-byte-target", backend, kv, short, **CPU32)
@@ -179,3 +179,35 @@ def test_calculate_kv_scales_sets_fp8_scales_from_the_first_step(tiny_models):
     assert (scales != 1.0).all() and (scales > 0).all() and not llm.engine.runner.calibrate_kv
     llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert torch.equal(llm.engine.runner.kv_scale, scales)  # set once, never again
+
+
+def test_a_real_tokenizer_reads_the_held_out_text_as_its_own_tokens(tiny_models):
+    """A model with its own tokenizer is teacher-forced on held-out Python source in its tokens
+    (the byte-level pair reads bytes), from line starts; prompts "python-source" give it the same
+    text in its tokens."""
+    from pagedbench.bench.scenario import build_requests, model_requests, parse_scenario
+    from pagedbench.model.loader import resolve_model_config
+    from pagedbench.model.tokenizer import load_tokenizer
+    from pagedbench.model.trained_pair import corpus
+
+    path = tiny_models["llama"][0]
+    tokenizer = load_tokenizer(path)
+    text = corpus()[1].decode("utf-8", "replace")
+    segments = kv_quality.held_out_segments(path, 3, 48)
+    assert [len(s) for s in segments] == [48, 48, 48]
+    for ids in segments:
+        decoded = tokenizer.decode(ids)
+        assert "\n" + decoded in text and max(ids) < tokenizer.vocab_size
+    pair = kv_quality.held_out_segments("py-byte-target", 3, 48)
+    assert all(bytes(s).decode("utf-8", "replace") in text for s in pair)  # bytes, as before
+
+    scenario = parse_scenario(
+        {"description": "d", "num_prompts": 4, "input_len": 40, "output_len": 4, "kv_tokens": 4096,
+         "prompts": "python-source", "model": path},
+        "code",
+    )  # fmt: skip
+    config, model_path = resolve_model_config(path)
+    requests = model_requests(scenario, config, model_path)
+    assert all(len(r.prompt_token_ids) == 40 and tokenizer.decode(r.prompt_token_ids) in text for r in requests)
+    bytes_requests = build_requests(scenario, config.vocab_size)  # no tokenizer: bytes as ids
+    assert all(max(r.prompt_token_ids) < 256 for r in bytes_requests)

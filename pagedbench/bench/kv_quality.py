@@ -20,12 +20,19 @@ from pagedbench.worker.step_plan import prepare_step
 MILESTONE = "top-1 agreement >= 99 % and perplexity within 1 %"
 
 
-def held_out_segments(num_segments: int = 4, length: int = 512, seed: int = 0) -> list[list[int]]:
-    """Byte ids of held-out Python source (the trained pair never saw it), from random places."""
-    from pagedbench.model.trained_pair import corpus
+def held_out_segments(model: str = "py-byte-target", num_segments: int = 4, length: int = 512, seed: int = 0):
+    """Held-out Python source (the trained pair never saw it) from random places, as `model` reads
+    it: bytes as ids for the byte-level pair and presets, a real model's own tokens."""
+    from pagedbench.model.loader import resolve_model_config
+    from pagedbench.model.tokenizer import tokenizer_for
+    from pagedbench.model.trained_pair import VOCAB, corpus, held_out_tokens
 
     text = corpus()[1]
     starts = np.random.default_rng(seed).integers(0, len(text) - length, num_segments)
+    config, path = resolve_model_config(model)
+    if path is not None and config.vocab_size > VOCAB:
+        tokenizer = tokenizer_for(None, path, config.vocab_size, config.eos_token_ids)
+        return held_out_tokens(tokenizer, starts, [length] * num_segments)
     return [list(text[s : s + length]) for s in starts]
 
 
@@ -87,7 +94,7 @@ def kv_quality(
 ) -> list[dict]:
     """One row per backend x quantized kv_cache_dtype; a backend that cannot run here, or cannot
     read such pages, gets "unavailable" rows with its reason (and is not run for nothing)."""
-    segments = held_out_segments()
+    segments = held_out_segments(model)
     next_tokens = targets(segments)
     rows = []
     for backend in backends:

@@ -253,7 +253,7 @@ def build_requests(scenario: Scenario, vocab_size: int, tokenizer=None) -> list[
     input_lens = scenario.input_len.sample(rng, n)
     output_lens = scenario.output_len.sample(rng, n)
     if scenario.prompts == "python-source":
-        prefix, bodies = _python_source(scenario, rng, input_lens, vocab_size)
+        prefix, bodies = _python_source(scenario, rng, input_lens, vocab_size, tokenizer)
     elif scenario.prompts == "chat":
         bodies = _chat(scenario, rng, tokenizer)
     else:
@@ -274,24 +274,33 @@ def model_requests(scenario: Scenario, config, path) -> list[Request]:
     """build_requests for the resolved model (`config`, its directory `path` or None for a
     preset), loading its tokenizer only for prompts that need it."""
     from pagedbench.model.tokenizer import tokenizer_for
+    from pagedbench.model.trained_pair import VOCAB
 
+    # Python source is bytes for the byte-level pair and presets, a real model's own tokens for it.
+    real_tokens = scenario.prompts == "python-source" and path is not None and config.vocab_size > VOCAB
     tokenizer = None
-    if scenario.prompts == "chat":
+    if scenario.prompts == "chat" or real_tokens:
         tokenizer = tokenizer_for(None, path, config.vocab_size, config.eos_token_ids)
     return build_requests(scenario, config.vocab_size, tokenizer)
 
 
-def _python_source(scenario: Scenario, rng, input_lens, vocab_size: int) -> tuple[list[int], list[np.ndarray]]:
-    """Byte ids of held-out Python source (trained_pair.corpus): a shared prefix from its start,
-    and each body from a random place."""
-    from pagedbench.model.trained_pair import corpus
+def _python_source(
+    scenario: Scenario, rng, input_lens, vocab_size: int, tokenizer=None
+) -> tuple[list[int], list[np.ndarray]]:
+    """Held-out Python source (trained_pair.corpus), as bytes or, given a model's tokenizer, its
+    tokens: a shared prefix from its start, and each body from a random place."""
+    from pagedbench.model.trained_pair import corpus, held_out_tokens
 
+    text = corpus()[1]
+    if tokenizer is not None:
+        starts = rng.integers(0, len(text) - 16 * int(input_lens.max()), size=len(input_lens))
+        prefix = held_out_tokens(tokenizer, [0], [scenario.shared_prefix_len])[0] if scenario.shared_prefix_len else []
+        return prefix, [np.array(ids, dtype=np.int64) for ids in held_out_tokens(tokenizer, starts, input_lens)]
     if vocab_size < 256:
         raise ValueError(f"scenario {scenario.name!r}: prompts 'python-source' are bytes, for a byte-level model")
-    text = np.frombuffer(corpus()[1], dtype=np.uint8).astype(np.int64)
-    prefix = text[: scenario.shared_prefix_len].tolist()
-    starts = rng.integers(0, len(text) - int(input_lens.max()), size=len(input_lens))
-    return prefix, [text[s : s + n] for s, n in zip(starts, input_lens)]
+    ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64)
+    starts = rng.integers(0, len(ids) - int(input_lens.max()), size=len(input_lens))
+    return ids[: scenario.shared_prefix_len].tolist(), [ids[s : s + n] for s, n in zip(starts, input_lens)]
 
 
 def chat_conversations() -> list[list[dict]]:

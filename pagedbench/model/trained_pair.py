@@ -45,6 +45,18 @@ def corpus() -> tuple[bytes, bytes, list[str]]:
     return train, held_out, [f.name for f in files]
 
 
+def held_out_tokens(tokenizer, starts, lengths) -> list[list[int]]:
+    """A real tokenizer's ids of held-out source (corpus()[1]): for each byte offset in `starts`,
+    up to `lengths` tokens of the text from the start of its line (the pair reads bytes as ids)."""
+    text = corpus()[1]
+    windows = []
+    for start, n in zip(starts, lengths):
+        start = text.rfind(b"\n", 0, int(start)) + 1
+        chunk = text[start : start + 16 * int(n)].decode("utf-8", "replace")  # >= n tokens of source
+        windows.append(tokenizer.encode(chunk, add_special_tokens=False)[: int(n)])
+    return windows
+
+
 def _config(name: str):
     from transformers import LlamaConfig
 
