@@ -9,7 +9,7 @@ import torch
 
 from pagedbench import LLM, SamplingParams
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.llama import rope_inv_freq
+from pagedbench.model.layers import rope_inv_freq
 from pagedbench.model.presets import PRESETS
 from tests.conftest import hf_greedy, write_legacy_config
 

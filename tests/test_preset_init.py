@@ -9,7 +9,7 @@ import torch
 
 from pagedbench import LLM, SamplingParams
 from pagedbench.bench.metrics import identical_token_share
-from pagedbench.model.llama import apply_rope
+from pagedbench.model.layers import apply_rope
 from pagedbench.model.loader import build_model, resolve_model_config
 from pagedbench.model.preset_init import lag_of_head
 

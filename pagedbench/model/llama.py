@@ -8,107 +8,23 @@ Gemma 3's sliding-window layers have their own RoPE base. Attention goes through
 `AttentionContext`: the KV write is shared code, the attention itself is the layer's backend's.
 """
 
-import math
-from dataclasses import dataclass
-from functools import partial
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from pagedbench.backends.base import AttentionBackend, write_kv
+from pagedbench.backends.base import write_kv
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab, shard_param
-
-
-@dataclass(slots=True)
-class AttentionContext:
-    """What every layer needs for one step: its backend and that backend's per-step state (layers
-    of one attention variant share both), and the cache."""
-
-    backends: list[AttentionBackend]  # per layer
-    states: list[Any]  # per layer
-    slot_mapping: torch.Tensor  # [T] int64
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, H_kv, D]
-    timer: Any = None  # a DeviceTimer: each layer's attention call becomes an "attention" span
-    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, when the pages are quantized
-    calibrate_kv: bool = False  # set each layer's fp8 scales from this step's K/V (calculate_kv_scales)
-
-
-def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied (`local`: a Gemma 3
-    sliding-window layer's own base, unscaled)."""
-    d = cfg.head_dim
-    theta = cfg.local_rope_theta if local else cfg.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = {} if local else cfg.rope_scaling or {}
-    kind = scaling.get("rope_type")
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, local: bool = False):
-        super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg, local))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, D] fp32
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for `positions` [T]; gathered once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] in the half-split (rotate_half) layout Hugging Face uses."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class RMSNorm(nn.Module):
-    """Llama's: weight * norm(x) in x's dtype; Gemma's (`offset`): norm(x) * (1 + weight) in fp32."""
-
-    def __init__(self, dim: int, eps: float, offset: bool = False):
-        super().__init__()
-        self.eps, self.offset = eps, offset
-        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
-
-
-def _column_parallel(in_features: int, out_features: int, start: int, length: int, bias: bool) -> nn.Linear:
-    """The output rows [start, start + length) of an in_features -> out_features projection."""
-    linear = nn.Linear(in_features, length, bias=bias)
-    shard_param(linear.weight, 0, start, length, out_features)
-    if bias:
-        shard_param(linear.bias, 0, start, length, out_features)
-    return linear
-
-
-def _row_parallel(in_features: int, out_features: int, start: int, length: int) -> nn.Linear:
-    """The input columns [start, start + length) of a projection; its output is a partial sum."""
-    linear = nn.Linear(length, out_features, bias=False)
-    shard_param(linear.weight, 1, start, length, in_features)
-    return linear
+from pagedbench.model.layers import (
+    MLP,
+    AttentionContext,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    apply_rope,
+    column_parallel,
+    row_parallel,
+)
+from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab
 
 
 class Attention(nn.Module):
@@ -120,10 +36,10 @@ class Attention(nn.Module):
         d, h = cfg.head_dim, cfg.hidden_size
         (h0, self.num_heads), (k0, self.num_kv_heads) = tp.heads(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads)
         self.head_dim = d
-        self.q_proj = _column_parallel(h, cfg.num_heads * d, h0 * d, self.num_heads * d, cfg.qkv_bias)
-        self.k_proj = _column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
-        self.v_proj = _column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
-        self.o_proj = _row_parallel(cfg.num_heads * d, h, h0 * d, self.num_heads * d)
+        self.q_proj = column_parallel(h, cfg.num_heads * d, h0 * d, self.num_heads * d, cfg.qkv_bias)
+        self.k_proj = column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
+        self.v_proj = column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
+        self.o_proj = row_parallel(cfg.num_heads * d, h, h0 * d, self.num_heads * d)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
@@ -148,38 +64,6 @@ class Attention(nn.Module):
         if start is not None:
             ctx.timer.span("attention", start)
         return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPShard):
-        super().__init__()
-        self.tp = tp
-        h, n = cfg.hidden_size, cfg.intermediate_size
-        start, length = tp.chunk(n)
-        self.gate_proj = _column_parallel(h, n, start, length, bias=False)
-        self.up_proj = _column_parallel(h, n, start, length, bias=False)
-        self.down_proj = _row_parallel(n, h, start, length)
-        self.act = F.silu if cfg.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)), self.tp)
-
-
-class VocabParallelEmbedding(nn.Embedding):
-    """Rows [start, start + length) of the embedding; other ids look up zeros, summed across ranks."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPShard):
-        self.tp, (self.start, length) = tp, tp.chunk(vocab_size)
-        super().__init__(length, hidden_size)
-        shard_param(self.weight, 0, self.start, length, vocab_size)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return super().forward(input_ids)
-        local = input_ids - self.start
-        here = (local >= 0) & (local < self.num_embeddings)
-        x = super().forward(torch.where(here, local, 0)) * here[:, None].to(self.weight.dtype)
-        return all_reduce(x, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -237,7 +121,7 @@ class CausalLM(nn.Module):
         self.config, self.tp = cfg, tp  # a tp that divides the model (the engine validates it)
         self.model = DecoderModel(cfg, max_positions, tp)
         start, length = tp.chunk(cfg.vocab_size)
-        self.lm_head = _column_parallel(cfg.hidden_size, cfg.vocab_size, start, length, bias=False)
+        self.lm_head = column_parallel(cfg.hidden_size, cfg.vocab_size, start, length, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.llama import rope_inv_freq
+from pagedbench.model.layers import rope_inv_freq
 
 STD = 0.02
 ALPHA = 10.0  # the constant dimension, in units of an embedding row's norm

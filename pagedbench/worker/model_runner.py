@@ -16,7 +16,8 @@ from pagedbench.backends.base import (
 )
 from pagedbench.device.transfer import to_device, to_host
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.llama import AttentionContext, CausalLM
+from pagedbench.model.layers import AttentionContext
+from pagedbench.model.llama import CausalLM
 from pagedbench.model.parallel import NO_TP, TPShard
 from pagedbench.worker.layer_attention import LayerAttention, LayerStates
 from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan, plan_step
