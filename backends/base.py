@@ -22,17 +22,23 @@ class AttentionVariant:
     softcap: scores become softcap * tanh(scores / softcap) after scaling (Gemma 2); None: no cap.
     sinks: the layer has a learned logit per query head in the softmax denominator (gpt-oss);
       its values [H] fp32 come with each forward() call.
+    value_dim: latent attention (DeepSeek's MLA, absorbed): the values are the first value_dim dims
+      of each key (v_cache is a view of k_cache's pages) and the output is [T, H, value_dim];
+      None: V has pages of its own, of the keys' head_dim.
     """
 
     sliding_window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    value_dim: int | None = None
 
     def __post_init__(self):
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 or None, got {self.sliding_window!r}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"softcap must be > 0 or None, got {self.softcap!r}")
+        if self.value_dim is not None and (isinstance(self.value_dim, bool) or self.value_dim < 1):
+            raise ValueError(f"value_dim must be an integer >= 1 or None, got {self.value_dim!r}")
 
     def settings(self) -> dict:
         """As keyword arguments of `unavailable_reason` and `provider`."""
@@ -46,6 +52,8 @@ class AttentionVariant:
             parts.append(f"soft-cap {self.softcap:g}")
         if self.sinks:
             parts.append("sinks")
+        if self.value_dim is not None:
+            parts.append(f"latent values {self.value_dim}")
         return ", ".join(parts) or "plain"
 
 
@@ -160,20 +168,22 @@ def _quantize(x: torch.Tensor, storage: torch.dtype, scale: torch.Tensor) -> tup
 
 def write_kv(
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store k, v [T, H_kv, D] at `slot_mapping` [T] in the paged caches (shared by all backends),
-    quantized when the cache is (kv_scales: per-layer [1] for fp8, per-slot [pages, page, H_kv] for int8)."""
+    quantized when the cache is (kv_scales: per-layer [1] for fp8, per-slot [pages, page, H_kv] for int8).
+    v None: latent attention, whose values are a view of the key pages (written with them)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    planes = [(k, k_cache)] if v is None else [(k, k_cache), (v, v_cache)]
     if kv_scales is None:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        for x, cache in planes:
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
         return
-    for x, cache, scale in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])):
+    for (x, cache), scale in zip(planes, kv_scales):
         stored, token_scale = _quantize(x, cache.dtype, scale)
         # Byte views: index_copy_ has no fp8 kernel on CPU.
         cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, stored.view(torch.uint8))
@@ -214,6 +224,9 @@ class AttentionBackend(ABC):
     # kv_cache_dtype values beyond "auto" that forward() reads (given kv_scales), and why not the others.
     quantized_kv: ClassVar[tuple[str, ...]] = ()
     quantized_kv_reason: ClassVar[str] = "reads K/V pages in the model's dtype only"
+    # Whether forward() takes latent attention's values as a view of the key pages (AttentionVariant.value_dim).
+    latent_values: ClassVar[bool] = False
+    latent_values_reason: ClassVar[str] = "not implemented: values are read from V pages of the keys' head_dim"
 
     def __init__(
         self,
@@ -251,6 +264,13 @@ class AttentionBackend(ABC):
         if kv_cache_dtype == "auto" or kv_cache_dtype in cls.quantized_kv:
             return None
         return f"kv_cache_dtype {kv_cache_dtype}: {cls.quantized_kv_reason}"
+
+    @classmethod
+    def latent_reason(cls, value_dim: int | None = None, **_) -> str | None:
+        """Why this backend cannot run latent attention (values inside the key pages), or None."""
+        if value_dim is None or cls.latent_values:
+            return None
+        return f"latent attention (MLA, values the keys' first {value_dim} dims): {cls.latent_values_reason}"
 
     @staticmethod
     def plain_only(sliding_window=None, softcap=None, sinks=False, **_) -> str | None:

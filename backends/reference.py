@@ -27,6 +27,7 @@ class _Seq:
 class ReferenceBackend(AttentionBackend):
     name = "reference"
     quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized as gathered
+    latent_values = True  # the gathered V rows are the latent's first value_dim dims
     cuda_graph_reason = "it attends one sequence at a time, looping over host-side lengths"
 
     @classmethod
@@ -41,7 +42,7 @@ class ReferenceBackend(AttentionBackend):
         ]
 
     def forward(self, q, k_cache, v_cache, state: list[_Seq], sinks=None, kv_scales=None) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [T, H, D_v]
         group = self.num_heads // self.num_kv_heads
         k_scale, v_scale = kv_scales or (None, None)
         for s in state:

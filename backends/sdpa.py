@@ -51,6 +51,7 @@ CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # masks rule o
 class SDPABackend(AttentionBackend):
     name = "sdpa"
     quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized as gathered
+    latent_values = True  # the gathered V rows are the latent's first value_dim dims
     cuda_graph_reason = "prepare() sizes its padded K/V gather by each step's longest sequence"
 
     @classmethod
@@ -92,7 +93,7 @@ class SDPABackend(AttentionBackend):
             return self._forward(q, k_cache, v_cache, state, None, kv_scales)
 
     def _forward(self, q, k_cache, v_cache, state: list[_Group], sinks=None, kv_scales=None) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [T, H, D_v]
         group = self.num_heads // self.num_kv_heads
         k_scale, v_scale = kv_scales or (None, None)
         for g in state:

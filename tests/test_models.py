@@ -11,7 +11,7 @@ from pagedbench import LLM, SamplingParams
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.layers import rope_inv_freq
 from pagedbench.model.presets import PRESETS
-from tests.conftest import hf_greedy, write_legacy_config
+from tests.conftest import build_hf_model, hf_greedy, write_legacy_config
 
 PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
 
@@ -61,8 +61,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         ValueError, match="unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"
     ):
         ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
-        ModelConfig.from_dict({**PRESETS["tiny-llama"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="unsupported rope type 'longrope'"):
+        ModelConfig.from_dict({**PRESETS["tiny-llama"], "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -101,3 +101,28 @@ def test_sparse_gemma_config_gets_transformers_defaults():
     assert (cfg.attn_softcap, cfg.final_softcap) == (hf.attn_logit_softcapping, hf.final_logit_softcapping) == (50, 30)
     assert cfg.head_dim == hf.head_dim == 256 and cfg.attention_scale == 256**-0.5
     assert cfg.hidden_act == hf.hidden_activation == "gelu_pytorch_tanh"
+
+
+def test_yarn_rope_matches_hugging_face(tmp_path):
+    """YaRN (Qwen's long-context RoPE, DeepSeek's) from transformers' own formula: its frequencies
+    and the cos/sin factor give greedy tokens equal to Hugging Face's."""
+    spec = {
+        "qwen2-yarn": (
+            "Qwen2Config",
+            dict(
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+        )
+    }
+    hf = build_hf_model("qwen2-yarn", tmp_path / "m", spec)
+    prompt = list(range(5, 90))  # past original_max_position_embeddings
+    llm = LLM(str(tmp_path / "m"), device="cpu", dtype="float32")
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 10)

@@ -5,6 +5,7 @@ transformers' own config class for the model type, so the defaults a checkpoint 
 the library's (Gemma 2's alternating windows, Gemma 3's 5-local-1-global pattern)."""
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,9 +19,35 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": (False, True, False),
     "Gemma2ForCausalLM": (False, False, True),
     "Gemma3ForCausalLM": (False, True, True),
+    "DeepseekV3ForCausalLM": (False, False, False),  # latent attention (LatentAttention)
 }
+LATENT_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V3): each token caches, per layer, one latent shared by
+    every head, the normalized kv_lora_rank compression and the rotated qk_rope_head_dim key part
+    (kv_lora_rank + qk_rope_head_dim numbers, one "KV head"). Keys and values are up-projected from
+    it per head (kv_b_proj), or, absorbed, the key up-projection is folded into the query and the
+    values are the latent's first kv_lora_rank dims, up-projected after attention."""
+
+    q_lora_rank: int | None  # None: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's rotary dims come in (even, odd) pairs
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(slots=True)
@@ -51,10 +78,29 @@ class ModelConfig:
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None  # the softmax scale is its -1/2 power (head_dim's otherwise)
     local_rope_theta: float | None = None  # RoPE base of sliding-window layers, where it differs (Gemma 3)
+    # Latent attention: the cache holds one "KV head" of head_dim = latent_dim numbers per token.
+    mla: LatentAttention | None = None
 
     @property
     def attention_scale(self) -> float:
+        if self.mla is not None:  # YaRN's mscale(factor, mscale_all_dim) squared, as transformers applies it
+            scale = self.mla.qk_head_dim**-0.5
+            scaling = self.rope_scaling or {}
+            if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+                mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+                scale *= mscale * mscale
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims RoPE rotates: every head dim, or latent attention's qk_rope_head_dim."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """Paged planes per layer: K and V, or latent attention's one latent (its values are a view)."""
+        return 2 if self.mla is None else 1
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -69,9 +115,12 @@ class ModelConfig:
         return self.sliding_window
 
     def layer_variants(self) -> list[AttentionVariant]:
-        """What each layer's attention computes (its window and soft-cap)."""
+        """What each layer's attention computes (its window and soft-cap; latent values)."""
+        value_dim = self.mla.kv_lora_rank if self.mla is not None else None
         return [
-            AttentionVariant(self.sliding_window if self.is_sliding(i) else None, self.attn_softcap)
+            AttentionVariant(
+                self.sliding_window if self.is_sliding(i) else None, self.attn_softcap, value_dim=value_dim
+            )
             for i in range(self.num_layers)
         ]
 
@@ -105,10 +154,11 @@ class ModelConfig:
             scaling = {**legacy, **rope, "rope_type": rope_type}
             scaling.pop("rope_theta", None)
             scaling.pop("type", None)
-            if rope_type not in ("llama3", "linear"):
-                raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
+            if rope_type not in ("llama3", "linear", "yarn"):
+                raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
+        mla = _latent_attention(arch, cfg, get)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -116,8 +166,8 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=get("head_dim") or cfg["hidden_size"] // num_heads,
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or num_heads,
+            head_dim=mla.latent_dim if mla else get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=get("rms_norm_eps") or 1e-6,
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
@@ -134,6 +184,7 @@ class ModelConfig:
             final_softcap=get("final_logit_softcapping"),
             query_pre_attn_scalar=get("query_pre_attn_scalar"),
             local_rope_theta=layers["local_rope_theta"],
+            mla=mla,
         )
 
     @classmethod
@@ -159,6 +210,31 @@ class ModelConfig:
             if eos is not None:
                 cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
         return cfg
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scaling for a context extended `factor` times (DeepSeek's yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _latent_attention(arch: str, cfg: dict, get) -> LatentAttention | None:
+    """The latent-attention dims of a DeepSeek-V3 config; its MoE layers are refused (dense only)."""
+    if arch not in LATENT_ARCHITECTURES:
+        return None
+    layers, dense = cfg["num_hidden_layers"], get("first_k_dense_replace")
+    if get("n_routed_experts") and (dense is None or dense < layers):
+        raise ValueError(
+            f"{arch}'s mixture-of-experts layers are not implemented yet: only configs whose every layer "
+            f"is dense run (first_k_dense_replace = num_hidden_layers = {layers}, got {dense})"
+        )
+    return LatentAttention(
+        q_lora_rank=get("q_lora_rank"),
+        kv_lora_rank=get("kv_lora_rank"),
+        qk_nope_head_dim=get("qk_nope_head_dim"),
+        qk_rope_head_dim=get("qk_rope_head_dim"),
+        v_head_dim=get("v_head_dim"),
+        rope_interleave=bool(get("rope_interleave")),
+    )
 
 
 def _hf_getter(cfg: dict):

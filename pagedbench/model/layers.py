@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedbench.backends.base import AttentionBackend
+from pagedbench.backends.base import AttentionBackend, write_kv
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.parallel import TPShard, all_reduce, shard_param
 
@@ -28,11 +28,29 @@ class AttentionContext:
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, when the pages are quantized
     calibrate_kv: bool = False  # set each layer's fp8 scales from this step's K/V (calculate_kv_scales)
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """Write this step's k, v [T, H_kv, D] into `layer`'s pages (v None: latent attention, whose
+        values are the key pages' first dims) and attend with q [T, H, D] through the layer's
+        backend (an "attention" span of the timer) -> [T, H, D_v]."""
+        k_cache, v_cache = self.kv_caches[layer]
+        scales = self.kv_scales[layer] if self.kv_scales is not None else None
+        if self.calibrate_kv:  # vLLM's calculate_kv_scales: the first step's absolute maximum fills fp8's range
+            for x, scale in zip((k, v), scales):
+                if x is not None:
+                    scale.copy_((x.abs().amax().float() / torch.finfo(k_cache.dtype).max).clamp(min=1e-8))
+        write_kv(k, v, k_cache, v_cache, self.slot_mapping, scales)
+        start = self.timer.mark() if self.timer is not None else None
+        quantized = {} if scales is None else {"kv_scales": scales}
+        out = self.backends[layer].forward(q, k_cache, v_cache, self.states[layer], **quantized)
+        if start is not None:
+            self.timer.span("attention", start)
+        return out
+
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied (`local`: a Gemma 3
-    sliding-window layer's own base, unscaled)."""
-    d = cfg.head_dim
+    """Inverse frequencies [rotary_dim/2], with linear, llama3 or YaRN scaling applied (`local`: a
+    Gemma 3 sliding-window layer's own base, unscaled)."""
+    d = cfg.rotary_dim
     theta = cfg.local_rope_theta if local else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = {} if local else cfg.rope_scaling or {}
@@ -48,7 +66,25 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv_freq = _yarn(cfg)[0]
     return inv_freq
+
+
+def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and cos/sin factor, from transformers' own code for it."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = PretrainedConfig(
+        rope_parameters={**cfg.rope_scaling, "rope_theta": cfg.rope_theta},
+        head_dim=cfg.rotary_dim,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    return inv_freq.float(), float(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -56,11 +92,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg, local))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_positions, D] fp32
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        yarn = not local and (cfg.rope_scaling or {}).get("rope_type") == "yarn"
+        factor = _yarn(cfg)[1] if yarn else 1.0  # YaRN scales cos and sin (its attention factor)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)  # [max_positions, rotary_dim] fp32
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for `positions` [T]; gathered once per step, used by every layer."""
+        """cos, sin [T, 1, rotary_dim] for `positions` [T]; gathered once per step, used by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) over one flat, unpadded
-token batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3; DeepSeek-V3's dense layers
+with latent attention, mla.py) over one flat, unpadded token batch.
 
 Module names match Hugging Face's so checkpoints load by name. Gemma differs in a few switches
 (`cfg.gemma`): RMSNorm scales by 1 + weight, every block has norms before and after, embeddings
@@ -12,7 +12,6 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from pagedbench.backends.base import write_kv
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.layers import (
     MLP,
@@ -24,6 +23,7 @@ from pagedbench.model.layers import (
     column_parallel,
     row_parallel,
 )
+from pagedbench.model.mla import MLAAttention
 from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab
 
 
@@ -52,24 +52,14 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        scales = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else None
-        if ctx.calibrate_kv:  # vLLM's calculate_kv_scales: the first step's absolute maximum fills fp8's range
-            for x, scale, cache in ((k, scales[0], k_cache), (v, scales[1], v_cache)):
-                scale.copy_((x.abs().amax().float() / torch.finfo(cache.dtype).max).clamp(min=1e-8))
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, scales)
-        start = ctx.timer.mark() if ctx.timer is not None else None
-        quantized = {} if scales is None else {"kv_scales": scales}
-        out = ctx.backends[self.layer_idx].forward(q, k_cache, v_cache, ctx.states[self.layer_idx], **quantized)
-        if start is not None:
-            ctx.timer.span("attention", start)
+        out = ctx.attend(self.layer_idx, q, k, v)
         return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, tp)
+        self.self_attn = (Attention if cfg.mla is None else MLAAttention)(cfg, layer_idx, tp)
         self.mlp = MLP(cfg, tp)
         self.gemma = cfg.gemma
 

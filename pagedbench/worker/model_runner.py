@@ -26,10 +26,10 @@ from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan,
 def kv_bytes_per_block(
     cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPShard = NO_TP, kv_cache_dtype: str = "auto"
 ) -> int:
-    """K and V of one page in every layer, on one tensor-parallel rank, as stored (`kv_cache_dtype`;
-    int8 pages add an fp16 scale per token and KV head)."""
+    """K and V (or latent attention's one latent) of one page in every layer, on one tensor-parallel
+    rank, as stored (`kv_cache_dtype`; int8 pages add an fp16 scale per token and KV head)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
-    slots = 2 * cfg.num_layers * block_size * tp.local_heads(cfg)[1]
+    slots = cfg.kv_planes * cfg.num_layers * block_size * tp.local_heads(cfg)[1]
     return slots * (cfg.head_dim * storage.itemsize + scale_bytes_per_slot(storage))
 
 
@@ -54,7 +54,7 @@ class ModelRunner:
         self.pad_block = num_blocks
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
-        shape = (cfg.num_layers, 2, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.kv_planes, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(kv_cache_dtype, dtype)
         try:
             self.kv_cache = torch.zeros(shape, device=device, dtype=storage)
@@ -63,7 +63,12 @@ class ModelRunner:
             raise ValueError(
                 f"cannot allocate a KV cache of {num_blocks} blocks ({gib:.1f} GiB) on {device}: {one_line(e)}"
             ) from None
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        # Latent attention has one plane: its values are a view of the latent's first kv_lora_rank dims.
+        value_plane = 1 if cfg.mla is None else 0
+        value_dims = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
+        self.kv_caches = [
+            (self.kv_cache[i, 0], self.kv_cache[i, value_plane, ..., :value_dims]) for i in range(cfg.num_layers)
+        ]
         # Quantized pages' scales (base.write_kv): per layer for fp8 (1.0 unless calibrated on the
         # first step, `calculate_kv_scales`), per slot and KV head for int8 (moved with its page).
         self.kv_scale, self.kv_scales, self.calibrate_kv = None, None, False
@@ -71,7 +76,7 @@ class ModelRunner:
         if storage != dtype:
             scale_shape, scale_dtype = kv_scale_layout(storage, shape[2:])
             self.kv_scale = torch.ones((*shape[:2], *scale_shape), device=device, dtype=scale_dtype)
-            self.kv_scales = [(self.kv_scale[i, 0], self.kv_scale[i, 1]) for i in range(cfg.num_layers)]
+            self.kv_scales = [(self.kv_scale[i, 0], self.kv_scale[i, value_plane]) for i in range(cfg.num_layers)]
             if per_token_scales(storage):
                 self.paged.append(self.kv_scale)
             else:
