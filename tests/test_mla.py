@@ -147,3 +147,50 @@ def test_moe_configs_and_backends_without_latent_values_are_refused(mla_models, 
     assert "\n" not in str(err.value)
     _, reason = probe(get_backend("flash-attn"), torch.device("cpu"), torch.float32, 40, 16, value_dim=32)
     assert reason  # CUDA only, whatever else
+
+
+def test_swap_preemption_and_tensor_parallelism_keep_the_tokens(mla_models, prompts):
+    """Preemption by swap moves latent pages out and back; tensor parallelism shards the heads and
+    replicates the latent (as vLLM does): both give Hugging Face's greedy tokens."""
+    path, hf = mla_models["deepseek-v3"]
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    swap = LLM(path, backend="sdpa", device="cpu", dtype="float32", preemption_mode="swap", **SETUPS["pressure"])
+    assert [o.outputs[0].token_ids for o in swap.generate(requests, params, use_tqdm=False)] == expected
+    assert swap.engine.stats.swap_outs > 0
+    tp = LLM(path, backend="sdpa", device="cpu", dtype="float32", tensor_parallel_size=2, **SETUPS["pressure"])
+    try:
+        assert [o.outputs[0].token_ids for o in tp.generate(requests, params, use_tqdm=False)] == expected
+    finally:
+        tp.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache_dtype,floor", [("int8", 0.97), ("fp8", 0.9)])
+def test_quantized_latent_pages(mla_models, kv_cache_dtype, floor):
+    """fp8 and int8 latent pages: one scale serves the latent and its value view; every backend that
+    reads them agrees with reference on the same pages, and the next-token argmax mostly survives."""
+    from pagedbench.bench import kv_quality
+
+    path, _ = mla_models["deepseek-v3"]
+    rng = random.Random(2)
+    segments = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (40, 57, 23)]
+    cpu32 = dict(device="cpu", dtype="float32")
+    exact = kv_quality.teacher_forced_logprobs(path, "sdpa", "auto", segments, chunk=16, **cpu32)
+    quantized = kv_quality.teacher_forced_logprobs(path, "sdpa", kv_cache_dtype, segments, chunk=16, **cpu32)
+    reference = kv_quality.teacher_forced_logprobs(path, "reference", kv_cache_dtype, segments, chunk=16, **cpu32)
+    torch.testing.assert_close(quantized, reference, atol=5e-4, rtol=0)
+    assert not torch.equal(quantized, exact)  # the pages were quantized
+    agreement = (quantized.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert agreement >= floor, agreement
+
+
+def test_speculative_decoding_keeps_the_tokens(mla_models, prompts):
+    """n-gram speculation verifies k + 1 query tokens per sequence against the latent pages."""
+    path, hf = mla_models["deepseek-v3"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", speculative_config=spec)
+    repetitive = [p * 3 for p in prompts[1:4]]  # something for the n-grams to find
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in repetitive], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in repetitive]
