@@ -97,4 +97,39 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": True,
         "eos_token_id": [1, 106],
     },
+    # DeepSeek-V3's attention exactly (128 heads, q LoRA 1536, latent 512 + rope 64, YaRN x40 with
+    # its mscale, interleaved rotary dims) and its vocabulary, cut to 2 of its 61 layers, both dense
+    # (V3's first 3 layers are; its MoE layers wait for the MoE issue): 3.1B parameters, 12.4 GB in
+    # fp32, so it fits a 24 GiB CPU. A token's latent pages cost 576 numbers per layer.
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 2,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_interleave": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840,
+        "tie_word_embeddings": False,
+        "eos_token_id": 1,
+    },
 }
