@@ -68,6 +68,7 @@ class FlexState:
 
 class FlexBackend(AttentionBackend):
     name = "flex"
+    latent_values = True  # flex takes a value head dim other than the keys' (a strided view of their pages)
     quantized_kv_reason = (
         "FlexAttention reads K/V in the query's dtype; over a paged cache it would have to dequantize "
         "every page each layer and step, more work than the attention (vLLM's flex backend refuses "
@@ -229,7 +230,7 @@ class FlexBackend(AttentionBackend):
                 state.shapes_seen = True
                 return y
             if out is None:
-                out = q.new_empty(state.num_tokens, self.num_heads, self.head_dim)
+                out = q.new_empty(state.num_tokens, self.num_heads, v.shape[-1])  # latent values: D_v < D
             if call.gather is None:
                 out[: y.shape[0]] = y
             else:

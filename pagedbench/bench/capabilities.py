@@ -24,12 +24,17 @@ VARIANT_FEATURES = {
 # cases hold each one to it): no backend may opt out, so these cells are the contract's, not a probe's.
 CONTRACT_FEATURES = ("multi-token decode", "shared pages")
 KV_PAGES = ("fp8_e4m3", "fp8_e5m2", "int8")  # kv_cache_dtype values a backend may read
+# Latent attention (MLA) as DeepSeek-V3 decodes it, absorbed: 128 query heads of 512 + 64 against one
+# latent "KV head" whose first 512 dims are the values, whatever the row's base head_dim.
+LATENT_FEATURE = "latent attention (MLA)"
+LATENT_SHAPE = dict(head_dim=576, num_heads=128, num_kv_heads=1, **AttentionVariant(value_dim=512).settings())
 
 
 def variant_columns(variant: AttentionVariant) -> list[str]:
     """The feature columns a variant exercises."""
     asked = variant.settings()
-    return [feature for feature, v in VARIANT_FEATURES.items() if any(asked[k] for k, on in v.settings().items() if on)]
+    columns = [f for f, v in VARIANT_FEATURES.items() if any(asked[k] for k, on in v.settings().items() if on)]
+    return columns + ([LATENT_FEATURE] if variant.value_dim is not None else [])
 
 
 def short(reason: str) -> str:
@@ -62,6 +67,8 @@ def capability_row(name: str, device: torch.device, dtype: torch.dtype, head_dim
         row[feature] = YES if why is None else short(why)
     for feature in CONTRACT_FEATURES:
         row[feature] = YES if base is None else short(base)
+    why = reason(**LATENT_SHAPE)
+    row[LATENT_FEATURE] = YES if why is None else short(why)
     row["quantized KV"] = _listed(KV_PAGES, lambda kv: reason(kv_cache_dtype=kv))
     # ✓: prepare() refills static buffers and forward() has no host work (captured where there is CUDA).
     row["CUDA graphs"] = short(cls.cuda_graph_reason or base or "") or YES

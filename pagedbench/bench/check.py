@@ -20,7 +20,15 @@ from pagedbench.device.dtypes import dtype_name
 
 TOLERANCE_FACTOR = 4.0
 TOLERANCE_FLOOR = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
-HEADS = {"MHA": (4, 4), "GQA-4": (8, 2), "GQA-3": (6, 2), "MQA": (4, 1)}
+HEADS = {"MHA": (4, 4), "GQA-4": (8, 2), "GQA-3": (6, 2), "MQA": (4, 1), "MLA-16": (16, 1), "MLA-128": (128, 1)}
+# Latent attention as DeepSeek-V3 decodes it, absorbed: H query heads of 512 + 64 meet one latent
+# "KV head" whose first 512 dims are the values, in pages of 64 (FlashMLA's); 128 heads is V3's
+# decode, 16 a TP-8 rank's.
+LATENT = AttentionVariant(value_dim=512)
+LATENT_CONFIGS = (
+    {"heads": "MLA-16", "head_dim": 576, "block_size": 64, "variant": LATENT},
+    {"heads": "MLA-128", "head_dim": 576, "block_size": 64, "variant": LATENT},
+)
 
 
 @dataclass(slots=True)
@@ -94,9 +102,9 @@ QUICK_CONFIGS = (
 
 def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
     """--quick: every batch shape on one configuration, then QUICK_CONFIGS on the mixed and
-    shared-prefix batches, then each variant on the mixed batch (and the window on the
-    chunked-prefill and shared-prefix ones). --full: the whole cross product, then every variant
-    on every batch."""
+    shared-prefix batches, latent attention (16 heads: decode, mixed, shared prefix; 128: decode),
+    then each variant on the mixed batch (and the window on the chunked-prefill and shared-prefix
+    ones). --full: the whole cross product, then every variant and latent configuration on every batch."""
     cases = []
     for dtype in dtypes:
         if full:
@@ -108,6 +116,9 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             for variant in VARIANTS.values():
                 for batch, (seqs, shared) in _batches(16, 2048).items():
                     cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, variant=variant))
+            for latent in LATENT_CONFIGS:
+                for batch, (seqs, shared) in _batches(latent["block_size"], 4096).items():
+                    cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **latent))
             continue
         for batch, (seqs, shared) in _batches(16, 2048).items():
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared))
@@ -115,6 +126,10 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             for batch in ("mixed", "shared prefix"):
                 seqs, shared = _batches(change.get("block_size", 16), 2048)[batch]
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **change))
+        for latent, batch_names in zip(LATENT_CONFIGS, (("decode", "mixed", "shared prefix"), ("decode",))):
+            for batch in batch_names:
+                seqs, shared = _batches(latent["block_size"], 2048)[batch]
+                cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **latent))
         batches = _batches(16, 2048)
         for name, variant in VARIANTS.items():
             for batch in ("mixed", "chunked prefill", "shared prefix") if name == "window" else ("mixed",):
@@ -134,7 +149,9 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
     num_heads, num_kv_heads = HEADS[case.heads]
     scale = case.head_dim**-0.5
     oracle_dtype = torch.float64 if device.type == "cpu" else torch.float32
-    problem = random_problem(case.seqs, num_heads, num_kv_heads, case.head_dim, case.dtype, case.seed, case.shared)
+    problem = random_problem(
+        case.seqs, num_heads, num_kv_heads, case.head_dim, case.dtype, case.seed, case.shared, case.variant.value_dim
+    )
     sinks = case.sinks(num_heads)
     expected = attend_dense(problem, scale, oracle_dtype, device, case.variant, sinks)
     tol = tolerance(problem, scale, case, device, expected, sinks)

@@ -36,6 +36,7 @@ class AttentionProblem:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     shared: dict[int, tuple[int, int]] = field(default_factory=dict)  # b -> (a, tokens): b's first tokens are a's
+    value_dim: int | None = None  # latent attention: each v[i] is k[i]'s first value_dim dims (a view)
 
     @property
     def num_kv_heads(self) -> int:
@@ -50,9 +51,11 @@ def random_problem(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     shared: dict[int, tuple[int, int]] | None = None,
+    value_dim: int | None = None,
 ) -> AttentionProblem:
     """Normal random queries, keys and values in `dtype` (on the CPU). `shared` makes sequence b's
-    first `tokens` keys and values equal to sequence a's (a < b), so a layout may share their pages."""
+    first `tokens` keys and values equal to sequence a's (a < b), so a layout may share their pages.
+    `value_dim`: latent attention, whose values are the keys' first value_dim dims."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -66,7 +69,9 @@ def random_problem(
             raise ValueError(f"sequence {b} cannot share {tokens} tokens with sequence {a}")
         k[b][:tokens], v[b][:tokens] = k[a][:tokens], v[a][:tokens]
     q = randn(sum(q for _, q in seqs), num_heads, head_dim)
-    return AttentionProblem(list(seqs), q, k, v, shared)
+    if value_dim is not None:
+        v = [keys[..., :value_dim] for keys in k]
+    return AttentionProblem(list(seqs), q, k, v, shared, value_dim)
 
 
 def shared_pages(problem: AttentionProblem, b: int, block_size: int) -> tuple[int, int]:
@@ -105,6 +110,9 @@ def place(
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=gen).mul_(100).to(device, dtype)  # garbage: loud if read
     v_cache = torch.randn(cache_shape, generator=gen).mul_(100).to(device, dtype)
+    latent = problem.value_dim is not None
+    if latent:  # one plane: the values are a view of the key pages
+        v_cache = k_cache[..., : problem.value_dim]
     slots = torch.cat(
         [
             torch.tensor(table, dtype=torch.long).repeat_interleave(block_size)[: len(k)] * block_size
@@ -112,7 +120,8 @@ def place(
             for table, k in zip(tables, problem.k)
         ]
     )
-    write_kv(torch.cat(problem.k).to(device), torch.cat(problem.v).to(device), k_cache, v_cache, slots.to(device))
+    v = None if latent else torch.cat(problem.v).to(device)
+    write_kv(torch.cat(problem.k).to(device), v, k_cache, v_cache, slots.to(device))
     sequences = []
     for i, ((ctx, qlen), table) in enumerate(zip(problem.seqs, tables)):
         s = Sequence(str(i), None, [0] * (ctx + qlen), SamplingParams())
@@ -171,10 +180,12 @@ def random_attention_batch(
     seed: int = 0,
     spare_blocks: int = 3,
     null_block: bool = True,
+    value_dim: int | None = None,
 ) -> AttentionBatch:
     """`seqs` lists (context_len, query_len) per sequence, decodes (query_len 1) first: a random
-    problem placed on fragmented block tables, its new tokens' K/V written as the model would."""
-    problem = random_problem(seqs, num_heads, num_kv_heads, head_dim, dtype, seed)
+    problem placed on fragmented block tables, its new tokens' K/V written as the model would
+    (`value_dim`: latent attention's one plane, values a view of the keys' first dims)."""
+    problem = random_problem(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, value_dim=value_dim)
     return place(problem, block_size, device, seed, spare_blocks, null_block)
 
 
