@@ -38,6 +38,9 @@ VARIANTS = {
     "window-1024": AttentionVariant(sliding_window=1024),
     "softcap-50": AttentionVariant(softcap=50.0),
     "sinks": AttentionVariant(sinks=True),
+    # DeepSeek-V3's latent attention, absorbed: with --heads 128/1 (16/1 a TP-8 rank) --head-dim 576
+    # --block-sizes 64, each query head meets the one latent whose first 512 dims are the values.
+    "latent-512": AttentionVariant(value_dim=512),
 }
 
 # Spec-sheet HBM bandwidth (TB/s), matched against torch.cuda.get_device_name in order.
@@ -84,6 +87,13 @@ class KernelGrid:
         unknown = set(self.phases) - set(PHASES)
         if unknown or not self.phases:
             raise ValueError(f"phases must be among {', '.join(PHASES)}, got {', '.join(self.phases)}")
+        for name in self.variants:
+            value_dim = VARIANTS[name].value_dim
+            if value_dim is not None and (self.head_dim <= value_dim or any(kv != 1 for _, kv in self.heads)):
+                raise ValueError(
+                    f"variant {name}: latent attention needs one KV head (--heads H/1) and "
+                    f"--head-dim > {value_dim} (DeepSeek-V3: 576), got {self.head_dim}"
+                )
         if min(self.head_dim, self.max_kv_tokens, self.max_query_tokens, self.repeats) < 1 or self.warmup < 0:
             raise ValueError("head_dim, max_kv_tokens, max_query_tokens and repeats must be >= 1, warmup >= 0")
 
@@ -146,13 +156,15 @@ def batch_spec(phase: str, batch_size: int, context_len: int, query_len: int = 1
     return decodes + [(context_len - chunk, chunk)]
 
 
-def attention_flops(spec: list[tuple[int, int]], num_heads: int, head_dim: int, window: int | None = None) -> int:
-    """QK^T and PV over the visible keys (causal, within the window): 4 * H * D per (query, key) pair."""
+def attention_flops(
+    spec: list[tuple[int, int]], num_heads: int, head_dim: int, window: int | None = None, value_dim: int | None = None
+) -> int:
+    """QK^T and PV over the visible keys (causal, within the window): 2 * H * (D + D_v) per (query, key) pair."""
     if window is None:
         pairs = sum(q * ctx + q * (q + 1) // 2 for ctx, q in spec)
     else:  # the query at position p sees min(p + 1, window) keys
         pairs = sum(int(torch.arange(ctx, ctx + q).add(1).clamp(max=window).sum()) for ctx, q in spec)
-    return 4 * num_heads * head_dim * pairs
+    return 2 * num_heads * (head_dim + (value_dim or head_dim)) * pairs
 
 
 def visible_kv_tokens(spec: list[tuple[int, int]], window: int | None = None) -> int:
@@ -270,7 +282,7 @@ def run_kernels(
             "batch_size": batch_size,
             "context_len": context_len,
             "block_size": block_size,
-            **_shape_columns(spec, num_heads, num_kv_heads, grid, dt, variant.sliding_window),
+            **_shape_columns(spec, num_heads, num_kv_heads, grid, dt, variant),
             "peak_bandwidth_gbps": peak_gbps,
             "peak_bandwidth_source": peak_source,
             "copy_bandwidth_gbps": copy_gbps,
@@ -293,7 +305,9 @@ def run_kernels(
                 rows.append({**head, "status": "unavailable", "reason": found.reason})
                 continue
             if batch is None:  # built once per point, shared by the backends
-                batch = random_attention_batch(spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev)
+                batch = random_attention_batch(
+                    spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev, value_dim=variant.value_dim
+                )
             if kv not in pages:  # the same K/V stored as `kv`
                 pages[kv] = quantized_pages(batch, kv)
             rows.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv]))
@@ -316,9 +330,14 @@ def quantized_pages(batch, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Ten
     num_blocks, page, heads, dim = batch.k_cache.shape
     device = batch.k_cache.device
     scale_shape, scale_dtype = kv_scale_layout(storage, batch.k_cache.shape)
+    slots = torch.arange(num_blocks * page, device=device)
+    if batch.v_cache.shape[-1] < dim:  # latent attention: one plane and one scale, the values a view
+        k = torch.empty_like(batch.k_cache, dtype=storage)
+        scale = torch.ones(scale_shape, dtype=scale_dtype, device=device)
+        write_kv(batch.k_cache.view(-1, heads, dim), None, k, k, slots, (scale, scale))
+        return k, k[..., : batch.v_cache.shape[-1]], (scale, scale)
     scales = tuple(torch.ones(scale_shape, dtype=scale_dtype, device=device) for _ in range(2))
     k, v = (torch.empty_like(batch.k_cache, dtype=storage) for _ in range(2))
-    slots = torch.arange(num_blocks * page, device=device)
     write_kv(batch.k_cache.view(-1, heads, dim), batch.v_cache.view(-1, heads, dim), k, v, slots, scales)
     return k, v, scales
 
@@ -347,18 +366,20 @@ def _backend_row(cls, batch, head: dict, grid: KernelGrid, device, dtype, varian
 
 
 def _shape_columns(
-    spec, num_heads: int, num_kv_heads: int, grid: KernelGrid, dtype: torch.dtype, window: int | None = None
+    spec, num_heads: int, num_kv_heads: int, grid: KernelGrid, dtype: torch.dtype, variant: AttentionVariant = PLAIN
 ) -> dict:
-    """Heads, the bytes of K/V and the FLOPs one forward of `spec` must move and do (only the keys
-    within a window count), and the timing."""
+    """Heads, the bytes of K/V (latent attention: of the one latent plane) and the FLOPs one forward
+    of `spec` must move and do (only the keys within a window count), and the timing."""
+    window, value_dim = variant.sliding_window, variant.value_dim
     kv_tokens = visible_kv_tokens(spec, window)
+    planes = 1 if value_dim is not None else 2
     return {
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": grid.head_dim,
         "num_query_tokens": sum(q for _, q in spec),
-        "kv_bytes": 2 * kv_tokens * num_kv_heads * grid.head_dim * dtype.itemsize,
-        "flops": attention_flops(spec, num_heads, grid.head_dim, window),
+        "kv_bytes": planes * kv_tokens * num_kv_heads * grid.head_dim * dtype.itemsize,
+        "flops": attention_flops(spec, num_heads, grid.head_dim, window, value_dim),
         "warmup": grid.warmup,
         "repeats": grid.repeats,
     }
