@@ -24,7 +24,7 @@ LATENT = dict(
     qk_nope_head_dim=16,
     qk_rope_head_dim=8,
     v_head_dim=12,
-    first_k_dense_replace=2,  # every layer dense: MoE layers are not implemented yet
+    first_k_dense_replace=2,  # every layer dense (test_moe.py has DeepSeek-V3's MoE layers)
     n_routed_experts=4,
 )
 # DeepSeek-V3's own choices (a q LoRA, interleaved rotary dims, YaRN with its mscale), and the plain ones.
@@ -133,20 +133,15 @@ def test_the_latent_cache_holds_one_latent_per_token(mla_models):
     assert v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[-1] == m.kv_lora_rank  # a view
 
 
-def test_moe_configs_and_backends_without_latent_values_are_refused(mla_models, tmp_path):
-    import json
-    import shutil
-
-    path, _ = mla_models["deepseek-v3"]
-    moe = tmp_path / "moe"
-    shutil.copytree(path, moe)
-    config = json.loads((moe / "config.json").read_text())
-    (moe / "config.json").write_text(json.dumps(config | {"first_k_dense_replace": 1}))
-    with pytest.raises(ValueError, match="mixture-of-experts layers are not implemented yet") as err:
-        LLM(str(moe), device="cpu")
-    assert "\n" not in str(err.value)
+def test_backends_without_latent_values_say_why():
     _, reason = probe(get_backend("flash-attn"), torch.device("cpu"), torch.float32, 40, 16, value_dim=32)
     assert reason  # CUDA only, whatever else
+    latent = AttentionVariant(value_dim=32).settings()
+    reason = probe(get_backend("triton"), torch.device("cpu"), torch.float32, 40, 16, **latent)[1]
+    assert (
+        reason
+        == "latent attention (MLA, values the keys' first 32 dims): " + get_backend("triton").latent_values_reason
+    )
 
 
 def test_swap_preemption_and_tensor_parallelism_keep_the_tokens(mla_models, prompts):

@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": (False, False, True),
     "Gemma3ForCausalLM": (False, True, True),
     "DeepseekV3ForCausalLM": (False, False, False),  # latent attention (LatentAttention)
+    "MixtralForCausalLM": (False, False, False),  # MoE layers (MoEConfig)
+    "Qwen3MoeForCausalLM": (False, True, False),
 }
 LATENT_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -48,6 +50,27 @@ class LatentAttention:
     @property
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Mixture-of-experts layers: which layers have them, the router and the experts. Mixtral and
+    Qwen3-MoE score with a softmax over the experts (renormalizing the top k where norm_topk_prob);
+    DeepSeek-V3 with a sigmoid plus a correction bias, top-k within the best topk_group of n_group
+    groups, times routed_scaling_factor, and shared experts beside the routed ones."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    layers: tuple[bool, ...]  # per layer: an MoE layer (else the dense MLP of the model's intermediate_size)
+    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True
+    num_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    block_name: str = "mlp"  # the layer's MoE module (Mixtral: block_sparse_moe)
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
 
 
 @dataclass(slots=True)
@@ -80,6 +103,10 @@ class ModelConfig:
     local_rope_theta: float | None = None  # RoPE base of sliding-window layers, where it differs (Gemma 3)
     # Latent attention: the cache holds one "KV head" of head_dim = latent_dim numbers per token.
     mla: LatentAttention | None = None
+    moe: MoEConfig | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.layers[layer]
 
     @property
     def attention_scale(self) -> float:
@@ -159,6 +186,7 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         mla = _latent_attention(arch, cfg, get)
+        moe = _experts(arch, cfg, get)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -185,6 +213,7 @@ class ModelConfig:
             query_pre_attn_scalar=get("query_pre_attn_scalar"),
             local_rope_theta=layers["local_rope_theta"],
             mla=mla,
+            moe=moe,
         )
 
     @classmethod
@@ -218,15 +247,11 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _latent_attention(arch: str, cfg: dict, get) -> LatentAttention | None:
-    """The latent-attention dims of a DeepSeek-V3 config; its MoE layers are refused (dense only)."""
+    """The latent-attention dims of a DeepSeek-V3 config."""
     if arch not in LATENT_ARCHITECTURES:
         return None
-    layers, dense = cfg["num_hidden_layers"], get("first_k_dense_replace")
-    if get("n_routed_experts") and (dense is None or dense < layers):
-        raise ValueError(
-            f"{arch}'s mixture-of-experts layers are not implemented yet: only configs whose every layer "
-            f"is dense run (first_k_dense_replace = num_hidden_layers = {layers}, got {dense})"
-        )
+    if get("attention_bias"):
+        raise ValueError("attention_bias with latent attention is not supported")
     return LatentAttention(
         q_lora_rank=get("q_lora_rank"),
         kv_lora_rank=get("kv_lora_rank"),
@@ -235,6 +260,44 @@ def _latent_attention(arch: str, cfg: dict, get) -> LatentAttention | None:
         v_head_dim=get("v_head_dim"),
         rope_interleave=bool(get("rope_interleave")),
     )
+
+
+def _experts(arch: str, cfg: dict, get) -> MoEConfig | None:
+    """The MoE layers of a Mixtral, Qwen3-MoE or DeepSeek-V3 config (None: every layer dense)."""
+    n = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=get("num_local_experts"),
+            top_k=get("num_experts_per_tok"),
+            intermediate_size=cfg["intermediate_size"],
+            layers=(True,) * n,
+            block_name="block_sparse_moe",
+            expert_names=("w1", "w3", "w2"),
+        )
+    if arch == "Qwen3MoeForCausalLM":
+        dense, step = set(get("mlp_only_layers") or []), get("decoder_sparse_step") or 1
+        return MoEConfig(
+            num_experts=get("num_experts"),
+            top_k=get("num_experts_per_tok"),
+            intermediate_size=get("moe_intermediate_size"),
+            layers=tuple(i not in dense and get("num_experts") > 0 and (i + 1) % step == 0 for i in range(n)),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+        )
+    if arch == "DeepseekV3ForCausalLM" and get("n_routed_experts"):
+        dense = get("first_k_dense_replace") or 0
+        return MoEConfig(
+            num_experts=get("n_routed_experts"),
+            top_k=get("num_experts_per_tok"),
+            intermediate_size=get("moe_intermediate_size"),
+            layers=tuple(i >= dense for i in range(n)),
+            scoring="sigmoid",
+            norm_topk_prob=bool(get("norm_topk_prob")),
+            num_shared_experts=get("n_shared_experts") or 0,
+            routed_scaling_factor=float(get("routed_scaling_factor") or 1.0),
+            n_group=get("n_group") or 1,
+            topk_group=get("topk_group") or 1,
+        )
+    return None
 
 
 def _hf_getter(cfg: dict):

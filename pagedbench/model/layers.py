@@ -142,10 +142,12 @@ def row_parallel(in_features: int, out_features: int, start: int, length: int) -
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPShard):
+    """A gated MLP of `intermediate_size` (the model's by default; DeepSeek's shared experts' own)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPShard, intermediate_size: int | None = None):
         super().__init__()
         self.tp = tp
-        h, n = cfg.hidden_size, cfg.intermediate_size
+        h, n = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         start, length = tp.chunk(n)
         self.gate_proj = column_parallel(h, n, start, length, bias=False)
         self.up_proj = column_parallel(h, n, start, length, bias=False)

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3; DeepSeek-V3's dense layers
-with latent attention, mla.py) over one flat, unpadded token batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3; DeepSeek-V3 with latent
+attention, mla.py; the MoE layers of Mixtral, Qwen3-MoE and DeepSeek-V3, moe.py) over one flat,
+unpadded token batch.
 
 Module names match Hugging Face's so checkpoints load by name. Gemma differs in a few switches
 (`cfg.gemma`): RMSNorm scales by 1 + weight, every block has norms before and after, embeddings
@@ -24,6 +25,7 @@ from pagedbench.model.layers import (
     row_parallel,
 )
 from pagedbench.model.mla import MLAAttention
+from pagedbench.model.moe import SparseMoE
 from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab
 
 
@@ -60,7 +62,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
         super().__init__()
         self.self_attn = (Attention if cfg.mla is None else MLAAttention)(cfg, layer_idx, tp)
-        self.mlp = MLP(cfg, tp)
+        # The feed-forward block, under the checkpoint's name: a dense MLP or an MoE layer (moe.py).
+        self.ffn_name = cfg.moe.block_name if cfg.is_moe_layer(layer_idx) else "mlp"
+        setattr(self, self.ffn_name, SparseMoE(cfg, tp) if cfg.is_moe_layer(layer_idx) else MLP(cfg, tp))
         self.gemma = cfg.gemma
 
         def norm():
@@ -73,11 +77,12 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        ffn = getattr(self, self.ffn_name)
         if not self.gemma:
             x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return x + ffn(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderModel(nn.Module):

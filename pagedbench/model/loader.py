@@ -1,6 +1,7 @@
 """Build the model from a Hugging Face directory (config.json + safetensors) or a preset."""
 
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -103,9 +104,36 @@ def _load_safetensors(model: CausalLM, path: Path) -> None:
         raise ValueError(f"weights missing from {path}: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
 
 
+# A checkpoint's per-expert weight, stored in the model as one slice of a stacked [E, ...] parameter.
+EXPERT_WEIGHT = re.compile(r"^(?P<stack>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def _load_expert(name: str, tensor: torch.Tensor, params: dict, loaded: set[str]) -> bool:
+    """Copy expert e's weight into slice e of its stacked parameter (this rank's part); False when
+    `name` is no expert weight of the model."""
+    match = EXPERT_WEIGHT.match(name)
+    stack = match and f"{match['stack']}.{match['proj']}"
+    if stack not in params:
+        return False
+    param, expert = params[stack], int(match["expert"])
+    expected = full_shape(param)
+    if expert >= expected[0] or tuple(tensor.shape) != expected[1:]:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}: not expert {expert} of {expected}")
+    if hasattr(param, "tp_slice"):  # the stacked parameter's shard, on this expert's dims
+        dim, start, length, _ = param.tp_slice
+        tensor = tensor.narrow(dim - 1, start, length)
+    param.data[expert].copy_(tensor)
+    loaded.add(f"{stack}#{expert}")
+    if all(f"{stack}#{e}" in loaded for e in range(expected[0])):
+        loaded.add(stack)
+    return True
+
+
 def _load_file(file: Path, params: dict[str, torch.nn.Parameter], tied: bool, loaded: set[str]) -> None:
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
+            if name not in params and _load_expert(name, f.get_tensor(name), params, loaded):
+                continue
             if name not in params:
                 if "rotary_emb" in name or (tied and name == "lm_head.weight"):
                     continue

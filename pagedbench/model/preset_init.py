@@ -61,6 +61,8 @@ def decisive_reason(cfg: ModelConfig, max_len: int) -> str | None:
         return "Gemma's (1 + weight) norms, soft-caps and windowed layers are outside the decisive construction"
     if cfg.mla is not None:
         return "latent attention's compressed, absorbed keys are outside the decisive construction"
+    if cfg.moe is not None:
+        return "mixture-of-experts layers are outside the decisive construction"
     margin = score_margin_per_unit(cfg, max_len)
     if margin < MIN_MARGIN:
         return f"head_dim {cfg.head_dim}'s RoPE frequencies do not separate lags over {max_len} positions"
@@ -86,6 +88,8 @@ def qk_columns(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tens
         return "Gemma's (1 + weight) norms, soft-caps and windowed layers are outside the decisive construction"
     if cfg.mla is not None:
         return "latent attention's compressed, absorbed keys are outside the decisive construction"
+    if cfg.moe is not None:
+        return "mixture-of-experts layers are outside the decisive construction"
     margin = score_margin_per_unit(cfg, max_len)
     # score = (pair amplitude)^2 x sum of cosines / sqrt(D); q/k-norm makes each pair's amplitude
     # sqrt(2) x its weight, without it the amplitude is the column entry x the normed dimension 0.

@@ -98,9 +98,10 @@ PRESETS: dict[str, dict] = {
         "eos_token_id": [1, 106],
     },
     # DeepSeek-V3's attention exactly (128 heads, q LoRA 1536, latent 512 + rope 64, YaRN x40 with
-    # its mscale, interleaved rotary dims) and its vocabulary, cut to 2 of its 61 layers, both dense
-    # (V3's first 3 layers are; its MoE layers wait for the MoE issue): 3.1B parameters, 12.4 GB in
-    # fp32, so it fits a 24 GiB CPU. A token's latent pages cost 576 numbers per layer.
+    # its mscale, interleaved rotary dims), its vocabulary and its router (sigmoid with a correction
+    # bias, top-8 within the best 4 of 8 groups, x2.5, one shared expert), cut to 2 of its 61 layers
+    # (its first, dense, and one MoE layer) and 16 of each MoE layer's 256 experts of 2048: 3.4B
+    # parameters, 13.5 GB in fp32, so it fits a 24 GiB CPU. A token's latent costs 576 numbers per layer.
     "deepseek-v3": {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -108,7 +109,15 @@ PRESETS: dict[str, dict] = {
         "hidden_size": 7168,
         "intermediate_size": 18432,
         "num_hidden_layers": 2,
-        "first_k_dense_replace": 2,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
         "num_attention_heads": 128,
         "num_key_value_heads": 128,
         "q_lora_rank": 1536,
@@ -131,5 +140,49 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 163840,
         "tie_word_embeddings": False,
         "eos_token_id": 1,
+    },
+    # Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128, q/k norms) and experts (128 of 768,
+    # top-8, renormalized), 2 of its 48 layers: 1.9B parameters, 7.5 GB in fp32.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 2,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "eos_token_id": 151645,
+    },
+    # Mixtral-8x7B's attention (32 query / 8 KV heads of 128) and experts (8 of 14336, top-2),
+    # 2 of its 32 layers: 3.2B parameters, 12.6 GB in fp32.
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
     },
 }

@@ -1,0 +1,84 @@
+"""Mixture-of-experts layers (Mixtral, Qwen3-MoE, DeepSeek-V3), computed as transformers computes
+each family, with the experts batched.
+
+A router picks top-k experts per token (each family's scoring and normalization). The (token,
+expert) pairs are sorted by expert, so each expert's tokens are contiguous, and every expert
+projection is one grouped matmul over all of them (`torch._grouped_mm` with per-expert offsets on
+the device: no host sync in the layer loop). Weighted outputs are summed back per token in
+expert order, as transformers' loop over experts does. Expert weights are stacked `[E, out, in]`
+parameters; the loader fills expert e's slice from the checkpoint's `...experts.{e}.{proj}.weight`.
+Tensor parallelism shards every expert's intermediate dimension (and the shared experts' MLP), as
+vLLM does: each rank's output is a partial sum.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedbench.model.config import ModelConfig, MoEConfig
+from pagedbench.model.layers import MLP
+from pagedbench.model.parallel import TPShard, all_reduce, shard_param
+
+
+def route(moe: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] fp32, experts [T, k] int64), as each family does it."""
+    if moe.scoring == "sigmoid":  # DeepSeek-V3: groups by their best two, then top-k within the kept groups
+        scores = logits.float().sigmoid()
+        choice = scores + bias
+        groups = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        kept = torch.zeros_like(groups).scatter_(1, groups.topk(moe.topk_group, dim=-1, sorted=False)[1], 1)
+        kept = kept.unsqueeze(-1).expand(-1, -1, moe.num_experts // moe.n_group).reshape(-1, moe.num_experts)
+        experts = choice.masked_fill(~kept.bool(), float("-inf")).topk(moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, experts
+    weights, experts = logits.float().softmax(dim=-1).topk(moe.top_k, dim=-1)  # Mixtral, Qwen3-MoE
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [N, in] (rows grouped by expert, group e ending at offsets[e]) times each group's weight
+    [E, out, in]^T -> [N, out]: one grouped matmul."""
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+
+class SparseMoE(nn.Module):
+    """Router, stacked experts (this rank's part of each one's intermediate dimension) and, for
+    DeepSeek, the shared experts: one MLP of n_shared x the expert size, added for every token."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPShard):
+        super().__init__()
+        moe, h = cfg.moe, cfg.hidden_size
+        self.moe, self.tp = moe, tp
+        self.gate = nn.Linear(h, moe.num_experts, bias=False)  # the router ("gate" in every family)
+        if moe.scoring == "sigmoid":
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+        self.experts = nn.Module()
+        start, length = tp.chunk(moe.intermediate_size)
+        gate_name, up_name, down_name = moe.expert_names
+        for name, rows, cols, dim in ((gate_name, length, h, 1), (up_name, length, h, 1), (down_name, h, length, 2)):
+            param = nn.Parameter(torch.empty(moe.num_experts, rows, cols))
+            shard_param(param, dim, start, length, moe.intermediate_size)
+            setattr(self.experts, name, param)
+        self.expert_weights = [getattr(self.experts, name) for name in moe.expert_names]  # gate, up, down
+        self.act = F.silu
+        if moe.num_shared_experts:
+            self.shared_experts = MLP(cfg, tp, intermediate_size=moe.intermediate_size * moe.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        logits = F.linear(x.float(), self.gate.weight.float()) if moe.scoring == "sigmoid" else self.gate(x)
+        weights, experts = route(moe, logits, bias)
+        order = experts.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
+        token = order // moe.top_k
+        offsets = torch.bincount(experts.flatten(), minlength=moe.num_experts).cumsum(0).to(torch.int32)
+        gate, up, down = self.expert_weights
+        rows = x[token]
+        hidden = self.act(grouped_linear(rows, gate, offsets)) * grouped_linear(rows, up, offsets)
+        out = grouped_linear(hidden, down, offsets) * weights.flatten()[order, None].to(x.dtype)
+        routed = all_reduce(torch.zeros_like(x).index_add_(0, token, out), self.tp)
+        return routed + self.shared_experts(x) if moe.num_shared_experts else routed

@@ -1,0 +1,135 @@
+"""Mixture-of-experts models: tiny random Mixtral, Qwen3-MoE and DeepSeek-V3 (latent attention with
+its MoE layers) give greedy tokens identical to Hugging Face's in fp32 — each family's router,
+the batched experts (one grouped matmul per projection), DeepSeek's grouped top-k, correction
+bias, scaling factor and shared experts — under chunked prefill and preemption, and at
+tensor-parallel size 2 (every expert's intermediate dimension sharded)."""
+
+import random
+
+import pytest
+import torch
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.moe import route
+from tests.conftest import VOCAB, build_hf_model, hf_greedy
+from tests.test_mla import LATENT
+
+MOE_MODELS = {
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],  # a dense layer between two MoE ones
+            decoder_sparse_step=1,
+        ),
+    ),
+    "deepseek-v3-moe": (
+        "DeepseekV3Config",
+        LATENT
+        | dict(
+            q_lora_rank=None,
+            rope_interleave=True,
+            rope_parameters={"rope_theta": 10000.0},
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        ),
+    ),
+}
+PROMPT_LENS = [1, 7, 16, 17, 33, 58]
+MAX_NEW = 10
+PRESSURE = dict(block_size=8, num_blocks=11, max_model_len=80, max_num_batched_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    models = {}
+    for name in MOE_MODELS:
+        hf = build_hf_model(name, root / name, MOE_MODELS)
+        if name == "deepseek-v3-moe":  # a correction bias that changes the choice (it starts at zero)
+            with torch.no_grad():
+                for layer in hf.model.layers[1:]:
+                    layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.5)
+            hf.save_pretrained(str(root / name))
+        models[name] = (str(root / name), hf)
+    return models
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@pytest.mark.parametrize("model_name", MOE_MODELS)
+def test_greedy_matches_hf_under_pressure(moe_models, prompts, model_name):
+    path, hf = moe_models[model_name]
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", **PRESSURE)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    assert llm.engine.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("model_name", ["mixtral", "deepseek-v3-moe"])
+def test_tensor_parallel_shards_every_expert(moe_models, prompts, model_name):
+    path, hf = moe_models[model_name]
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", tensor_parallel_size=2, num_blocks=64)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:4]],
+            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts[:4]]
+
+
+def test_layers_and_routers_as_each_family_says(moe_models):
+    """Which layers are MoE (Qwen3's mlp_only_layers, DeepSeek's first_k_dense_replace) and the
+    routers' rules on hand-made logits."""
+    from pathlib import Path
+
+    qwen = ModelConfig.from_dir(Path(moe_models["qwen3-moe"][0])).moe
+    assert qwen.layers == (True, False, True) and not qwen.norm_topk_prob
+    deepseek = ModelConfig.from_dir(Path(moe_models["deepseek-v3-moe"][0])).moe
+    assert deepseek.layers == (False, True, True) and deepseek.num_shared_experts == 1
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    mixtral = ModelConfig.from_dir(Path(moe_models["mixtral"][0])).moe
+    weights, experts = route(mixtral, logits, None)
+    assert experts.tolist() == [[1, 3]] and weights.sum().item() == pytest.approx(1.0)  # renormalized
+    weights, _ = route(qwen, torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0, -2.0]]), None)
+    assert weights.sum().item() < 1.0  # not renormalized
+    # DeepSeek: 8 experts in 4 groups of 2, the best 2 groups by their top-2 sums, then top-2 within them;
+    # the bias steers the choice but the weights come from the unbiased scores.
+    logits = torch.tensor([[4.0, -4.0, 3.0, 3.0, -1.0, 5.0, 0.0, 0.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0])
+    weights, experts = route(deepseek, logits, bias)
+    assert sorted(experts[0].tolist()) == [2, 7]  # groups 1 (2, 3) and 3 (6, 7 biased) win; 5 is in a losing group
+    scores = logits.sigmoid()[0]
+    expected = scores[[2, 7]] / scores[[2, 7]].sum() * 2.5
+    assert sorted(weights[0].tolist()) == pytest.approx(sorted(expected.tolist()))
