@@ -133,3 +133,17 @@ def test_layers_and_routers_as_each_family_says(moe_models):
     scores = logits.sigmoid()[0]
     expected = scores[[2, 7]] / scores[[2, 7]].sum() * 2.5
     assert sorted(weights[0].tolist()) == pytest.approx(sorted(expected.tolist()))
+
+
+def test_grouped_matmul_equals_one_matmul_per_expert(monkeypatch):
+    """The grouped path (torch._grouped_mm) and the per-expert fallback, for a torch without it,
+    give the same rows, empty experts included."""
+    from pagedbench.model import moe
+
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(10, 16, generator=gen), torch.randn(4, 8, 16, generator=gen)
+    offsets = torch.tensor([3, 5, 5, 10], dtype=torch.int32)
+    expected = torch.cat([x[0:3] @ weight[0].T, x[3:5] @ weight[1].T, x[5:10] @ weight[3].T])
+    torch.testing.assert_close(moe.grouped_linear(x, weight, offsets), expected)
+    monkeypatch.setattr(moe, "grouped_mm_runs", lambda *_: False)
+    torch.testing.assert_close(moe.grouped_linear(x, weight, offsets), expected)

@@ -11,6 +11,8 @@ Tensor parallelism shards every expert's intermediate dimension (and the shared 
 vLLM does: each rank's output is a partial sum.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,8 +43,24 @@ def route(moe: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tu
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, in] (rows grouped by expert, group e ending at offsets[e]) times each group's weight
-    [E, out, in]^T -> [N, out]: one grouped matmul."""
-    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    [E, out, in]^T -> [N, out]: one grouped matmul, or, where this torch has none for the device and
+    dtype, one matmul per expert (reading the offsets on the host: a sync)."""
+    if grouped_mm_runs(x.device.type, x.dtype):
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    ends = offsets.tolist()
+    return torch.cat([F.linear(x[a:b], w) for a, b, w in zip([0, *ends[:-1]], ends, weight)])
+
+
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm exists and runs for this device type and dtype (tried once)."""
+    try:
+        x = torch.ones(16, 16, device=device_type, dtype=dtype)
+        w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
+        torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([8, 16], device=device_type, dtype=torch.int32))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 class SparseMoE(nn.Module):
