@@ -1,5 +1,6 @@
-"""Mixture-of-experts models: tiny random Mixtral, Qwen3-MoE and DeepSeek-V3 (latent attention with
-its MoE layers) give greedy tokens identical to Hugging Face's in fp32 — each family's router,
+"""Mixture-of-experts models: tiny random Mixtral, Qwen3-MoE, gpt-oss (sinks, alternating windows)
+and DeepSeek-V3 (latent attention with its MoE layers) give greedy tokens identical to Hugging
+Face's in fp32 — each family's router,
 the batched experts (one grouped matmul per projection), DeepSeek's grouped top-k, correction
 bias, scaling factor and shared experts — under chunked prefill and preemption, and at
 tensor-parallel size 2 (every expert's intermediate dimension sharded)."""
@@ -33,6 +34,21 @@ MOE_MODELS = {
             norm_topk_prob=False,
             mlp_only_layers=[1],  # a dense layer between two MoE ones
             decoder_sparse_step=1,
+        ),
+    ),
+    # gpt-oss: sinks, a window (8 here, 128 in gpt-oss) on every other layer, q/k/v/o biases, YaRN,
+    # a router with a bias and top-k before its softmax, fused experts with biases and a clamped SwiGLU.
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(
+            intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,  # low enough to clamp with these weights (gpt-oss: 7.0)
         ),
     ),
     "deepseek-v3-moe": (
@@ -94,7 +110,22 @@ def test_greedy_matches_hf_under_pressure(moe_models, prompts, model_name):
     assert llm.engine.stats.preemptions > 0
 
 
-@pytest.mark.parametrize("model_name", ["mixtral", "deepseek-v3-moe"])
+@pytest.mark.parametrize("backend", ["reference", "flex", "triton"])
+def test_gpt_oss_sinks_and_windows_on_every_backend(moe_models, prompts, backend):
+    """The backends that implement sinks and windows run gpt-oss's layers (a windowed and a full
+    layer, each with its sinks) and give Hugging Face's tokens."""
+    pytest.importorskip("triton") if backend == "triton" else None
+    path, hf = moe_models["gpt-oss"]
+    llm = LLM(path, backend=backend, device="cpu", dtype="float32", num_blocks=64)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[2:5]],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts[2:5]]
+
+
+@pytest.mark.parametrize("model_name", ["mixtral", "gpt-oss", "deepseek-v3-moe"])
 def test_tensor_parallel_shards_every_expert(moe_models, prompts, model_name):
     path, hf = moe_models[model_name]
     llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", tensor_parallel_size=2, num_blocks=64)
@@ -144,6 +175,6 @@ def test_grouped_matmul_equals_one_matmul_per_expert(monkeypatch):
     x, weight = torch.randn(10, 16, generator=gen), torch.randn(4, 8, 16, generator=gen)
     offsets = torch.tensor([3, 5, 5, 10], dtype=torch.int32)
     expected = torch.cat([x[0:3] @ weight[0].T, x[3:5] @ weight[1].T, x[5:10] @ weight[3].T])
-    torch.testing.assert_close(moe.grouped_linear(x, weight, offsets), expected)
+    torch.testing.assert_close(moe.grouped_linear(x, weight.transpose(1, 2), offsets), expected)
     monkeypatch.setattr(moe, "grouped_mm_runs", lambda *_: False)
-    torch.testing.assert_close(moe.grouped_linear(x, weight, offsets), expected)
+    torch.testing.assert_close(moe.grouped_linear(x, weight.transpose(1, 2), offsets), expected)

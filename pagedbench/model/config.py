@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": (False, False, False),  # latent attention (LatentAttention)
     "MixtralForCausalLM": (False, False, False),  # MoE layers (MoEConfig)
     "Qwen3MoeForCausalLM": (False, True, False),
+    "GptOssForCausalLM": (True, False, False),  # sinks, alternating windows, MoE with a clamped SwiGLU
 }
 LATENT_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -57,7 +58,8 @@ class MoEConfig:
     """Mixture-of-experts layers: which layers have them, the router and the experts. Mixtral and
     Qwen3-MoE score with a softmax over the experts (renormalizing the top k where norm_topk_prob);
     DeepSeek-V3 with a sigmoid plus a correction bias, top-k within the best topk_group of n_group
-    groups, times routed_scaling_factor, and shared experts beside the routed ones."""
+    groups, times routed_scaling_factor, and shared experts beside the routed ones; gpt-oss takes
+    the top k of its router's biased logits and a softmax over those ("topk_softmax")."""
 
     num_experts: int
     top_k: int
@@ -71,6 +73,13 @@ class MoEConfig:
     topk_group: int = 1
     block_name: str = "mlp"  # the layer's MoE module (Mixtral: block_sparse_moe)
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    router_name: str = "gate"  # gpt-oss: router, with a bias
+    router_bias: bool = False
+    # gpt-oss: experts stored fused as [E, in, out] with biases, gate and up interleaved in
+    # gate_up_proj, and a SwiGLU clamped at swiglu_limit: (up + 1) * gate * sigmoid(alpha * gate).
+    fused_experts: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float | None = None
 
 
 @dataclass(slots=True)
@@ -104,6 +113,8 @@ class ModelConfig:
     # Latent attention: the cache holds one "KV head" of head_dim = latent_dim numbers per token.
     mla: LatentAttention | None = None
     moe: MoEConfig | None = None
+    o_proj_bias: bool = False  # attention_bias also on o_proj (Llama-style; Qwen2 biases q/k/v only)
+    attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
@@ -142,11 +153,11 @@ class ModelConfig:
         return self.sliding_window
 
     def layer_variants(self) -> list[AttentionVariant]:
-        """What each layer's attention computes (its window and soft-cap; latent values)."""
+        """What each layer's attention computes (its window and soft-cap, sinks, latent values)."""
         value_dim = self.mla.kv_lora_rank if self.mla is not None else None
         return [
             AttentionVariant(
-                self.sliding_window if self.is_sliding(i) else None, self.attn_softcap, value_dim=value_dim
+                self.sliding_window if self.is_sliding(i) else None, self.attn_softcap, self.attention_sinks, value_dim
             )
             for i in range(self.num_layers)
         ]
@@ -214,6 +225,8 @@ class ModelConfig:
             local_rope_theta=layers["local_rope_theta"],
             mla=mla,
             moe=moe,
+            o_proj_bias=bool(get("attention_bias")) and arch != "Qwen2ForCausalLM",
+            attention_sinks=arch == "GptOssForCausalLM",
         )
 
     @classmethod
@@ -273,6 +286,19 @@ def _experts(arch: str, cfg: dict, get) -> MoEConfig | None:
             layers=(True,) * n,
             block_name="block_sparse_moe",
             expert_names=("w1", "w3", "w2"),
+        )
+    if arch == "GptOssForCausalLM":
+        return MoEConfig(
+            num_experts=get("num_local_experts"),
+            top_k=get("num_experts_per_tok"),
+            intermediate_size=cfg["intermediate_size"],
+            layers=(True,) * n,
+            scoring="topk_softmax",
+            router_name="router",
+            router_bias=True,
+            fused_experts=True,
+            swiglu_alpha=float(get("swiglu_alpha")),
+            swiglu_limit=float(get("swiglu_limit")),
         )
     if arch == "Qwen3MoeForCausalLM":
         dense, step = set(get("mlp_only_layers") or []), get("decoder_sparse_step") or 1

@@ -28,10 +28,12 @@ class AttentionContext:
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, when the pages are quantized
     calibrate_kv: bool = False  # set each layer's fp8 scales from this step's K/V (calculate_kv_scales)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Write this step's k, v [T, H_kv, D] into `layer`'s pages (v None: latent attention, whose
         values are the key pages' first dims) and attend with q [T, H, D] through the layer's
-        backend (an "attention" span of the timer) -> [T, H, D_v]."""
+        backend (an "attention" span of the timer) -> [T, H, D_v]; `sinks` [H]: the layer's sink logits."""
         k_cache, v_cache = self.kv_caches[layer]
         scales = self.kv_scales[layer] if self.kv_scales is not None else None
         if self.calibrate_kv:  # vLLM's calculate_kv_scales: the first step's absolute maximum fills fp8's range
@@ -40,8 +42,10 @@ class AttentionContext:
                     scale.copy_((x.abs().amax().float() / torch.finfo(k_cache.dtype).max).clamp(min=1e-8))
         write_kv(k, v, k_cache, v_cache, self.slot_mapping, scales)
         start = self.timer.mark() if self.timer is not None else None
-        quantized = {} if scales is None else {"kv_scales": scales}
-        out = self.backends[layer].forward(q, k_cache, v_cache, self.states[layer], **quantized)
+        extra = {} if scales is None else {"kv_scales": scales}
+        if sinks is not None:
+            extra["sinks"] = sinks.float()
+        out = self.backends[layer].forward(q, k_cache, v_cache, self.states[layer], **extra)
         if start is not None:
             self.timer.span("attention", start)
         return out
@@ -134,9 +138,23 @@ def column_parallel(in_features: int, out_features: int, start: int, length: int
     return linear
 
 
-def row_parallel(in_features: int, out_features: int, start: int, length: int) -> nn.Linear:
+class RowParallelLinear(nn.Linear):
+    """The input columns [start, start + length) of a projection: its output is a partial sum, to
+    which only rank 0 adds the (replicated) bias, so the sum over ranks holds it once."""
+
+    def __init__(self, length: int, out_features: int, bias: bool, rank: int):
+        super().__init__(length, out_features, bias=bias)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if self.rank == 0 else None)
+
+
+def row_parallel(
+    in_features: int, out_features: int, start: int, length: int, bias: bool = False, rank: int = 0
+) -> nn.Linear:
     """The input columns [start, start + length) of a projection; its output is a partial sum."""
-    linear = nn.Linear(length, out_features, bias=False)
+    linear = RowParallelLinear(length, out_features, bias, rank)
     shard_param(linear.weight, 1, start, length, in_features)
     return linear
 

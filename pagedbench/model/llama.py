@@ -26,7 +26,7 @@ from pagedbench.model.layers import (
 )
 from pagedbench.model.mla import MLAAttention
 from pagedbench.model.moe import SparseMoE
-from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab
+from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab, shard_param
 
 
 class Attention(nn.Module):
@@ -41,7 +41,10 @@ class Attention(nn.Module):
         self.q_proj = column_parallel(h, cfg.num_heads * d, h0 * d, self.num_heads * d, cfg.qkv_bias)
         self.k_proj = column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
         self.v_proj = column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
-        self.o_proj = row_parallel(cfg.num_heads * d, h, h0 * d, self.num_heads * d)
+        self.o_proj = row_parallel(cfg.num_heads * d, h, h0 * d, self.num_heads * d, cfg.o_proj_bias, tp.rank)
+        if cfg.attention_sinks:  # gpt-oss: a learned logit per query head in the softmax denominator
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+            shard_param(self.sinks, 0, h0, self.num_heads, cfg.num_heads)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
@@ -54,7 +57,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = ctx.attend(self.layer_idx, q, k, v)
+        out = ctx.attend(self.layer_idx, q, k, v, getattr(self, "sinks", None))
         return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
 
 

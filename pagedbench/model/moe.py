@@ -35,6 +35,9 @@ def route(moe: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tu
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * moe.routed_scaling_factor, experts
+    if moe.scoring == "topk_softmax":  # gpt-oss: the top k logits, then a softmax over them
+        top, experts = logits.topk(moe.top_k, dim=-1)
+        return top.softmax(dim=-1), experts
     weights, experts = logits.float().softmax(dim=-1).topk(moe.top_k, dim=-1)  # Mixtral, Qwen3-MoE
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -43,12 +46,12 @@ def route(moe: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tu
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, in] (rows grouped by expert, group e ending at offsets[e]) times each group's weight
-    [E, out, in]^T -> [N, out]: one grouped matmul, or, where this torch has none for the device and
+    [E, in, out] -> [N, out]: one grouped matmul, or, where this torch has none for the device and
     dtype, one matmul per expert (reading the offsets on the host: a sync)."""
     if grouped_mm_runs(x.device.type, x.dtype):
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(x, weight, offs=offsets)
     ends = offsets.tolist()
-    return torch.cat([F.linear(x[a:b], w) for a, b, w in zip([0, *ends[:-1]], ends, weight)])
+    return torch.cat([x[a:b] @ w for a, b, w in zip([0, *ends[:-1]], ends, weight)])
 
 
 @functools.cache
@@ -71,32 +74,63 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe, h = cfg.moe, cfg.hidden_size
         self.moe, self.tp = moe, tp
-        self.gate = nn.Linear(h, moe.num_experts, bias=False)  # the router ("gate" in every family)
+        router = nn.Linear(h, moe.num_experts, bias=moe.router_bias)
+        setattr(self, moe.router_name, router)  # "gate" in most families, gpt-oss's "router"
         if moe.scoring == "sigmoid":
-            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+            router.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
         self.experts = nn.Module()
         start, length = tp.chunk(moe.intermediate_size)
-        gate_name, up_name, down_name = moe.expert_names
-        for name, rows, cols, dim in ((gate_name, length, h, 1), (up_name, length, h, 1), (down_name, h, length, 2)):
-            param = nn.Parameter(torch.empty(moe.num_experts, rows, cols))
-            shard_param(param, dim, start, length, moe.intermediate_size)
-            setattr(self.experts, name, param)
-        self.expert_weights = [getattr(self.experts, name) for name in moe.expert_names]  # gate, up, down
-        self.act = F.silu
+        if moe.fused_experts:  # gpt-oss's [E, in, out]: gate and up interleaved, so a rank's pairs are contiguous
+            self._stacked("gate_up_proj", (h, 2 * length), 2, 2 * start, 2 * moe.intermediate_size)
+            self._stacked("gate_up_proj_bias", (2 * length,), 1, 2 * start, 2 * moe.intermediate_size)
+            self._stacked("down_proj", (length, h), 1, start, moe.intermediate_size)
+            self._stacked("down_proj_bias", (h,))  # replicated: rank 0 adds it
+        else:  # stacked from the checkpoint's per-expert Linear weights [out, in]
+            gate_name, up_name, down_name = moe.expert_names
+            for name, shape, dim in (
+                (gate_name, (length, h), 1),
+                (up_name, (length, h), 1),
+                (down_name, (h, length), 2),
+            ):
+                self._stacked(name, shape, dim, start, moe.intermediate_size)
         if moe.num_shared_experts:
             self.shared_experts = MLP(cfg, tp, intermediate_size=moe.intermediate_size * moe.num_shared_experts)
 
+    def _stacked(self, name: str, shape: tuple, dim: int | None = None, start: int = 0, full: int = 0) -> None:
+        """A parameter [E, *shape] of the experts, this rank's part along `dim` when given."""
+        param = nn.Parameter(torch.empty(self.moe.num_experts, *shape))
+        if dim is not None:
+            shard_param(param, dim, start, param.shape[dim], full)
+        setattr(self.experts, name, param)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
-        bias = getattr(self.gate, "e_score_correction_bias", None)
-        logits = F.linear(x.float(), self.gate.weight.float()) if moe.scoring == "sigmoid" else self.gate(x)
-        weights, experts = route(moe, logits, bias)
+        router = getattr(self, moe.router_name)
+        if moe.scoring == "sigmoid":  # DeepSeek routes in fp32
+            logits = F.linear(x.float(), router.weight.float())
+        else:
+            logits = router(x)
+        weights, experts = route(moe, logits, getattr(router, "e_score_correction_bias", None))
         order = experts.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
-        token = order // moe.top_k
+        token, expert = order // moe.top_k, experts.flatten()[order]
         offsets = torch.bincount(experts.flatten(), minlength=moe.num_experts).cumsum(0).to(torch.int32)
-        gate, up, down = self.expert_weights
         rows = x[token]
-        hidden = self.act(grouped_linear(rows, gate, offsets)) * grouped_linear(rows, up, offsets)
-        out = grouped_linear(hidden, down, offsets) * weights.flatten()[order, None].to(x.dtype)
+        out = self._fused(rows, expert, offsets) if moe.fused_experts else self._gated(rows, offsets)
+        out = out * weights.flatten()[order, None].to(x.dtype)
         routed = all_reduce(torch.zeros_like(x).index_add_(0, token, out), self.tp)
         return routed + self.shared_experts(x) if moe.num_shared_experts else routed
+
+    def _gated(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """SiLU-gated experts from Linear-layout weights [E, out, in]."""
+        gate, up, down = (getattr(self.experts, name).transpose(1, 2) for name in self.moe.expert_names)
+        hidden = F.silu(grouped_linear(rows, gate, offsets)) * grouped_linear(rows, up, offsets)
+        return grouped_linear(hidden, down, offsets)
+
+    def _fused(self, rows: torch.Tensor, expert: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's experts: biases, interleaved gate/up, the clamped SwiGLU."""
+        e, moe = self.experts, self.moe
+        gate_up = grouped_linear(rows, e.gate_up_proj, offsets) + e.gate_up_proj_bias[expert]
+        gate = gate_up[..., ::2].clamp(max=moe.swiglu_limit)
+        up = gate_up[..., 1::2].clamp(-moe.swiglu_limit, moe.swiglu_limit)
+        out = grouped_linear((up + 1) * gate * torch.sigmoid(gate * moe.swiglu_alpha), e.down_proj, offsets)
+        return out + e.down_proj_bias[expert] if self.tp.rank == 0 else out
