@@ -87,8 +87,10 @@ def test_compare_csv_has_exactly_the_schema(compared):
     ok = df[df["status"] == "ok"]
     assert list(ok["backend"]) == ["reference", "reference", "sdpa", "sdpa"] and list(ok["repeat"]) == [0, 1, 0, 1]
     spec = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_acceptance_per_position"}
-    assert ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"} - spec)].notna().all().all()
+    moe = {"num_experts", "experts_per_token", "time_moe_s", "moe_share"}
+    assert ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"} - spec - moe)].notna().all().all()
     assert (ok["speculative"] == "off").all() and ok[sorted(spec)].isna().all().all()  # empty without speculation
+    assert ok[sorted(moe)].isna().all().all()  # a dense model
     assert ok["scenario_hash"].nunique() == 1 and ok["num_blocks"].nunique() == 1  # one KV budget for all
     assert (ok["num_requests"] == 5).all() and ok["total_output_tokens"].nunique() == 1
 

@@ -178,3 +178,20 @@ def test_grouped_matmul_equals_one_matmul_per_expert(monkeypatch):
     torch.testing.assert_close(moe.grouped_linear(x, weight.transpose(1, 2), offsets), expected)
     monkeypatch.setattr(moe, "grouped_mm_runs", lambda *_: False)
     torch.testing.assert_close(moe.grouped_linear(x, weight.transpose(1, 2), offsets), expected)
+
+
+def test_reports_record_experts_and_the_moe_share(moe_models, tmp_path):
+    """run's row says how many experts each MoE layer has, how many a token uses, and the MoE
+    layers' share of the forward beside attention's; the markdown shows both."""
+    import pandas as pd
+
+    from pagedbench.entrypoints.cli.main import main
+
+    path, _ = moe_models["qwen3-moe"]
+    args = ["run", "--model", path, "--scenario", "mixed", "--scale", "0.02", "--no-warmup", "--device", "cpu"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    row = pd.read_csv(tmp_path / "run-mixed.csv").iloc[0]
+    assert (row["num_experts"], row["experts_per_token"]) == (6, 2)
+    assert 0 < row["moe_share"] < 1 and 0 < row["attention_share"] < 1 and row["time_moe_s"] > 0
+    markdown = (tmp_path / "run-mixed.md").read_text()
+    assert "MoE % of forward" in markdown and "6 top 2" in markdown

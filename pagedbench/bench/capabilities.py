@@ -19,6 +19,7 @@ VARIANT_FEATURES = {
     "sliding window": AttentionVariant(sliding_window=4096),
     "soft-cap": AttentionVariant(softcap=50.0),
     "sinks": AttentionVariant(sinks=True),
+    "sinks + window": AttentionVariant(sliding_window=128, sinks=True),  # gpt-oss's windowed layers
 }
 # What the backend contract requires of every backend (check's multi-token decode and shared-prefix
 # cases hold each one to it): no backend may opt out, so these cells are the contract's, not a probe's.
@@ -33,7 +34,7 @@ LATENT_SHAPE = dict(head_dim=576, num_heads=128, num_kv_heads=1, **AttentionVari
 def variant_columns(variant: AttentionVariant) -> list[str]:
     """The feature columns a variant exercises."""
     asked = variant.settings()
-    columns = [f for f, v in VARIANT_FEATURES.items() if any(asked[k] for k, on in v.settings().items() if on)]
+    columns = [f for f, v in VARIANT_FEATURES.items() if all(asked[k] for k, on in v.settings().items() if on)]
     return columns + ([LATENT_FEATURE] if variant.value_dim is not None else [])
 
 

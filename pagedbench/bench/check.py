@@ -20,7 +20,19 @@ from pagedbench.device.dtypes import dtype_name
 
 TOLERANCE_FACTOR = 4.0
 TOLERANCE_FLOOR = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
-HEADS = {"MHA": (4, 4), "GQA-4": (8, 2), "GQA-3": (6, 2), "MQA": (4, 1), "MLA-16": (16, 1), "MLA-128": (128, 1)}
+HEADS = {
+    "MHA": (4, 4),
+    "GQA-4": (8, 2),
+    "GQA-3": (6, 2),
+    "MQA": (4, 1),
+    "MLA-16": (16, 1),
+    "MLA-128": (128, 1),
+    "GQA-8 64/8": (64, 8),  # gpt-oss's
+}
+# gpt-oss's attention: 64 query / 8 KV heads of 64, a sink per head, and on every other layer a
+# 128-token window (the mixed batch's contexts reach past it, the decode batch's long ones too).
+GPT_OSS = {"heads": "GQA-8 64/8", "head_dim": 64, "variant": AttentionVariant(sliding_window=128, sinks=True)}
+SINKS_ONLY = AttentionVariant(sinks=True)  # gpt-oss's full-attention layers
 # Latent attention as DeepSeek-V3 decodes it, absorbed: H query heads of 512 + 64 meet one latent
 # "KV head" whose first 512 dims are the values, in pages of 64 (FlashMLA's); 128 heads is V3's
 # decode, 16 a TP-8 rank's.
@@ -103,8 +115,10 @@ QUICK_CONFIGS = (
 def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
     """--quick: every batch shape on one configuration, then QUICK_CONFIGS on the mixed and
     shared-prefix batches, latent attention (16 heads: decode, mixed, shared prefix; 128: decode),
-    then each variant on the mixed batch (and the window on the chunked-prefill and shared-prefix
-    ones). --full: the whole cross product, then every variant and latent configuration on every batch."""
+    gpt-oss's layers (64/8 heads of 64, sinks, with and without its 128-token window: decode, mixed,
+    one long sequence), then each variant on the mixed batch (and the window on the chunked-prefill and shared-prefix
+    ones). --full: the whole cross product, then every variant, latent configuration and gpt-oss's
+    windowed layer on every batch."""
     cases = []
     for dtype in dtypes:
         if full:
@@ -119,6 +133,8 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             for latent in LATENT_CONFIGS:
                 for batch, (seqs, shared) in _batches(latent["block_size"], 4096).items():
                     cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **latent))
+            for batch, (seqs, shared) in _batches(16, 4096).items():
+                cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **GPT_OSS))
             continue
         for batch, (seqs, shared) in _batches(16, 2048).items():
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared))
@@ -130,6 +146,10 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             for batch in batch_names:
                 seqs, shared = _batches(latent["block_size"], 2048)[batch]
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **latent))
+        for batch in ("decode", "mixed", "one long sequence"):
+            seqs, shared = _batches(16, 2048)[batch]
+            cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **GPT_OSS))
+            cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **(GPT_OSS | {"variant": SINKS_ONLY})))
         batches = _batches(16, 2048)
         for name, variant in VARIANTS.items():
             for batch in ("mixed", "chunked prefill", "shared prefix") if name == "window" else ("mixed",):

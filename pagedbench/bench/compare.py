@@ -148,11 +148,14 @@ def device_columns(device: dict[str, float], step_wall: float) -> dict:
     inside count as busy, so the overhead is a lower bound), the share of eager forward time
     spent in attention, and the engine's overhead: the share of step wall time not covered."""
     forward, attention = device.get("forward", 0.0), device.get("attention", 0.0)
+    moe = device.get("moe")  # MoE layers' time, for a model that has them
     step = forward + device.get("forward_graph", 0.0) + device.get("sample", 0.0)
     return {
         "time_device_s": step,
         "time_attention_s": attention,
         "attention_share": attention / forward if forward else np.nan,
+        "time_moe_s": np.nan if moe is None else moe,
+        "moe_share": moe / forward if moe is not None and forward else np.nan,
         "engine_overhead_share": max(0.0, 1 - step / step_wall) if step_wall else np.nan,
     }
 
@@ -258,7 +261,7 @@ def compare(
     dev, dt = resolve_device_dtype(device, dtype)
     model, model_path = resolve_model_config(scenario.model)
     requests = model_requests(scenario, model, model_path)
-    env, workload = environment(dev, dt), scenario_columns(scenario, scale, dt)
+    env, workload = environment(dev, dt), scenario_columns(scenario, scale, dt) | expert_columns(model)
     out = Comparison([] if rows is None else rows, [], [], {})
     measured = _compare_backends(scenario, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
     for peer in peers:
@@ -278,6 +281,14 @@ def compare(
             if row["backend"] in peers and "identical_token_share" in row:
                 row["identical_token_share"] = np.nan
     return out
+
+
+def expert_columns(model) -> dict:
+    """The model's experts per MoE layer and how many each token uses (empty for a dense model)."""
+    moe = model.moe
+    if moe is None or not any(moe.layers):
+        return {"num_experts": np.nan, "experts_per_token": np.nan}
+    return {"num_experts": moe.num_experts, "experts_per_token": moe.top_k}
 
 
 def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype) -> dict:

@@ -38,6 +38,7 @@ VARIANTS = {
     "window-1024": AttentionVariant(sliding_window=1024),
     "softcap-50": AttentionVariant(softcap=50.0),
     "sinks": AttentionVariant(sinks=True),
+    "gpt-oss": AttentionVariant(sliding_window=128, sinks=True),  # its windowed layers (--heads 64/8 --head-dim 64)
     # DeepSeek-V3's latent attention, absorbed: with --heads 128/1 (16/1 a TP-8 rank) --head-dim 576
     # --block-sizes 64, each query head meets the one latent whose first 512 dims are the values.
     "latent-512": AttentionVariant(value_dim=512),

@@ -78,6 +78,10 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "time_device_s",
     "time_attention_s",
     "attention_share",
+    "num_experts",
+    "experts_per_token",
+    "time_moe_s",
+    "moe_share",
     "engine_overhead_share",
     "time_backend_compile_s",
     "cuda_graphs",
@@ -347,6 +351,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             **_structured(med),
             "prepare %": _prepare_pct(med),
             "attention % of forward": _pct(med, "attention_share"),
+            **_moe(med),
             "overhead %": _pct(med, "engine_overhead_share"),
             "identical tokens": med["identical_token_share"].round(4),
         }
@@ -378,6 +383,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             **_structured(ok),
             "prepare %": _prepare_pct(ok),
             "attention % of forward": _pct(ok, "attention_share"),
+            **_moe(ok),
             "overhead %": _pct(ok, "engine_overhead_share"),
             **_graphs(ok),
         }
@@ -434,6 +440,19 @@ def _speculation(df: pd.DataFrame) -> dict[str, pd.Series]:
         "accepted %": (100 * df["spec_acceptance_rate"]).round(1),
         "mean accepted length": df["spec_mean_acceptance_length"].round(2),
     }
+
+
+def _moe(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """MoE layers' share of the forward, for runs of a model that has them."""
+    share = _column(df, "moe_share")
+    if not share.notna().any():
+        return {}
+    experts = (
+        _column(df, "num_experts").astype("Int64").astype(str)
+        + " top "
+        + _column(df, "experts_per_token").astype("Int64").astype(str)
+    )
+    return {"experts": experts, "MoE % of forward": (100 * share).round(1)}
 
 
 def _structured(df: pd.DataFrame) -> dict[str, pd.Series]:

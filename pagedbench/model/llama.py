@@ -80,12 +80,20 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        ffn = getattr(self, self.ffn_name)
         if not self.gemma:
             x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-            return x + ffn(self.post_attention_layernorm(x))
+            return x + self._ffn(self.post_attention_layernorm(x), ctx)
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
-        return x + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self._ffn(self.pre_feedforward_layernorm(x), ctx))
+
+    def _ffn(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The feed-forward block; an MoE layer's is a "moe" span of the timer."""
+        ffn = getattr(self, self.ffn_name)
+        start = ctx.timer.mark() if isinstance(ffn, SparseMoE) and ctx.timer is not None else None
+        out = ffn(x)
+        if start is not None:
+            ctx.timer.span("moe", start)
+        return out
 
 
 class DecoderModel(nn.Module):
