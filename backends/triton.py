@@ -23,6 +23,7 @@ from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata,
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; a [BLOCK_M, 256] fp32 accumulator is the ceiling
+MAX_LATENT_HEAD_DIM = 1024  # DeepSeek's 512 + 64, in the interpreter (CPU)
 SHORT_QUERY = 16  # sequences with at most this many query tokens are split along their keys like decodes
 INSTALL_HINT = "pip install 'pagedbench[triton]'"
 
@@ -189,13 +190,15 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized in the kernel, tile by tile
     cuda_graph_reason = None
+    latent_values = True  # V tiles read the first value_dim dims of the key pages (V_DIM)
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant=PLAIN):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant)
-        reason = self.unavailable_reason(device, dtype, head_dim, block_size, num_heads=num_heads)
+        reason = self.unavailable_reason(device, dtype, head_dim, block_size, num_heads=num_heads, **variant.settings())
         if reason:
             raise ValueError(f"triton backend: {reason}")
         self.group = num_heads // num_kv_heads
+        self.value_dim = variant.value_dim or head_dim  # latent attention: the keys' first value_dim dims
         self.tuning = tuning(torch.device(device), dtype, head_dim)
         self._attend, self._combine = kernels(torch.device(device).type)
         self._compiled: set[tuple] = set()
@@ -210,7 +213,13 @@ class TritonBackend(AttentionBackend):
             return f"Triton runs on CUDA (or interpreted on CPU), not {device.type}"
         if dtype not in DTYPES:
             return f"{dtype} is not one of fp32/fp16/bf16"
-        if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        latent = kwargs.get("value_dim") is not None and device.type == "cpu"
+        if not MIN_HEAD_DIM <= head_dim <= (MAX_LATENT_HEAD_DIM if latent else MAX_HEAD_DIM):
+            if kwargs.get("value_dim") is not None:  # on CUDA: one program holds every head of a KV head
+                return (
+                    f"head_dim {head_dim} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM} on CUDA: latent attention's wide "
+                    "heads need the heads of a KV head split across programs (not yet); the interpreter runs them"
+                )
             return f"head_dim {head_dim} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}"
         if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
             return "bf16 needs compute capability 8.0+"
@@ -262,12 +271,12 @@ class TritonBackend(AttentionBackend):
         if segments > 1:
             rows = (segments, num_tokens, self.num_heads)
             f32 = dict(dtype=torch.float32, device=meta.seq_lens.device)
-            partials = (torch.empty(*rows, self.head_dim, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32))
+            partials = (torch.empty(*rows, self.value_dim, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32))
         warps = 8 if block_m >= 128 else 4
         return Launch(seq_start, num_seqs, token_start, num_tokens, block_m, block_q, segments, warps, partials)
 
     def forward(self, q, k_cache, v_cache, state: TritonState, sinks=None, kv_scales=None) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], self.value_dim)  # [T, H, D_v]
         for launch in state.launches:
             self._run(launch, q, k_cache, v_cache, out, state, out if sinks is None else sinks, kv_scales)
         return out
@@ -284,6 +293,8 @@ class TritonBackend(AttentionBackend):
             BLOCK_N=self.tuning.block_n,
             HEAD_DIM=self.head_dim,
             HEAD_DIM_P2=max(16, _pow2(self.head_dim)),
+            V_DIM=self.value_dim,
+            V_DIM_P2=max(16, _pow2(self.value_dim)),
             PAGE_SIZE=page_size,
             NUM_SEGMENTS=launch.num_segments,
             WINDOW=self.variant.sliding_window or 0,
@@ -315,7 +326,7 @@ class TritonBackend(AttentionBackend):
             self._combine[(launch.num_tokens, -(-self.num_heads // block_h))](
                 out, part_out, part_max, part_sum, launch.token_start, launch.num_tokens,
                 out.stride(0), out.stride(1), self.num_heads, BLOCK_H=block_h,
-                HEAD_DIM=self.head_dim, HEAD_DIM_P2=constants["HEAD_DIM_P2"], NUM_SEGMENTS=launch.num_segments,
+                HEAD_DIM=self.value_dim, HEAD_DIM_P2=constants["V_DIM_P2"], NUM_SEGMENTS=launch.num_segments,
             )  # fmt: skip
         self._count_compile(tuple(constants.items()), start)
 

@@ -27,7 +27,7 @@ def paged_attention(
     sinks_ptr,  # [H] fp32: each head's sink logit (read when HAS_SINKS)
     k_scale_ptr,  # quantized pages' scales (KV_SCALES): [1] fp32, or [num_blocks, PAGE_SIZE, H_kv] fp16
     v_scale_ptr,
-    part_out_ptr,  # [NUM_SEGMENTS, tokens of the launch, H, D] fp32: unnormalised partial outputs
+    part_out_ptr,  # [NUM_SEGMENTS, tokens of the launch, H, V_DIM] fp32: unnormalised partial outputs
     part_max_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: running max (log2 units)
     part_sum_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: softmax denominators
     scale,  # softmax scale
@@ -54,6 +54,8 @@ def paged_attention(
     BLOCK_N: tl.constexpr,  # keys per inner step (any multiple or fraction of a page)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
+    V_DIM: tl.constexpr,  # the values' dims: HEAD_DIM, or latent attention's first V_DIM dims of each key
+    V_DIM_P2: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     WINDOW: tl.constexpr,  # sliding window in keys (0: none): a query at p sees p - WINDOW + 1 .. p
@@ -120,7 +122,9 @@ def paged_attention(
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
             row_max = tl.where(segment == 0, sink, row_max)
             row_sum = tl.where(segment == 0, 1.0, row_sum)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+        vdims = tl.arange(0, V_DIM_P2)
+        vdim_ok = vdims < V_DIM
+        acc = tl.zeros([BLOCK_M, V_DIM_P2], tl.float32)
         table_row = block_table_ptr + seq * stride_table
         for step in range(step_lo, step_hi):
             pos = step * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -136,13 +140,13 @@ def paged_attention(
                 mask=pos_ok[None, :] & dim_ok[:, None],
                 other=0.0,
             )
-            v = tl.load(  # [BLOCK_N, HEAD_DIM_P2]
+            v = tl.load(  # [BLOCK_N, V_DIM_P2]
                 v_cache_ptr
                 + page[:, None] * stride_v_block
                 + slot[:, None] * stride_v_slot
                 + kv_head * stride_v_head
-                + dims[None, :],
-                mask=pos_ok[:, None] & dim_ok[None, :],
+                + vdims[None, :],
+                mask=pos_ok[:, None] & vdim_ok[None, :],
                 other=0.0,
             )
             if KV_SCALES == 1:  # dequantized in registers: the pages stay 1 byte per value in memory
@@ -183,9 +187,9 @@ def paged_attention(
         if NUM_SEGMENTS == 1:
             out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # 0 only in rows never stored
             tl.store(
-                out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+                out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + vdims[None, :],
                 out.to(out_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & dim_ok[None, :],
+                mask=row_ok[:, None] & vdim_ok[None, :],
             )
         else:
             # Partials of launch-local token t, head h, segment s live at ((s * tokens + t) * H + h).
@@ -193,9 +197,7 @@ def paged_attention(
             row = (segment * launch_tokens + tok - first_token).to(tl.int64) * num_heads + head
             tl.store(part_max_ptr + row, row_max, mask=row_ok)
             tl.store(part_sum_ptr + row, row_sum, mask=row_ok)
-            tl.store(
-                part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :]
-            )
+            tl.store(part_out_ptr + row[:, None] * V_DIM + vdims[None, :], acc, mask=row_ok[:, None] & vdim_ok[None, :])
 
 
 def combine_segments(
