@@ -199,3 +199,18 @@ def test_reports_record_experts_and_the_moe_share(moe_models, tmp_path):
     assert 0 < row["moe_share"] < 1 and 0 < row["attention_share"] < 1 and row["time_moe_s"] > 0
     markdown = (tmp_path / "run-mixed.md").read_text()
     assert "MoE % of forward" in markdown and "6 top 2" in markdown
+
+
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("triton", marks=pytest.mark.slow)])
+def test_gpt_oss_reads_a_shared_prefix_past_its_window(moe_models, backend):
+    """A second request sharing a 32-token prefix reads the first one's pages (cached, not
+    recomputed) through gpt-oss's windowed and full layers, with their sinks."""
+    path, hf = moe_models["gpt-oss"]
+    prefix = list(range(5, 37))
+    prompts = [prefix + [40, 41, 42], prefix + [50, 51]]
+    llm = LLM(path, backend=backend, device="cpu", dtype="float32", block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
+    second = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 32
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [hf_greedy(hf, p, 8) for p in prompts]
