@@ -116,6 +116,12 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "ranks the model is sharded over (worker processes; GPUs on cuda)", minimum=1
     )
+    distributed_executor_backend: str = setting(
+        "mp",
+        "how tensor-parallel ranks start: mp (the engine spawns worker processes) or external_launcher (torchrun "
+        "started every rank, each running this same engine; every rank returns the same outputs)",
+        ("mp", "external_launcher"),
+    )
     enable_prefix_caching: bool = setting(True, "share the KV pages of common prompt prefixes (vLLM v1's default)")
     scheduling_policy: str = setting("fcfs", "fcfs, or priority: lowest value first", ("fcfs", "priority"))
     preemption_mode: str = setting("recompute", "what preemption does with K/V", ("recompute", "swap"))

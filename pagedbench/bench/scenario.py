@@ -34,6 +34,7 @@ ENGINE_FIELDS = (
     "seed",
     "tensor_parallel_size",
     "enforce_eager",
+    "distributed_executor_backend",
     "kv_cache_dtype",
     "speculative_config",
 )
@@ -86,6 +87,8 @@ class Scenario:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # ranks the model is sharded over; num_blocks is each rank's KV budget
     enforce_eager: bool = False  # no CUDA graphs (how the engine runs, not what: outside the hash)
+    # mp (spawned tensor-parallel workers) or external_launcher (under torchrun): outside the hash too
+    distributed_executor_backend: str = "mp"
     # "random" token ids (vLLM's random dataset); "python-source": held-out Python source as
     # bytes, for a byte-level model (the trained pair), where a draft has something to predict;
     # "chat": multi-turn conversations (CHAT_CONVERSATIONS) under the model's chat template, each
@@ -114,6 +117,11 @@ class Scenario:
             self._fail("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
         if self.shared_prefix_len < 0:
             self._fail("shared_prefix_len", f"must be >= 0, got {self.shared_prefix_len}")
+        if self.distributed_executor_backend not in ("mp", "external_launcher"):
+            self._fail(
+                "distributed_executor_backend",
+                f"must be mp or external_launcher, got {self.distributed_executor_backend!r}",
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.prompts not in PROMPT_SOURCES:
@@ -218,9 +226,10 @@ class Scenario:
     def content_hash(self) -> str:
         """sha256 of the canonical form: every field but name and description, sorted keys,
         the KV budget in blocks however it was given (tensor_parallel_size only when > 1, so
-        hashes from before it existed still match; enforce_eager never: the workload is the same)."""
+        hashes from before it existed still match; enforce_eager and distributed_executor_backend never:
+        the workload is the same)."""
         content = dataclasses.asdict(self) | {"num_blocks": self.kv_blocks, "kv_tokens": None}
-        del content["name"], content["description"], content["enforce_eager"]
+        del content["name"], content["description"], content["enforce_eager"], content["distributed_executor_backend"]
         if self.tensor_parallel_size == 1:
             del content["tensor_parallel_size"]
         defaults = {

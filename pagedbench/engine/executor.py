@@ -4,11 +4,13 @@ graphs, and runs each step: page moves, then inputs and metadata, the backend's 
 the forward."""
 
 import logging
+import os
 import time
 import weakref
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
@@ -55,8 +57,9 @@ class Executor:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {max_len_cap}")
         rope_len = config.max_model_len or max_len_cap
         self.draft_config, self.draft_path = self._draft_config()
-        # Workers build their shards while this process builds rank 0's.
-        self.workers = Workers(config, rope_len, self.tp.size) if self.tp.size > 1 else None
+        # Workers build their shards while this process builds rank 0's (none under an external launcher).
+        spawn = self.tp.size > 1 and not self.tp.logits_everywhere
+        self.workers = Workers(config, rope_len, self.tp.size) if spawn else None
         try:
             weights = weights_path(model_path, config)
             self.model = build_model(
@@ -76,6 +79,8 @@ class Executor:
         self.timer = DeviceTimer(self.device)
 
     def _tensor_parallel_shard(self) -> TPShard:
+        if self.config.distributed_executor_backend == "external_launcher":
+            return self._launched_shard()
         tp = TPShard(0, self.config.tensor_parallel_size)
         tp.validate(self.model_config)
         if tp.size > 1:
@@ -84,6 +89,36 @@ class Executor:
                 raise ValueError(
                     f"tensor_parallel_size={tp.size} needs as many GPUs; {torch.cuda.device_count()} visible"
                 )
+        return tp
+
+    def _launched_shard(self) -> TPShard:
+        """This process's shard under torchrun (vLLM's external_launcher): rank and world size from
+        the launcher's environment, the process group joined here unless the caller did (gloo on
+        CPU, NCCL on CUDA, one GPU per local rank); no workers are spawned."""
+        env = os.environ
+        if not dist.is_initialized() and not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(env):
+            raise ValueError(
+                "distributed_executor_backend='external_launcher' runs under torchrun (RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT unset): torchrun --nproc-per-node N ..."
+            )
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(env.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            self.owns_process_group = True
+        rank, world = dist.get_rank(), dist.get_world_size()
+        tp = TPShard(rank, world, logits_everywhere=True)
+        try:
+            if self.config.tensor_parallel_size != world:
+                raise ValueError(
+                    f"external_launcher: tensor_parallel_size={self.config.tensor_parallel_size} must equal the "
+                    f"launcher's world size {world} (pipeline and data parallelism: not yet)"
+                )
+            tp.validate(self.model_config)
+        except ValueError:
+            self.shutdown()  # leaves the group it joined
+            raise
         return tp
 
     def _draft_config(self) -> tuple[ModelConfig | None, Path | None]:
@@ -123,9 +158,13 @@ class Executor:
         return self.runner.backend
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the executor is collected)."""
+        """Stop the tensor-parallel workers, if any (also done when the executor is collected), and
+        leave the process group this engine joined under an external launcher."""
         if getattr(self, "workers", None) is not None:
             self.workers.shutdown()
+        if getattr(self, "owns_process_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_process_group = False
 
     # ---- KV cache -----------------------------------------------------------------------------
 

@@ -20,6 +20,9 @@ class TPShard:
 
     rank: int = 0
     size: int = 1
+    # Every rank gets the full logits and samples (torchrun's external launcher: every rank runs the
+    # same engine and returns the same outputs); else rank 0 alone.
+    logits_everywhere: bool = False
 
     def chunk(self, n: int) -> tuple[int, int]:
         """(start, length) of this rank's contiguous part of n rows (the last part may be short)."""
@@ -49,6 +52,8 @@ class TPShard:
             problems.append(f"num_key_value_heads={cfg.num_kv_heads} (and is not a multiple of it)")
         if cfg.intermediate_size % n:
             problems.append(f"intermediate_size={cfg.intermediate_size}")
+        if cfg.moe is not None and cfg.moe.intermediate_size % n:
+            problems.append(f"each expert's intermediate size {cfg.moe.intermediate_size}")
         if problems:
             raise ValueError(f"tensor_parallel_size={n} does not divide the model's {', '.join(problems)}")
 
@@ -84,12 +89,17 @@ def all_reduce(x: torch.Tensor, tp: TPShard) -> torch.Tensor:
 
 
 def gather_vocab(logits: torch.Tensor, vocab_size: int, tp: TPShard) -> torch.Tensor | None:
-    """Rank 0: full logits [N, vocab] from every rank's slice [N, <= ceil(vocab / tp)]; others: None."""
+    """Rank 0 (every rank with logits_everywhere): full logits [N, vocab] from every rank's slice
+    [N, <= ceil(vocab / tp)]; others: None."""
     if tp.size == 1:
         return logits
     per = -(-vocab_size // tp.size)
     if logits.shape[-1] < per:  # the last rank's slice is short: pad so every rank sends one shape
         logits = torch.nn.functional.pad(logits, (0, per - logits.shape[-1]))
+    if tp.logits_everywhere:
+        parts = [torch.empty_like(logits) for _ in range(tp.size)]
+        dist.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)[..., :vocab_size]
     parts = [torch.empty_like(logits) for _ in range(tp.size)] if tp.rank == 0 else None
     dist.gather(logits.contiguous(), parts, dst=0)
     return torch.cat(parts, dim=-1)[..., :vocab_size] if tp.rank == 0 else None

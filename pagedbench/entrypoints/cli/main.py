@@ -6,7 +6,9 @@ the root parser, the one-line errors and the exit codes."""
 import argparse
 import functools
 import logging
+import os
 import sys
+import tempfile
 
 import torch
 
@@ -71,8 +73,19 @@ def _log_to_stderr() -> None:
         log.setLevel(logging.INFO)
 
 
+def _launched_rank_quiet(args) -> None:
+    """Under torchrun's external launcher every rank runs the command; rank 0 alone prints and
+    writes reports (the others write theirs to a scratch directory)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if getattr(args, "distributed_executor_backend", None) == "external_launcher" and rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
+        if hasattr(args, "out"):
+            args.out = tempfile.mkdtemp(prefix=f"pagedbench-rank{rank}-")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _launched_rank_quiet(args)
     _log_to_stderr()
     try:
         apply_threads(getattr(args, "threads", None))

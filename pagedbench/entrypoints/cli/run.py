@@ -79,6 +79,13 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         "seed": "seed of the request set, the sampler and random weights",
     }
     overrides.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "external_launcher"],
+        default=None,
+        help="mp: the engine spawns its tensor-parallel workers; external_launcher: torchrun started every rank "
+        "(torchrun --nproc-per-node N -m pagedbench ...; rank 0 prints and writes the reports)",
+    )
+    overrides.add_argument(
         "--kv-cache-dtype",
         choices=list(KV_CACHE_DTYPES),
         default=None,
@@ -105,7 +112,8 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         '{"regex": "..."}, {"choice": [...]}, {"grammar": "..."}; "off" for none (default: the scenario\'s)',
     )
     for flag in SCENARIO_OVERRIDES:
-        special = ("model", "enable_prefix_caching", "enforce_eager", "kv_cache_dtype", "speculative_config")
+        special = ("model", "enable_prefix_caching", "enforce_eager", "distributed_executor_backend", "kv_cache_dtype")
+        special += ("speculative_config",)
         if flag not in (*special, "speculation_baseline", "structured_outputs"):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
 
