@@ -11,7 +11,7 @@ import torch
 from pagedbench.backends import registry
 from pagedbench.backends.sdpa import SDPABackend
 
-from pagedbench.bench.report import KERNEL_COLUMNS, SERVING_COLUMNS
+from pagedbench.bench.report_schema import KERNEL_COLUMNS, SERVING_COLUMNS
 from pagedbench.engine.stats import TIME_COLUMNS
 from pagedbench.entrypoints.cli.main import main
 

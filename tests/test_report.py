@@ -4,7 +4,8 @@ two machines."""
 import pandas as pd
 import pytest
 
-from pagedbench.bench.report import SCHEMAS, load_csvs, tidy, write_reports
+from pagedbench.bench.report import load_csvs, tidy, write_reports
+from pagedbench.bench.report_schema import SCHEMAS
 from pagedbench.entrypoints.cli.main import main
 
 
@@ -134,7 +135,8 @@ def test_report_rejects_foreign_and_missing_csvs(tmp_path):
 
 
 def test_runs_of_different_scales_and_models_are_never_pooled():
-    from pagedbench.bench.report import _labels, _title, serving_summary
+    from pagedbench.bench.report_plots import _labels, _title
+    from pagedbench.bench.report_tables import serving_summary
 
     rows = []
     for scale, model in ((0.1, "tiny-llama"), (0.5, "tiny-llama"), (0.1, "qwen3-0.6b")):

@@ -25,7 +25,8 @@ from pagedbench.entrypoints.cli.common import (
 
 def cmd_kernels(args) -> None:
     from pagedbench.bench.kernels import DENSE, GRID_PRESETS, run_kernels
-    from pagedbench.bench.report import CsvLog, kernel_table, markdown, not_run_lines, tidy, write_reports
+    from pagedbench.bench.report import CsvLog, tidy, write_reports
+    from pagedbench.bench.report_tables import kernel_table, markdown, not_run_lines
 
     prepare_out_dir(args.out)
     device, _ = resolve_device_dtype(args.device, args.dtype)

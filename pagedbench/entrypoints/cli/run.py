@@ -153,7 +153,8 @@ def cmd_compare(args) -> None:
 
 def serving_report(args, backends: list[str], command: str) -> None:
     from pagedbench.bench.compare import compare
-    from pagedbench.bench.report import CsvLog, console_table, tidy, write_reports
+    from pagedbench.bench.report import CsvLog, tidy, write_reports
+    from pagedbench.bench.report_tables import console_table
 
     prepare_out_dir(args.out)
     scenario = scenario_from_args(args)

@@ -160,7 +160,9 @@ def _load_at(rate: float, url: str, requests, seed: int, slos, args, head: dict)
 def _write_bench_serve(rows: list[dict], stem: Path, url: str, model: str, scenario: str) -> None:
     import pandas as pd
 
-    from pagedbench.bench.report import BENCH_SERVE_COLUMNS, bench_serve_table, markdown, plot_rate_sweep
+    from pagedbench.bench.report_plots import plot_rate_sweep
+    from pagedbench.bench.report_schema import BENCH_SERVE_COLUMNS
+    from pagedbench.bench.report_tables import bench_serve_table, markdown
 
     df = pd.DataFrame(rows).reindex(columns=BENCH_SERVE_COLUMNS)
     df.to_csv(stem.with_suffix(".csv"), index=False)

@@ -19,7 +19,7 @@ def cmd_report(args) -> None:
 def cmd_kv_calc(args) -> None:
     from pagedbench.backends.base import kv_storage_dtype
     from pagedbench.bench.kv_calc import GIB, kv_bytes_per_token, kv_table
-    from pagedbench.bench.report import markdown
+    from pagedbench.bench.report_tables import markdown
     from pagedbench.device.dtypes import DTYPES
     from pagedbench.model.loader import resolve_model_config
 

@@ -1,0 +1,322 @@
+"""The reports' tables: the serving summary, the console table, kernel and check sections, and the
+markdown they are written in."""
+
+import numpy as np
+import pandas as pd
+
+from pagedbench.bench.report_schema import SERVE_LATENCIES
+from pagedbench.engine.stats import TIME_COLUMNS
+
+
+def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
+    """One row per device x scenario x backend that ran: medians over runs, display names."""
+    ok = serving[serving["status"] == "ok"]
+    keys = ["device_name", "dtype", "model", "scenario", "scale", "backend"]
+    optional = (
+        "n",
+        "enable_prefix_caching",
+        "tensor_parallel_size",
+        "enforce_eager",
+        "speculative",
+        "structured",
+    )  # older CSVs lack some
+    keys += [col for col in optional if col in ok]
+    numeric = ok.select_dtypes("number").columns.difference(keys)
+    groups = ok.groupby(keys, sort=False, dropna=False)
+    med = groups[list(numeric)].median().reset_index()
+    med["runs"] = groups.size().values
+    # vs best over the rows shown (a merged report compares across the CSVs it read)
+    peers = [k for k in keys if k != "backend"]
+    med["throughput_vs_best"] = med["output_throughput"] / med.groupby(peers, dropna=False)[
+        "output_throughput"
+    ].transform("max")
+    return pd.DataFrame(
+        {
+            "backend": med["backend"],
+            "device": med["device_name"],
+            "dtype": med["dtype"],
+            "model": med["model"],
+            "scenario": med["scenario"],
+            "scale": med["scale"],
+            **_parallel(med),
+            "runs": med["runs"],
+            "requests": med["num_requests"].astype(int),
+            "output tok/s": med["output_throughput"].round(1),
+            "total tok/s": med["total_token_throughput"].round(1),
+            "vs best": med["throughput_vs_best"].round(3),
+            "TTFT mean/p99 ms": _pair(med, "ttft"),
+            "TPOT mean/p99 ms": _pair(med, "tpot"),
+            "ITL mean/p99 ms": _pair(med, "itl"),
+            "E2EL mean ms": med["mean_e2el_ms"].round(1),
+            "preemptions": med["preemptions"].round().astype("Int64"),  # empty for a peer
+            "peak seqs": _column(med, "peak_running_seqs").round().astype("Int64"),
+            "peak KV %": (100 * med["peak_kv_utilization"]).round(1),
+            **_sharing(med),
+            **_kv_storage(med),
+            **_speculation(med),
+            **_structured(med),
+            "prepare %": _prepare_pct(med),
+            "attention % of forward": _pct(med, "attention_share"),
+            **_moe(med),
+            "overhead %": _pct(med, "engine_overhead_share"),
+            "identical tokens": med["identical_token_share"].round(4),
+        }
+    )
+
+
+def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
+    """The table run/compare print: one row per run, the throughput columns first."""
+    ok = serving[serving["status"] == "ok"]
+    table = pd.DataFrame(
+        {
+            "backend": ok["backend"],
+            "device": ok["device_name"],
+            "dtype": ok["dtype"],
+            **_parallel(ok),
+            "requests": ok["num_requests"].astype(int),
+            "output tokens": ok["total_output_tokens"].astype(int),
+            "duration s": ok["duration_s"].round(2),
+            "output tok/s": ok["output_throughput"].round(1),
+            "total tok/s": ok["total_token_throughput"].round(1),
+            "mean TTFT ms": ok["mean_ttft_ms"].round(1),
+            "mean TPOT ms": ok["mean_tpot_ms"].round(2),
+            "steps": ok["steps"].astype("Int64"),  # empty for a peer: its internals are not ours to count
+            "preemptions": ok["preemptions"].astype("Int64"),
+            "peak seqs": _column(ok, "peak_running_seqs").astype("Int64"),
+            **_sharing(ok),
+            **_kv_storage(ok),
+            **_speculation(ok),
+            **_structured(ok),
+            "prepare %": _prepare_pct(ok),
+            "attention % of forward": _pct(ok, "attention_share"),
+            **_moe(ok),
+            "overhead %": _pct(ok, "engine_overhead_share"),
+            **_graphs(ok),
+        }
+    )
+    if cross_backend:
+        table["vs best"] = ok["throughput_vs_best"].round(3)
+        table["identical tokens"] = ok["identical_token_share"].round(4)
+    return "\n".join([markdown(table), *not_run_lines(serving)])
+
+
+def markdown(df: pd.DataFrame) -> str:
+    """A markdown table with empty cells, not "nan", where a value is missing."""
+    return df.astype(object).where(df.notna(), "").to_markdown(index=False)
+
+
+def not_run_lines(df: pd.DataFrame) -> list[str]:
+    """What the table does not say: backends that did not run and why, and timings with a caveat
+    (an ok row with a reason: an interpreted backend)."""
+    bad = df.loc[df["status"] != "ok", ["backend", "status", "reason"]].drop_duplicates()
+    lines = [f"{backend}: {status}: {reason}" for backend, status, reason in bad.values]
+    caveats = df.loc[(df["status"] == "ok") & (df["reason"].fillna("") != ""), ["backend", "reason"]].drop_duplicates()
+    return lines + [f"{backend}: caveat: {reason}" for backend, reason in caveats.values]
+
+
+def _parallel(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Tensor-parallel size and each rank's KV budget, where some run was sharded."""
+    if "tensor_parallel_size" not in df or not (df["tensor_parallel_size"].fillna(1) > 1).any():
+        return {}
+    return {"TP": df["tensor_parallel_size"].fillna(1).astype(int), "KV blocks/rank": df["num_blocks"].astype("Int64")}
+
+
+def _sharing(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Shared KV pages: prefix caching on/off, its hit rate (% of prompt tokens found cached),
+    peak KV blocks in use and peak blocks read by several sequences (cached prefixes, forks)."""
+    if "prefix_cache_queries" not in df:  # an older CSV
+        return {}
+    caching = df["enable_prefix_caching"].map({True: "on", False: "off"}) if "enable_prefix_caching" in df else None
+    hit_pct = 100 * df["prefix_cache_hits"] / df["prefix_cache_queries"].where(df["prefix_cache_queries"] > 0)
+    columns = {"prefix caching": caching, "cache hit %": hit_pct.round(1)}
+    columns |= {
+        "peak KV blocks": df["peak_kv_blocks"].round().astype("Int64"),
+        "shared blocks": df["peak_shared_blocks"].round().astype("Int64"),
+    }
+    return {name: col for name, col in columns.items() if col is not None}
+
+
+def _speculation(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Speculative decoding, where some run had it: its setting, the share of proposed tokens
+    accepted and the tokens emitted per verifying step (vLLM's mean acceptance length)."""
+    if "speculative" not in df or not (spec_labels(df) != "off").any():
+        return {}
+    return {
+        "speculative": spec_labels(df),
+        "accepted %": (100 * df["spec_acceptance_rate"]).round(1),
+        "mean accepted length": df["spec_mean_acceptance_length"].round(2),
+    }
+
+
+def _moe(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """MoE layers' share of the forward, for runs of a model that has them."""
+    share = _column(df, "moe_share")
+    if not share.notna().any():
+        return {}
+    experts = (
+        _column(df, "num_experts").astype("Int64").astype(str)
+        + " top "
+        + _column(df, "experts_per_token").astype("Int64").astype(str)
+    )
+    return {"experts": experts, "MoE % of forward": (100 * share).round(1)}
+
+
+def _structured(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Structured outputs, where some run had them: the constraint, and the grammar masks' cost per
+    step (bitmask fill on the host + apply on the device) and as a share of step wall time."""
+    if "structured" not in df:
+        return {}
+    label = df["structured"].astype(object).fillna("off").astype(str)
+    if not (label != "off").any():
+        return {}
+    mask_s = _column(df, "time_grammar_fill_s") + _column(df, "time_grammar_apply_s")
+    return {
+        "structured": label,
+        "mask ms/step": (1e3 * mask_s / _column(df, "steps")).round(2),
+        "mask % of step": (100 * _column(df, "grammar_share")).round(1),
+    }
+
+
+def _kv_storage(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """How K/V pages were stored, where some run quantized them (kv_cache_dtype)."""
+    if "kv_cache_dtype" not in df:
+        return {}
+    kv = df["kv_cache_dtype"].astype(object).fillna("auto").astype(str)
+    return {"KV pages": kv} if (kv != "auto").any() else {}
+
+
+def spec_labels(df: pd.DataFrame) -> pd.Series:
+    """The speculative setting of each row ("off" where none, or in a CSV from before it)."""
+    return df["speculative"].astype(object).fillna("off").astype(str)
+
+
+def _graphs(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """CUDA graphs on/off, where some run had them (the CSV's cuda_graphs column says why not)."""
+    if "cuda_graphs" not in df or not df["cuda_graphs"].astype(str).str.startswith("on").any():
+        return {}
+    return {"CUDA graphs": df["cuda_graphs"].astype(str).str.split(":").str[0]}
+
+
+def _pct(df: pd.DataFrame, share: str) -> pd.Series:
+    return (100 * _column(df, share)).round(1)
+
+
+def _prepare_pct(df: pd.DataFrame) -> pd.Series:
+    """backend.prepare()'s share of the engine step time, in %."""
+    return (100 * df["time_backend_prepare_s"] / df[TIME_COLUMNS].sum(axis=1).replace(0, np.nan)).round(2)
+
+
+def _pair(df: pd.DataFrame, name: str) -> pd.Series:
+    return df[f"mean_{name}_ms"].round(2).astype(str) + " / " + df[f"p99_{name}_ms"].round(2).astype(str)
+
+
+def environment_section(df: pd.DataFrame) -> str:
+    cols = ["device_name", "cpu_threads", "load_average", "torch_version", "git_sha", "dtype", "backend", "provider"]
+    env = df[cols].drop_duplicates().copy()
+    env["git_sha"] = env["git_sha"].astype(str).str.replace(r"^(\w{12})\w*", r"\1", regex=True)
+    return f"## Environment ({df['kind'].iloc[0]})\n\n{markdown(env)}\n"
+
+
+def serving_section(serving: pd.DataFrame) -> str:
+    parts = ["## Serving\n"]
+    scen = serving[
+        [
+            "scenario",
+            "scenario_hash",
+            "scale",
+            "model",
+            "num_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "arrival",
+            "request_rate",
+        ]
+    ].drop_duplicates(["scenario", "scenario_hash"])
+    scen = scen.assign(scenario_hash=scen["scenario_hash"].astype(str).str.slice(0, 12))
+    parts.append(markdown(scen) + "\n")
+    if (serving["status"] == "ok").any():
+        parts.append(markdown(serving_summary(serving)) + "\n")
+        ok = serving[serving["status"] == "ok"]
+        keys = ["device_name", "scenario", "scale", "model", "backend"]  # never pooled across workloads
+        split = ok.groupby(keys, sort=False, dropna=False)[TIME_COLUMNS].sum()
+        split = (100 * split.div(split.sum(axis=1), axis=0)).round(1)
+        split.columns = [c.removeprefix("time_").removesuffix("_s") + " %" for c in split.columns]
+        parts.append("Share of engine step time:\n\n" + markdown(split.reset_index()) + "\n")
+    parts += _unavailable_lines(serving)
+    return "\n".join(parts)
+
+
+def _column(df: pd.DataFrame, name: str) -> pd.Series:
+    """A numeric column, or NaN where the CSV predates it."""
+    return pd.to_numeric(df[name], errors="coerce") if name in df else pd.Series(float("nan"), index=df.index)
+
+
+def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
+    ok = kernels[kernels["status"] == "ok"]
+    return pd.DataFrame(
+        {
+            "backend": ok["backend"],
+            "device": ok["device_name"],
+            "variant": ok["variant"] if "variant" in ok else "plain",  # CSVs before variants are plain
+            "phase": ok["phase"],
+            "query len": _column(ok, "query_len").fillna(1).astype("Int64"),  # CSVs before it: 1
+            "KV pages": ok["kv_cache_dtype"].astype(object).fillna("auto") if "kv_cache_dtype" in ok else "auto",
+            "batch": ok["batch_size"],
+            "context": ok["context_len"],
+            "block": ok["block_size"],
+            "heads": ok["num_heads"].astype("Int64").astype(str) + "/" + ok["num_kv_heads"].astype("Int64").astype(str),
+            "head_dim": ok["head_dim"],
+            "prepare ms": ok["prepare_median_ms"].round(3),
+            "forward ms (median)": ok["forward_median_ms"].round(3),
+            "forward ms (min)": ok["forward_min_ms"].round(3),
+            "GB/s": ok["bandwidth_gbps"].round(1),
+            "% peak": ok["pct_of_peak_bandwidth"].round(1),
+            "% copy": _column(ok, "pct_of_copy_bandwidth").round(1),
+            "x dense": _column(ok, "vs_dense").round(2),
+            "TFLOP/s": ok["tflops"].round(3),
+            "tile eff.": _column(ok, "tile_efficiency").round(3),
+        }
+    )
+
+
+def bench_serve_table(df: pd.DataFrame) -> pd.DataFrame:
+    """bench-serve rows as printed: server, rate, throughput, goodput and latency statistics."""
+    columns = ["backend", "request_rate", "completed", "failed", "request_throughput", "output_throughput", "goodput"]
+    return df[columns + SERVE_LATENCIES].round(2)
+
+
+def kernel_section(kernels: pd.DataFrame) -> str:
+    peaks = (
+        kernels[["device_name", "peak_bandwidth_gbps", "peak_bandwidth_source"]].dropna().drop_duplicates("device_name")
+    )
+    parts = [
+        "## Attention kernels\n",
+        "Peak bandwidth used for % peak:\n\n" + markdown(peaks) + "\n",
+        markdown(kernel_table(kernels)) + "\n",
+    ]
+    return "\n".join(parts + _unavailable_lines(kernels))
+
+
+def check_section(check: pd.DataFrame) -> str:
+    from pagedbench.bench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, summary
+    from pagedbench.device.dtypes import dtype_name
+
+    floors = ", ".join(f"{dtype_name(d)} {f:g}" for d, f in TOLERANCE_FLOOR.items())
+    table = check[
+        ["backend", "case", "status", "max_abs_error", "mean_abs_error", "placement_diff", "tolerance", "reason"]
+    ]
+    return (
+        f"## Correctness check\n\nEach backend against a dense per-sequence oracle (fp64 on CPU, fp32 on GPU). "
+        f"Tolerance = {TOLERANCE_FACTOR:g} x the error of the naive computation in the case's dtype + a floor "
+        f"({floors}); placement_diff is the change in output when the same problem sits on another random page "
+        f"layout, held to the same tolerance.\n\n{summary(check.to_dict('records'))}\n\n{markdown(table)}\n"
+    )
+
+
+def _unavailable_lines(df: pd.DataFrame) -> list[str]:
+    bad = df[df["status"] != "ok"][["device_name", "backend", "status", "reason"]].drop_duplicates()
+    return ["Not run:\n\n" + markdown(bad) + "\n"] if len(bad) else []
+
+
+# ---- plots --------------------------------------------------------------------------------
