@@ -24,8 +24,9 @@ llm = LLM("tiny-llama", backend=sys.argv[1], device="cpu", dtype="float32", tens
 prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8 + i] * (i + 1)} for i in range(3)]
 greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
 sampled = llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), use_tqdm=False)
-print(json.dumps({"rank": int(os.environ["RANK"]), "greedy": [o.outputs[0].token_ids for o in greedy],
-                  "sampled": [o.outputs[0].token_ids for o in sampled]}), flush=True)
+with open(os.path.join(sys.argv[2], f"rank{os.environ['RANK']}.json"), "w") as f:
+    tokens = {"greedy": greedy, "sampled": sampled}
+    json.dump({k: [o.outputs[0].token_ids for o in outs] for k, outs in tokens.items()}, f)
 llm.shutdown()
 """
 PROMPTS = [{"prompt_token_ids": [5 + i, 6, 7, 8 + i] * (i + 1)} for i in range(3)]
@@ -43,9 +44,9 @@ def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def ranks_output(stdout: str) -> dict[int, dict]:
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"rank"')]
-    return {row["rank"]: row for row in rows}
+def ranks_output(folder) -> dict[int, dict]:
+    """What each rank wrote (its own file: ranks' stdout lines interleave)."""
+    return {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +62,9 @@ def single_process():
 def test_every_rank_returns_the_single_process_outputs(tmp_path, single_process):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    done = torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), str(script), "sdpa")
+    done = torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), str(script), "sdpa", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
-    ranks = ranks_output(done.stdout)
+    ranks = ranks_output(tmp_path)
     assert sorted(ranks) == [0, 1]
     for row in ranks.values():
         assert (row["greedy"], row["sampled"]) == single_process
@@ -92,6 +93,7 @@ def test_two_nodes_meet_through_the_rendezvous(tmp_path, single_process):
                 str(port),
                 str(script),
                 "sdpa",
+                str(tmp_path),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -102,7 +104,7 @@ def test_two_nodes_meet_through_the_rendezvous(tmp_path, single_process):
     ]
     outs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    ranks = {**ranks_output(outs[0][0]), **ranks_output(outs[1][0])}
+    ranks = ranks_output(tmp_path)
     assert sorted(ranks) == [0, 1] and all((r["greedy"], r["sampled"]) == single_process for r in ranks.values())
 
 
@@ -135,3 +137,25 @@ def test_outside_torchrun_and_a_wrong_size_are_one_line_errors(monkeypatch):
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # the failed engine left the group it joined
+
+
+def test_check_and_kernels_grids_spread_over_ranks(tmp_path):
+    """torchrun ... -m pagedbench check|kernels: each rank runs every world-th configuration or
+    point, rank 0 gathers them, and the table is a single process's (same rows, same order)."""
+    from pagedbench.entrypoints.cli.main import main
+
+    check = ["check", "--backends", "reference,sdpa", "--dtypes", "fp32", "--device", "cpu"]
+    kernels = ["kernels", "--backends", "sdpa", "--batch-sizes", "1,4", "--context-lens", "256", "--phases",
+               "decode,mixed", "--device", "cpu", "--repeats", "2", "--warmup", "1"]  # fmt: skip
+    for command, csv, columns in (
+        (check, "check.csv", ["case", "backend", "status", "max_abs_error", "tolerance"]),
+        (kernels, "kernels.csv", ["backend", "phase", "batch_size", "context_len", "status", "kv_bytes", "flops"]),
+    ):
+        alone, spread = tmp_path / f"alone-{csv}", tmp_path / f"spread-{csv}"
+        assert main([*command, "--out", str(alone)]) == 0
+        done = torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pagedbench", *command,
+                        "--out", str(spread))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        one, two = pd.read_csv(alone / csv), pd.read_csv(spread / csv)
+        assert one[columns].equals(two[columns]), csv
+        assert done.stdout.count("reports: ") == 1  # rank 0's

@@ -243,11 +243,21 @@ def run_check(
     backends: list[str], device: torch.device, dtypes: list[torch.dtype], full: bool = False, rows: list | None = None
 ) -> list[dict]:
     """Every case of the grid; rows are appended to `rows` (a report.CsvLog writes each out) in grid
-    order. On a multi-core CPU, helper processes run configurations from the far end (`check_parallel`)."""
+    order. On a multi-core CPU, helper processes run configurations from the far end (`check_parallel`);
+    under torchrun, each rank runs every world-th configuration and rank 0 gets every row (`ranks`)."""
     from pagedbench.bench.check_parallel import groups_of, sharing_groups
+    from pagedbench.bench.ranks import gather_rows, grid_world
 
     rows = [] if rows is None else rows
     groups = groups_of(build_cases(dtypes, full))
+    rank, world = grid_world()
+    if world > 1:  # under torchrun: every world-th configuration here, rank 0 gathers them all
+        mine = {
+            i: [row for case in groups[i] for row in run_case(case, backends, device)]
+            for i in range(rank, len(groups), world)
+        }
+        rows += gather_rows(mine) or []
+        return rows
     with (
         tqdm(total=sum(map(len, groups)), desc="check", disable=None) as bar,
         sharing_groups(groups, backends, device, run_case) as sharing,

@@ -27,6 +27,7 @@ from pagedbench.backends.base import (
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.problems import causal_mask, random_attention_batch
+from pagedbench.bench.ranks import gather_rows, grid_world
 from pagedbench.device.dtypes import resolve_device_dtype
 
 PHASES = ("decode", "prefill", "mixed")
@@ -261,7 +262,8 @@ def run_kernels(
     backends: list[str], grid: KernelGrid, device: str | None = None, dtype: str | None = None, rows: list | None = None
 ) -> list[dict]:
     """One row per backend x grid point: min and median of prepare and forward, bandwidth, TFLOP/s.
-    Rows are appended to `rows` (a report.CsvLog writes each one out) as they are measured."""
+    Rows are appended to `rows` (a report.CsvLog writes each one out) as they are measured; under
+    torchrun each rank times every world-th point and rank 0 appends every rank's, in grid order."""
     grid.validate()
     dev, dt = resolve_device_dtype(device, dtype)
     env = environment(dev, dt)
@@ -271,9 +273,20 @@ def run_kernels(
     if not points:
         raise ValueError("every grid point exceeds max_kv_tokens or max_query_tokens")
     rows = [] if rows is None else rows
-    for variant_name, phase, query_len, (num_heads, num_kv_heads), block_size, context_len, batch_size in tqdm(
-        points, desc="kernels", disable=None
-    ):
+    rank, world = grid_world()
+    mine: dict[int, list[dict]] = {}  # under torchrun: this rank's rows, by point
+    for index, (
+        variant_name,
+        phase,
+        query_len,
+        (num_heads, num_kv_heads),
+        block_size,
+        context_len,
+        batch_size,
+    ) in enumerate(tqdm(points, desc="kernels", disable=None)):
+        if index % world != rank:
+            continue
+        out = rows if world == 1 else mine.setdefault(index, [])
         variant = VARIANTS[variant_name]
         spec = batch_spec(phase, batch_size, context_len, query_len)
         point = {
@@ -292,7 +305,7 @@ def run_kernels(
         dense_ms = float("nan")
         if variant == PLAIN:
             dense = _dense_row(spec, point, grid, dev, dt)
-            rows.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **dense})
+            out.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **dense})
             dense_ms = dense["forward_median_ms"]
         batch, pages = None, {}
         for kv, name in itertools.product(grid.kv_cache_dtypes, backends):
@@ -303,7 +316,7 @@ def run_kernels(
             stored = {"kv_cache_dtype": kv, "kv_bytes": round(point["kv_bytes"] * kv_bytes_per_slot(kv, dt, grid))}
             head = {**env, "backend": name, "provider": found.provider, **point, **stored}
             if found.reason:
-                rows.append({**head, "status": "unavailable", "reason": found.reason})
+                out.append({**head, "status": "unavailable", "reason": found.reason})
                 continue
             if batch is None:  # built once per point, shared by the backends
                 batch = random_attention_batch(
@@ -311,7 +324,9 @@ def run_kernels(
                 )
             if kv not in pages:  # the same K/V stored as `kv`
                 pages[kv] = quantized_pages(batch, kv)
-            rows.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv]))
+            out.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv]))
+    if world > 1:
+        rows += gather_rows(mine) or []
     return rows
 
 

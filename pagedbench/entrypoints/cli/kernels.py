@@ -25,6 +25,7 @@ from pagedbench.entrypoints.cli.common import (
 
 def cmd_kernels(args) -> None:
     from pagedbench.bench.kernels import DENSE, GRID_PRESETS, run_kernels
+    from pagedbench.bench.ranks import reporting_rank
     from pagedbench.bench.report import CsvLog, tidy, write_reports
     from pagedbench.bench.report_tables import kernel_table, markdown, not_run_lines
 
@@ -52,6 +53,8 @@ def cmd_kernels(args) -> None:
         run_kernels(
             timed_backend_names(args.backends, args.device, args.dtype), grid, args.device, args.dtype, rows=log
         )
+    if not reporting_rank():  # under torchrun: rank 0 has every rank's rows
+        return
     kernels = tidy(log, "kernels", "kernels")
     print("\n".join([markdown(kernel_table(kernels)), *not_run_lines(kernels)]))
     paths = write_reports({"kernels": kernels}, args.out, stem)
@@ -64,6 +67,7 @@ def cmd_kernels(args) -> None:
 def cmd_check(args) -> int:
     from pagedbench.bench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, engine_check, run_check, summary
     from pagedbench.bench.environment import environment
+    from pagedbench.bench.ranks import reporting_rank
     from pagedbench.bench.report import EnvCsvLog, tidy, write_reports
 
     prepare_out_dir(args.out)
@@ -78,6 +82,8 @@ def cmd_check(args) -> int:
     log = EnvCsvLog(env, args.out, stem, "check", "check")
     with keep_partial(log):
         run_check(backends, device, dtypes, full=args.full, rows=log)
+        if not reporting_rank():  # under torchrun: rank 0 has every rank's rows (and runs the engine check)
+            return 0
         if args.engine or args.full:
             log += engine_check(backends, device, dtypes, model=args.model or "tiny-llama")
     rows = list(log)

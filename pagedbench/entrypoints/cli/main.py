@@ -74,10 +74,10 @@ def _log_to_stderr() -> None:
 
 
 def _launched_rank_quiet(args) -> None:
-    """Under torchrun's external launcher every rank runs the command; rank 0 alone prints and
-    writes reports (the others write theirs to a scratch directory)."""
+    """Under torchrun every rank runs the command (an external-launcher engine, or its share of the
+    kernels/check grid); rank 0 alone prints and writes reports (the others write to a scratch directory)."""
     rank = int(os.environ.get("RANK", "0"))
-    if getattr(args, "distributed_executor_backend", None) == "external_launcher" and rank != 0:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
         if hasattr(args, "out"):
             args.out = tempfile.mkdtemp(prefix=f"pagedbench-rank{rank}-")
