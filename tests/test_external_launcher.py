@@ -159,3 +159,25 @@ def test_check_and_kernels_grids_spread_over_ranks(tmp_path):
         one, two = pd.read_csv(alone / csv), pd.read_csv(spread / csv)
         assert one[columns].equals(two[columns]), csv
         assert done.stdout.count("reports: ") == 1  # rank 0's
+
+
+GATHER = """
+import sys
+import torch.distributed as dist
+from pagedbench.bench.ranks import gather_rows, grid_world
+rank, world = grid_world()
+rows = gather_rows({i: [{"point": i, "rank": rank}] for i in range(rank, 5, world)})
+assert not dist.is_initialized(), "the grid's group outlives the gather"
+if rank == 0:
+    assert [r["point"] for r in rows] == list(range(5)) and [r["rank"] for r in rows] == [0, 1, 0, 1, 0], rows
+else:
+    assert rows is None
+"""
+
+
+def test_grid_ranks_gather_in_grid_order_and_leave_the_group(tmp_path):
+    """A rank that exits with its gloo group alive can abort while rank 0 still writes reports."""
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER)
+    done = torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), str(script))
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -48,7 +48,8 @@ def cmd_kernels(args) -> None:
         if getattr(args, name) is not None:
             setattr(grid, name, getattr(args, name))
     stem = report_stem(args.out, "kernels", args.overwrite)
-    log = CsvLog(args.out, stem, "kernels", "kernels")
+    # Under torchrun, rank 0 alone writes the CSV (the others hand it their rows).
+    log = CsvLog(args.out, stem, "kernels", "kernels") if reporting_rank() else []
     with keep_partial(log):
         run_kernels(
             timed_backend_names(args.backends, args.device, args.dtype), grid, args.device, args.dtype, rows=log
@@ -79,7 +80,7 @@ def cmd_check(args) -> int:
     env = environment(device, dtypes[0])
     backends = backend_names(args.backends)
     stem = report_stem(args.out, "check", args.overwrite)
-    log = EnvCsvLog(env, args.out, stem, "check", "check")
+    log = EnvCsvLog(env, args.out, stem, "check", "check") if reporting_rank() else []
     with keep_partial(log):
         run_check(backends, device, dtypes, full=args.full, rows=log)
         if not reporting_rank():  # under torchrun: rank 0 has every rank's rows (and runs the engine check)
