@@ -116,6 +116,15 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "ranks the model is sharded over (worker processes; GPUs on cuda)", minimum=1
     )
+    pipeline_parallel_size: int = setting(
+        1,
+        "pipeline stages the layers are split over (worker processes, each with its stage's KV cache; "
+        "as many steps in flight as stages)",
+        minimum=1,
+    )
+    pipeline_layer_partition: str | None = setting(
+        None, 'layers per pipeline stage, e.g. "3,3,2" (vLLM\'s VLLM_PP_LAYER_PARTITION; default: an even split)'
+    )
     distributed_executor_backend: str = setting(
         "mp",
         "how tensor-parallel ranks start: mp (the engine spawns worker processes) or external_launcher (torchrun "

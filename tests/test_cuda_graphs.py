@@ -219,6 +219,7 @@ def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilizati
         model_config=model_config,
         config=config,
         tp=NO_TP,
+        world=1,
         device=torch.device("cuda"),
         dtype=torch.bfloat16,
         model=SimpleNamespace(config=model_config),

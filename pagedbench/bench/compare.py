@@ -122,6 +122,9 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_kv_blocks": st.peak_blocks_used,
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
         "peak_running_seqs": st.peak_running,
+        "world_size": engine.executor.world,  # processes (GPUs) the engine runs on: tp x pp
+        # Pipeline parallelism: steps in flight when each was launched (1: the stages never overlap).
+        "mean_steps_in_flight": st.in_flight_steps / max(st.steps, 1) if engine.executor.pipeline_depth > 1 else 1.0,
         **st.time_columns(),
         **device_columns(device, sum(st.time.values())),
         "time_backend_compile_s": engine.backend.compile_seconds - compile_before,  # 0 after a warmup run

@@ -23,8 +23,9 @@ def _labels(df: pd.DataFrame) -> pd.Series:
             label = label + " · " + (f"{col} " if col == "scale" else "") + df[col].astype(str)
     if "enable_prefix_caching" in df and df["enable_prefix_caching"].nunique() > 1:
         label = label + df["enable_prefix_caching"].map({True: "", False: " · no prefix caching"})
-    if "tensor_parallel_size" in df and df["tensor_parallel_size"].nunique(dropna=False) > 1:
-        label = label + " · tp " + df["tensor_parallel_size"].fillna(1).astype(int).astype(str)
+    for column, short in (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp")):
+        if column in df and df[column].nunique(dropna=False) > 1:
+            label = label + f" · {short} " + df[column].fillna(1).astype(int).astype(str)
     if "enforce_eager" in df and df["enforce_eager"].nunique() > 1:
         label = label + df["enforce_eager"].map({True: " · eager", False: ""})
     if "kv_cache_dtype" in df and df["kv_cache_dtype"].astype(object).fillna("auto").nunique() > 1:

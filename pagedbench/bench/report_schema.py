@@ -48,6 +48,8 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "peak_kv_blocks",
     "peak_kv_utilization",
     "peak_running_seqs",
+    "world_size",
+    "mean_steps_in_flight",
     "prefix_cache_queries",
     "prefix_cache_hits",
     "peak_shared_blocks",

@@ -16,6 +16,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
         "n",
         "enable_prefix_caching",
         "tensor_parallel_size",
+        "pipeline_parallel_size",
         "enforce_eager",
         "speculative",
         "structured",
@@ -115,10 +116,19 @@ def not_run_lines(df: pd.DataFrame) -> list[str]:
 
 
 def _parallel(df: pd.DataFrame) -> dict[str, pd.Series]:
-    """Tensor-parallel size and each rank's KV budget, where some run was sharded."""
-    if "tensor_parallel_size" not in df or not (df["tensor_parallel_size"].fillna(1) > 1).any():
+    """Tensor- and pipeline-parallel sizes and each rank's KV budget, where some run was split
+    (with pipeline stages, the mean number of steps in flight)."""
+    sizes = {
+        label: df[column].fillna(1).astype(int)
+        for label, column in (("TP", "tensor_parallel_size"), ("PP", "pipeline_parallel_size"))
+        if column in df
+    }
+    if not any((size > 1).any() for size in sizes.values()):
         return {}
-    return {"TP": df["tensor_parallel_size"].fillna(1).astype(int), "KV blocks/rank": df["num_blocks"].astype("Int64")}
+    columns = {label: size for label, size in sizes.items() if (size > 1).any()}
+    if "PP" in columns and "mean_steps_in_flight" in df:
+        columns["steps in flight"] = df["mean_steps_in_flight"].round(2)
+    return columns | {"KV blocks/rank": df["num_blocks"].astype("Int64")}
 
 
 def _sharing(df: pd.DataFrame) -> dict[str, pd.Series]:

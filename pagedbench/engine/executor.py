@@ -1,7 +1,8 @@
 """Executor: the worker side as the engine sees it. It builds rank 0's model (and starts the
-tensor-parallel workers), sizes and allocates the paged KV cache, captures the decode CUDA
-graphs, and runs each step: page moves, then inputs and metadata, the backend's prepare and
-the forward."""
+tensor- and pipeline-parallel workers), sizes and allocates the paged KV cache, captures the
+decode CUDA graphs, and runs each step: page moves, then inputs and metadata, the backend's
+prepare and the forward. Under pipeline parallelism a step is launched, and its logits collected
+later, so that as many steps as stages are in flight."""
 
 import logging
 import os
@@ -22,10 +23,12 @@ from pagedbench.engine.sequence import Sequence
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.loader import build_model, resolve_model_config, weights_path
-from pagedbench.model.parallel import NO_TP, TPShard
+from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, layer_partition, placement
 from pagedbench.worker.cuda_graphs import DecodeGraphs, decode_buckets
 from pagedbench.worker.layer_attention import LayerAttention, build_layer_attention
 from pagedbench.worker.model_runner import ModelRunner, kv_bytes_per_block
+from pagedbench.worker.pipeline import PipelineRunner
+from pagedbench.worker.pipeline_stage import StageLink
 from pagedbench.worker.step_plan import StepInputs
 from pagedbench.worker.tp_workers import ParallelRunner, Workers, rank_device
 
@@ -33,8 +36,10 @@ logger = logging.getLogger(__name__)
 
 
 def page_bytes(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None, dtype: torch.dtype, tp: TPShard):
-    """One page of K/V in every layer, as stored, with the draft's page beside it (same ids)."""
-    per_block = kv_bytes_per_block(cfg, config.block_size, dtype, tp, config.kv_cache_dtype)
+    """One page of K/V in every layer (of the largest pipeline stage), as stored, with the draft's
+    page beside it (same ids)."""
+    stage_layers = max(layer_partition(cfg.num_layers, config.pipeline_parallel_size, config.pipeline_layer_partition))
+    per_block = kv_bytes_per_block(cfg, config.block_size, dtype, tp, config.kv_cache_dtype, stage_layers)
     if draft is not None:
         per_block += kv_bytes_per_block(draft, config.block_size, dtype, NO_TP, config.kv_cache_dtype)
     return per_block
@@ -46,7 +51,8 @@ class Executor:
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # graph capture, events and syncs act on the current device
-        self.tp = self._tensor_parallel_shard()
+        self.tp, self.stage = self._placement()
+        self.world = self.tp.size * self.stage.size
         backend = build_layer_attention(
             config.backend, model_config, config.block_size, self.device, self.dtype, self.tp, config.kv_cache_dtype
         )
@@ -58,12 +64,12 @@ class Executor:
         rope_len = config.max_model_len or max_len_cap
         self.draft_config, self.draft_path = self._draft_config()
         # Workers build their shards while this process builds rank 0's (none under an external launcher).
-        spawn = self.tp.size > 1 and not self.tp.logits_everywhere
-        self.workers = Workers(config, rope_len, self.tp.size) if spawn else None
+        spawn = self.world > 1 and not self.tp.logits_everywhere
+        self.workers = Workers(config, rope_len, self.world) if spawn else None
         try:
             weights = weights_path(model_path, config)
             self.model = build_model(
-                cfg, weights, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init
+                cfg, weights, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init, self.stage
             )
             # The draft's weights are in place before the cache is sized from what memory is left.
             draft_model = self._build_draft(rope_len) if self.draft_config is not None else None
@@ -78,18 +84,30 @@ class Executor:
         # (eager / replayed), "attention" (each eager layer's call), "sample" (the sampler's kernels).
         self.timer = DeviceTimer(self.device)
 
-    def _tensor_parallel_shard(self) -> TPShard:
-        if self.config.distributed_executor_backend == "external_launcher":
-            return self._launched_shard()
-        tp = TPShard(0, self.config.tensor_parallel_size)
-        tp.validate(self.model_config)
-        if tp.size > 1:
-            self.device = rank_device(self.device, 0)
-            if self.device.type == "cuda" and torch.cuda.device_count() < tp.size:
+    def _placement(self) -> tuple[TPShard, PPStage]:
+        """Rank 0's tensor-parallel shard and pipeline stage (the first)."""
+        config, cfg = self.config, self.model_config
+        pp = config.pipeline_parallel_size
+        if config.distributed_executor_backend == "external_launcher":
+            if pp > 1:
                 raise ValueError(
-                    f"tensor_parallel_size={tp.size} needs as many GPUs; {torch.cuda.device_count()} visible"
+                    "pipeline_parallel_size > 1 runs with distributed_executor_backend='mp' (the engine's own "
+                    "workers); under torchrun every rank runs a whole engine"
                 )
-        return tp
+            return self._launched_shard(), WHOLE_MODEL
+        if pp > 1 and config.speculative is not None:
+            raise ValueError("speculative decoding does not run with pipeline_parallel_size > 1")
+        tp, stage = placement(0, config.tensor_parallel_size, pp, cfg.num_layers, config.pipeline_layer_partition)
+        tp.validate(cfg)
+        world = tp.size * pp
+        if world > 1:
+            self.device = rank_device(self.device, 0)
+            if self.device.type == "cuda" and torch.cuda.device_count() < world:
+                raise ValueError(
+                    f"tensor_parallel_size={tp.size} x pipeline_parallel_size={pp} needs {world} GPUs; "
+                    f"{torch.cuda.device_count()} visible"
+                )
+        return tp, stage
 
     def _launched_shard(self) -> TPShard:
         """This process's shard under torchrun (vLLM's external_launcher): rank and world size from
@@ -194,8 +212,8 @@ class Executor:
         per_block = page_bytes(config, self.model_config, self.draft_config, self.dtype, self.tp)
         if self.device.type != "cuda":
             budget = config.cpu_kv_cache_bytes
-        elif self.tp.size > 1:
-            # The profiling step would need the other ranks in its all-reduces, and they start
+        elif self.world > 1:
+            # The profiling step would need the other ranks in its collectives, and they start
             # later: the free memory's share, as before vLLM profiled.
             budget = int(torch.cuda.mem_get_info(self.device)[0] * config.gpu_memory_utilization)
         else:
@@ -220,6 +238,8 @@ class Executor:
             return runner
         self.workers.start(self.device, self.num_blocks, self.num_cpu_blocks)
         weakref.finalize(self, self.workers.shutdown)
+        if self.stage.size > 1:
+            return PipelineRunner(runner, self.workers, StageLink(self.stage, 0, self.tp.size))
         return ParallelRunner(runner, self.workers)
 
     # ---- CUDA graphs --------------------------------------------------------------------------
@@ -229,8 +249,8 @@ class Executor:
             return "enforce_eager"
         if self.device.type != "cuda":
             return f"no CUDA device (device is {self.device.type})"
-        if self.tp.size > 1:
-            return "tensor-parallel steps run eagerly"
+        if self.world > 1:
+            return "tensor- and pipeline-parallel steps run eagerly"
         return backend.cuda_graph_reason
 
     def capture_graphs(self) -> str:
@@ -275,15 +295,31 @@ class Executor:
         if swap_in:
             self.runner.swap_in(swap_in)
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps that may be in flight at once: one per pipeline stage."""
+        return self.stage.size
+
     def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[StepInputs, torch.Tensor, tuple]:
         """`seqs[i]` runs its next `num_tokens[i]` tokens: (inputs, fp32 logits, the wall times
         (t_metadata, t_backend_prepare, t_forward) at which each part ended)."""
+        return self.collect(self.launch(seqs, num_tokens))
+
+    def launch(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
+        """Start a step (a pipeline's first stage; the whole step otherwise); `collect` finishes it."""
         inputs = self.runner.prepare(seqs, num_tokens)
         t_metadata = time.perf_counter()
         state = self.backend.prepare(inputs.metadata)
         t_prepare = time.perf_counter()
         forward_start = self.timer.mark()
         timer = self.timer if self.timer.enabled and inputs.graph is None else None
-        logits = self.runner.run(inputs, state, timer)
+        if isinstance(self.runner, PipelineRunner):
+            return inputs, self.runner.launch(inputs, state, timer), (t_metadata, t_prepare), forward_start
+        return inputs, self.runner.run(inputs, state, timer), (t_metadata, t_prepare), forward_start
+
+    def collect(self, launched: tuple) -> tuple[StepInputs, torch.Tensor, tuple]:
+        """(inputs, fp32 logits, wall times) of a launched step, waiting for its last stage."""
+        inputs, result, times, forward_start = launched
+        logits = self.runner.collect(result) if isinstance(self.runner, PipelineRunner) else result
         self.timer.span("forward" if inputs.graph is None else "forward_graph", forward_start)
-        return inputs, logits, (t_metadata, t_prepare, time.perf_counter())
+        return inputs, logits, (*times, time.perf_counter())

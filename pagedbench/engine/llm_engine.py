@@ -1,13 +1,19 @@
 """LLMEngine: requests in, one step at a time, RequestOutputs out. It only orchestrates: the
 InputProcessor turns a prompt into a request, the Scheduler picks the step's work (the
 BlockManager its pages), the Executor runs the model, the TokenPicker samples, and the
-OutputProcessor turns new tokens into text, stops and outputs."""
+OutputProcessor turns new tokens into text, stops and outputs.
+
+Under pipeline parallelism a step is launched and completed later: each request runs in one of
+as many lanes as stages (the least loaded when it arrives), one step per lane is in flight, and
+`step()` launches every idle lane's work before it completes the oldest step."""
 
 import dataclasses
 import itertools
 import secrets
 import time
+from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pagedbench.config import EngineConfig
 from pagedbench.engine.block_manager import BlockManager
@@ -26,6 +32,17 @@ from pagedbench.engine.token_picker import TokenPicker
 from pagedbench.model.loader import resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
 from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose model call has started: what it scheduled, the executor's handle, and the wall
+    times (start, scheduled, proposed) so far."""
+
+    sched: SchedulerOutput
+    launched: tuple
+    times: tuple[float, float, float]
+    lane: int | None
 
 
 class LLMEngine:
@@ -84,6 +101,11 @@ class LLMEngine:
         )
         self.speculator = self._speculator()
         self._ids = itertools.count()
+        # Pipeline parallelism: unfinished requests per lane, the steps in flight (oldest first),
+        # and aborts that wait for their request's step to come back.
+        self.lane_load = [0] * ex.pipeline_depth
+        self.in_flight: deque[LaunchedStep] = deque()
+        self._pending_aborts: set[str] = set()
 
     def _speculator(self) -> Speculator | None:
         spec = self.config.speculative
@@ -145,17 +167,32 @@ class LLMEngine:
         group = self.input_processor.process(request_id, prompt, params or SamplingParams(), arrival_time, priority)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lane = min(range(len(self.lane_load)), key=self.lane_load.__getitem__)
+        group.lane = group.seqs[0].lane = lane
+        self.lane_load[lane] += 1
         self.requests[request_id] = group
         self.scheduler.add(group.seqs[0])
         return request_id
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Abort one request or several (vLLM v1 takes a list); unknown ids are ignored."""
+        """Abort one request or several (vLLM v1 takes a list); unknown ids are ignored. A request
+        whose step is in flight is aborted when the step comes back."""
+        busy = {step.lane for step in self.in_flight}
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            group = self.requests.pop(rid, None)
+            group = self.requests.get(rid)
+            if group is not None and group.lane in busy:
+                self._pending_aborts.add(rid)
+                continue
+            self._forget(rid)
             for seq in group.seqs if group is not None else []:
                 if not seq.finished:
                     self.scheduler.finish(seq, "abort")
+
+    def _forget(self, request_id: str) -> None:
+        """A request leaves the engine (finished or aborted)."""
+        group = self.requests.pop(request_id, None)
+        if group is not None:
+            self.lane_load[group.lane] -= 1
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -195,21 +232,62 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns outputs of the requests that progressed."""
+        """Run one scheduled batch; returns outputs of the requests that progressed. Under
+        pipeline parallelism: launch every idle lane's batch, then complete the oldest in flight."""
+        if self.executor.pipeline_depth > 1:
+            return self._pipelined_step()
+        launched = self._launch(None)
+        return [] if launched is None else self._complete(launched)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        try:
+            busy = {step.lane for step in self.in_flight}
+            for lane in range(self.executor.pipeline_depth):
+                if lane not in busy and (launched := self._launch(lane)) is not None:
+                    self.in_flight.append(launched)
+                    self.stats.in_flight_steps += len(self.in_flight)
+            if not self.in_flight:
+                return []
+            outputs = self._complete(self.in_flight.popleft())
+        except BaseException:
+            while self.in_flight:  # the stages hold steps nobody will collect: the pipeline is gone
+                self._abandon(self.in_flight.popleft().sched)
+            self.executor.shutdown()
+            raise
+        for rid in [r for r in self._pending_aborts if r not in self.requests or not self._lane_busy(r)]:
+            self._pending_aborts.discard(rid)
+            self.abort_request(rid)
+        return outputs
+
+    def _lane_busy(self, request_id: str) -> bool:
+        return self.requests[request_id].lane in {step.lane for step in self.in_flight}
+
+    def _launch(self, lane: int | None) -> LaunchedStep | None:
+        """Schedule (`lane`'s sequences, under pipeline parallelism) and start the model call."""
         t_start = time.perf_counter()
         if self.speculator is not None:
             self.speculator.before_schedule()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(lane)
         self.stats.preemptions += sched.num_preempted
         if sched.empty:
-            return []
+            return None
         t_schedule = time.perf_counter()
         try:
             self._move_pages()
             if self.speculator is not None:
                 self.speculator.propose(sched)
             t_propose = time.perf_counter()
-            inputs, logits, forward_times = self.executor.execute(sched.seqs, sched.num_tokens)
+            launched = self.executor.launch(sched.seqs, sched.num_tokens)
+        except BaseException:
+            self._abandon(sched)
+            raise
+        return LaunchedStep(sched, launched, (t_start, t_schedule, t_propose), lane)
+
+    def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's logits, sample, and turn new tokens into outputs."""
+        sched = step.sched
+        try:
+            inputs, logits, forward_times = self.executor.collect(step.launched)
         except BaseException:
             self._abandon(sched)
             raise
@@ -236,13 +314,13 @@ class LLMEngine:
         t_end = time.perf_counter()
         bm = self.block_manager
         wasted = wasted_slots(self.scheduler.running, self.config.block_size)
-        times = (t_start, t_schedule, t_propose, *forward_times, t_end)
+        times = (*step.times, *forward_times, t_end)
         running = len(self.scheduler.running)
         self.stats.record_step(times, bm.num_used_blocks, bm.num_shared_blocks, wasted, running)
         for group, count in progressed.values():
             group.token_times += [t_end] * count  # tokens verified together arrive together
             if group.finished:
-                self.requests.pop(group.request_id, None)
+                self._forget(group.request_id)
         return [self.output_processor.output(group) for group, _ in progressed.values()]
 
     def _move_pages(self) -> None:

@@ -21,6 +21,7 @@ class SequenceGroup:
     beam: BeamSearch | None = None
     token_times: list[float] = field(default_factory=list)  # per output token, when its step ended
     num_cached_tokens: int = 0  # prompt tokens its first sequence found in the prefix cache
+    lane: int = 0  # pipeline parallelism: the lane its sequences run in (llm_engine.py)
 
     def note_cached_tokens(self) -> None:
         """Keep the prefix-cache hit of its sequences (they may all be gone once beams end)."""

@@ -6,7 +6,11 @@ preempts it. preemption_mode "recompute" frees a preempted sequence's pages; "sw
 moves them to CPU swap space and back before any new request is admitted, and recomputes when
 the swap space is full. A paused sequence (a beam waiting for its siblings' candidates) is not
 scheduled; it keeps its pages unless they are all that stops a waiting sequence from running,
-and waits in the queue without being readmitted until it resumes."""
+and waits in the queue without being readmitted until it resumes.
+
+Under pipeline parallelism each request runs in one lane, and a step schedules one lane's
+sequences (`schedule(lane)`): the other lanes' steps may be in flight, so their sequences are
+neither scheduled nor preempted; pages and max_num_seqs are shared by every lane."""
 
 from collections import deque
 from collections.abc import Callable
@@ -64,6 +68,7 @@ class Scheduler:
         # Speculative decoding: tokens a decoding sequence may verify beyond its next one (their
         # pages are allocated with it); None without speculation.
         self.lookahead: Callable[[Sequence], int] | None = None
+        self.lane: int | None = None  # the lane being scheduled (None: every sequence)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,9 +76,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lane: int | None = None) -> SchedulerOutput:
         """The step's work: running sequences first (decodes, then prefill chunks), then swapped-out
-        ones coming back, then new admissions, under the token budget and max_num_seqs."""
+        ones coming back, then new admissions, under the token budget and max_num_seqs; only
+        `lane`'s sequences, if given."""
+        self.lane = lane
+        try:
+            return self._schedule()
+        finally:
+            self.lane = None
+
+    def _mine(self, queue) -> list[Sequence]:
+        """The sequences of `queue` in the lane being scheduled."""
+        return queue if self.lane is None else [s for s in queue if s.lane == self.lane]
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.policy == "priority":
             self._preempt_for_priority(out)
@@ -95,7 +112,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
         """Running decodes first, then running prefill chunks, each in rank order, preempting
         what must go to make room. Returns the budget left."""
-        candidates = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens != 1, *self.order.rank(s)))
+        candidates = sorted(self._mine(self.running), key=lambda s: (s.num_uncomputed_tokens != 1, *self.order.rank(s)))
         for seq in candidates:
             if budget == 0:
                 break
@@ -117,8 +134,8 @@ class Scheduler:
         """Swapped-out sequences come back (best first) before anything new is admitted (under
         "priority", before anything they outrank). Returns (budget, reserved) left."""
         while budget > 0:
-            seq = self.order.best(self.swapped)
-            if seq is None or self.order.outranks(self.waiting, seq):
+            seq = self.order.best(self._mine(self.swapped))
+            if seq is None or self.order.outranks(self._mine(self.waiting), seq):
                 break
             n = min(seq.num_uncomputed_tokens, budget)
             fits = reserved + _width(seq) <= self.max_num_seqs
@@ -137,9 +154,9 @@ class Scheduler:
         swapped-out sequence goes first. A request that will fork (n/best_of samples, beams)
         reserves room for all; its cached prefix counts as computed."""
         while budget > 0:
-            seq = self.order.first(self.waiting)
-            swapped = self.order.best(self.swapped)
-            if seq is None or (swapped is not None and not self.order.outranks(self.waiting, swapped)):
+            waiting = self._mine(self.waiting)
+            seq, swapped = self.order.first(waiting), self.order.best(self._mine(self.swapped))
+            if seq is None or (swapped is not None and not self.order.outranks(waiting, swapped)):
                 break
             fits = reserved + _width(seq) <= self.max_num_seqs
             hit = self.block_manager.match_prefix(seq) if fits else 0
@@ -169,7 +186,7 @@ class Scheduler:
 
     def _free_a_paused(self, out: SchedulerOutput) -> None:
         """When only paused beams hold the room (nothing ran this step), preempt one."""
-        paused = [s for s in self.running if s.paused]
+        paused = [s for s in self._mine(self.running) if s.paused]
         if out.empty and paused:
             self.preempt(max(paused, key=self.order.rank))
             out.num_preempted += 1
@@ -178,7 +195,7 @@ class Scheduler:
         """Preempt the newest unscheduled running sequences until `seq` can hold
         `num_tokens`; False when `seq` itself had to go."""
         while not self.block_manager.can_allocate(seq, num_tokens):
-            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            victims = [s for s in self._mine(self.running) if id(s) not in scheduled and s is not seq]
             victim = max(victims, key=self.order.rank) if victims else seq
             self.preempt(victim)
             out.num_preempted += 1
@@ -189,8 +206,8 @@ class Scheduler:
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """While the best waiting request outranks the worst running one and cannot be admitted
         (no room in blocks or in max_num_seqs), preempt the worst running one."""
-        while (seq := self.order.first(self.waiting)) is not None and self.running:
-            worst = max(self.running, key=self.order.rank)
+        while (seq := self.order.first(self._mine(self.waiting))) is not None and self._mine(self.running):
+            worst = max(self._mine(self.running), key=self.order.rank)
             if self.order.rank(worst) <= self.order.rank(seq):
                 return
             first_chunk = seq.num_computed_tokens + min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)

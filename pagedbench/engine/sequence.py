@@ -55,6 +55,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     draft_computed: int = 0
     grammar: object | None = None  # its xgrammar GrammarMatcher, past its output (structured outputs)
+    lane: int = 0  # under pipeline parallelism, which of the steps in flight it runs in (its request's)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -78,6 +79,7 @@ class Sequence:
         child.priority = self.priority
         child.cumulative_logprob = self.cumulative_logprob
         child.paused = self.paused
+        child.lane = self.lane
         child.grammar = None if self.grammar is None else self.grammar.fork()
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)

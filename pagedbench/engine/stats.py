@@ -25,6 +25,7 @@ class EngineStats:
     used_block_steps: int = 0  # blocks in use, summed over steps (mean utilization = / steps / num_blocks)
     wasted_slot_steps: int = 0  # allocated slots holding no token (last pages), summed over steps
     peak_wasted_slots: int = 0
+    in_flight_steps: int = 0  # pipeline parallelism: steps in flight when each was launched, summed
     time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # per step: (time, blocks used, empty slots)
     spec: "SpecStats" = field(default_factory=lambda: SpecStats())
@@ -38,7 +39,7 @@ class EngineStats:
         self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
         self.peak_running = 0
         self.used_block_steps = self.wasted_slot_steps = self.peak_wasted_slots = self.swap_outs = 0
-        self.prompt_tokens = self.generation_tokens = 0
+        self.prompt_tokens = self.generation_tokens = self.in_flight_steps = 0
         self.time = dict.fromkeys(STEP_PARTS, 0.0)
         self.timeline = []
         self.spec = SpecStats()

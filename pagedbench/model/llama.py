@@ -7,6 +7,9 @@ Module names match Hugging Face's so checkpoints load by name. Gemma differs in 
 are scaled by sqrt(hidden_size), the MLP uses GeLU-tanh, final logits may be soft-capped, and
 Gemma 3's sliding-window layers have their own RoPE base. Attention goes through the step's
 `AttentionContext`: the KV write is shared code, the attention itself is the layer's backend's.
+A pipeline stage (PPStage) builds only its own layers (the others are MissingLayer placeholders,
+so parameter names stay the checkpoint's), the embedding on the first stage, the final norm and
+LM head on the last.
 """
 
 import torch
@@ -26,7 +29,7 @@ from pagedbench.model.layers import (
 )
 from pagedbench.model.mla import MLAAttention
 from pagedbench.model.moe import SparseMoE
-from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, gather_vocab, shard_param
+from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, all_reduce, gather_vocab, shard_param
 
 
 class Attention(nn.Module):
@@ -96,48 +99,73 @@ class DecoderLayer(nn.Module):
         return out
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds (vLLM's PPMissingLayer)."""
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard, stage: PPStage = WHOLE_MODEL):
         super().__init__()
+        self.stage = stage
         self.rotary_emb = RotaryEmbedding(cfg, max_positions)
         # Gemma 3's sliding-window layers rotate with their own base.
         self.local_rope = cfg.local_rope_theta is not None and cfg.local_rope_theta != cfg.rope_theta
         if self.local_rope:
             self.rotary_emb_local = RotaryEmbedding(cfg, max_positions, local=True)
         self.sliding = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        if stage.first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp) if stage.owns(i) else MissingLayer() for i in range(cfg.num_layers)
+        )
+        self.own_layers = list(stage.layers(cfg.num_layers))
+        if stage.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:  # Gemma rounds the scale to the activations' dtype first
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The stage's layers over the embedded `input_ids` (first stage) or the previous stage's
+        `hidden` [T, hidden_size]; the last stage's output is normed."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
+        if self.embed_scale is not None and hidden is None:  # Gemma rounds the scale to the activations' dtype
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = self.rotary_emb(positions, x.dtype)
         local = self.rotary_emb_local(positions, x.dtype) if self.local_rope else rope
-        for layer, sliding in zip(self.layers, self.sliding):
-            x = layer(x, local if sliding else rope, ctx)
-        return self.norm(x)
+        for i in self.own_layers:
+            x = self.layers[i](x, local if self.sliding[i] else rope, ctx)
+        return self.norm(x) if self.stage.last else x
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard = NO_TP):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard = NO_TP, stage: PPStage = WHOLE_MODEL):
         super().__init__()
-        self.config, self.tp = cfg, tp  # a tp that divides the model (the engine validates it)
-        self.model = DecoderModel(cfg, max_positions, tp)
-        start, length = tp.chunk(cfg.vocab_size)
-        self.lm_head = column_parallel(cfg.hidden_size, cfg.vocab_size, start, length, bias=False)
-        if cfg.tie_word_embeddings:
+        self.config, self.tp, self.stage = cfg, tp, stage  # a tp that divides the model (the engine validates it)
+        self.model = DecoderModel(cfg, max_positions, tp, stage)
+        if stage.last:
+            start, length = tp.chunk(cfg.vocab_size)
+            self.lm_head = column_parallel(cfg.hidden_size, cfg.vocab_size, start, length, bias=False)
+        if stage.last and stage.first and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # A last stage without the embedding loads the tied weight into its LM head (loader.py).
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, logits_indices: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        logits_indices: torch.Tensor,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """input_ids, positions [T] -> fp32 logits [len(logits_indices), vocab] of the chosen tokens
-        only (on tensor-parallel rank 0; None on the other ranks)."""
-        hidden = self.model(input_ids, positions, ctx)
+        only (on tensor-parallel rank 0; None on the other ranks). A pipeline stage before the last
+        returns its hidden states [T, hidden_size] for the next; a stage after the first starts
+        from the previous one's `hidden`."""
+        hidden = self.model(input_ids, positions, ctx, hidden)
+        if not self.stage.last:
+            return hidden
         logits = gather_vocab(self.lm_head(hidden[logits_indices]).float(), self.config.vocab_size, self.tp)
         cap = self.config.final_softcap
         return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap

@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.gguf import REAL_MODELS, gguf_model_dir, is_gguf
 from pagedbench.model.llama import CausalLM
-from pagedbench.model.parallel import NO_TP, TPShard, full_shape, local_part
+from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, full_shape, local_part
 from pagedbench.model.preset_init import decisive_reason, decisive_weights
 from pagedbench.model.presets import PRESETS
 from pagedbench.model.trained_pair import trained_models
@@ -49,14 +49,16 @@ def build_model(
     seed: int,
     tp: TPShard = NO_TP,
     preset_init: str = "decisive",
+    stage: PPStage = WHOLE_MODEL,
 ) -> CausalLM:
-    """The model (this rank's shard of it), from `path`'s safetensors, or with `path` None random
-    weights (`preset_init`: "decisive", see preset_init.py, or "plain" N(0, 0.02))."""
+    """The model (this rank's shard of it, of pipeline `stage`'s layers), from `path`'s
+    safetensors, or with `path` None random weights (`preset_init`: "decisive", see
+    preset_init.py, or "plain" N(0, 0.02)): every shard and stage gets the whole model's values."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
     try:
         with torch.device(device):
-            model = CausalLM(cfg, max_positions, tp)
+            model = CausalLM(cfg, max_positions, tp, stage)
     finally:
         torch.set_default_dtype(default_dtype)
     if path is None and preset_init == "decisive" and (reason := decisive_reason(cfg, max_positions)):
@@ -71,31 +73,56 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
+def _whole_model_shapes(model: CausalLM) -> list[tuple[str, tuple]]:
+    """(name, checkpoint shape) of every parameter of the whole model, in its order: a pipeline
+    stage draws random weights in the same sequence as a single process does, keeping its own."""
+    if model.stage == WHOLE_MODEL:
+        return [(name, full_shape(p)) for name, p in model.named_parameters()]
+    with torch.device("meta"):
+        whole = CausalLM(model.config, 1, model.tp)
+    return [(name, full_shape(p)) for name, p in whole.named_parameters()]
+
+
+def _stage_params(model: CausalLM) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters by checkpoint name (a last stage's LM head answers for a tied embedding)."""
+    params = dict(model.named_parameters())
+    if model.config.tie_word_embeddings and "lm_head.weight" in params and "model.embed_tokens.weight" not in params:
+        params["model.embed_tokens.weight"] = params.pop("lm_head.weight")
+    return params
+
+
 def _init_random(model: CausalLM, seed: int) -> None:
-    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
-    for name, p in model.named_parameters():
+    params = _stage_params(model)
+    device = next(iter(params.values())).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in _whole_model_shapes(model):
+        p = params.get(name)
         if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        else:  # drawn at full size, then sliced: every tensor-parallel size gets the same weights
-            full = torch.empty(full_shape(p), dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+            if p is not None:
+                p.data.fill_(1.0)
+            continue
+        # Drawn at full size, then sliced: every tensor-parallel size and stage gets the same weights.
+        full = torch.empty(shape, dtype=torch.get_default_dtype() if p is None else p.dtype, device=device)
+        full.normal_(0.0, 0.02, generator=gen)
+        if p is not None:
             p.data.copy_(local_part(p, full))
 
 
 def _init_decisive(model: CausalLM, seed: int, max_positions: int) -> None:
-    params = dict(model.named_parameters())
-    shapes = [(name, full_shape(p)) for name, p in params.items()]
-    for name, full in decisive_weights(model.config, shapes, seed, max_positions):
-        p = params[name]
-        p.data.copy_(local_part(p, full.to(p.device, p.dtype)))
+    params = _stage_params(model)
+    for name, full in decisive_weights(model.config, _whole_model_shapes(model), seed, max_positions):
+        if (p := params.get(name)) is not None:
+            p.data.copy_(local_part(p, full.to(p.device, p.dtype)))
 
 
 def _load_safetensors(model: CausalLM, path: Path) -> None:
-    params = dict(model.named_parameters())
+    params = _stage_params(model)
     tied = model.config.tie_word_embeddings
+    others = {name for name, _ in _whole_model_shapes(model)} - set(params)  # other stages' weights
     loaded: set[str] = set()
     for file in sorted(path.glob("*.safetensors")):
         try:
-            _load_file(file, params, tied, loaded)
+            _load_file(file, params, tied, loaded, others)
         except (OSError, RuntimeError, SafetensorError) as e:  # truncated or corrupt: one line naming the file
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(f"cannot read weights from {file}: {reason}") from None
@@ -108,11 +135,17 @@ def _load_safetensors(model: CausalLM, path: Path) -> None:
 EXPERT_WEIGHT = re.compile(r"^(?P<stack>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
+def _expert_stack(name: str) -> str | None:
+    """The stacked parameter a checkpoint's per-expert weight goes into, or None."""
+    match = EXPERT_WEIGHT.match(name)
+    return match and f"{match['stack']}.{match['proj']}"
+
+
 def _load_expert(name: str, tensor: torch.Tensor, params: dict, loaded: set[str]) -> bool:
     """Copy expert e's weight into slice e of its stacked parameter (this rank's part); False when
     `name` is no expert weight of the model."""
+    stack = _expert_stack(name)
     match = EXPERT_WEIGHT.match(name)
-    stack = match and f"{match['stack']}.{match['proj']}"
     if stack not in params:
         return False
     param, expert = params[stack], int(match["expert"])
@@ -129,9 +162,13 @@ def _load_expert(name: str, tensor: torch.Tensor, params: dict, loaded: set[str]
     return True
 
 
-def _load_file(file: Path, params: dict[str, torch.nn.Parameter], tied: bool, loaded: set[str]) -> None:
+def _load_file(file: Path, params: dict, tied: bool, loaded: set[str], others: set[str]) -> None:
+    """Copy `file`'s weights into `params` (this rank's parts); `others`: the names of weights
+    other pipeline stages hold, passed over."""
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
+            if name in others or _expert_stack(name) in others:
+                continue
             if name not in params and _load_expert(name, f.get_tensor(name), params, loaded):
                 continue
             if name not in params:

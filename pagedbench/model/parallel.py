@@ -4,7 +4,11 @@ weight a rank holds, and the two collectives the model needs.
 Column-parallel: q/k/v (by heads) and gate/up (by intermediate rows). Row-parallel, followed by
 an all-reduce: o_proj and down_proj. Vocab-parallel: the embedding (masked lookup, all-reduce)
 and the LM head (local vocabulary slice, gathered on rank 0). With fewer KV heads than ranks,
-each KV head is replicated on tp / num_kv_heads ranks, as in vLLM. Norms are replicated."""
+each KV head is replicated on tp / num_kv_heads ranks, as in vLLM. Norms are replicated.
+
+Pipeline parallelism (PPStage) gives each stage a contiguous run of layers; the first holds the
+embedding, the last the final norm and the LM head. With both, a stage's tensor-parallel ranks
+are their own group (`group_ranks`), and world rank = stage x tp + tensor-parallel rank."""
 
 from dataclasses import dataclass
 
@@ -23,6 +27,8 @@ class TPShard:
     # Every rank gets the full logits and samples (torchrun's external launcher: every rank runs the
     # same engine and returns the same outputs); else rank 0 alone.
     logits_everywhere: bool = False
+    # The world ranks of this rank's tensor-parallel group (a pipeline stage's); None: the whole world.
+    group_ranks: tuple[int, ...] | None = None
 
     def chunk(self, n: int) -> tuple[int, int]:
         """(start, length) of this rank's contiguous part of n rows (the last part may be short)."""
@@ -61,6 +67,86 @@ class TPShard:
 NO_TP = TPShard()  # a single process holding the whole model
 
 
+@dataclass(frozen=True, slots=True)
+class PPStage:
+    """Pipeline stage `index` of `size`: layers [start, end) of the model."""
+
+    index: int = 0
+    size: int = 1
+    start: int = 0
+    end: int | None = None  # None: to the last layer
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def owns(self, layer: int) -> bool:
+        return self.start <= layer and (self.end is None or layer < self.end)
+
+    def layers(self, num_layers: int) -> range:
+        return range(self.start, num_layers if self.end is None else self.end)
+
+
+WHOLE_MODEL = PPStage()
+
+
+def layer_partition(num_layers: int, size: int, partition: str | None = None) -> list[int]:
+    """Layers per pipeline stage: `partition` ("4,4,3", vLLM's VLLM_PP_LAYER_PARTITION) or an even
+    split, the remainder going to the last stages (the first also embeds, the last samples from
+    the LM head: vLLM does the same)."""
+    if size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={size} exceeds the model's {num_layers} layers")
+    if partition is None:
+        per, extra = divmod(num_layers, size)
+        return [per + (i >= size - extra) for i in range(size)]
+    try:
+        counts = [int(n) for n in partition.split(",")]
+    except ValueError:
+        raise ValueError(f"pipeline_layer_partition must be comma-separated layer counts, got {partition!r}") from None
+    if len(counts) != size or min(counts) < 1 or sum(counts) != num_layers:
+        raise ValueError(
+            f"pipeline_layer_partition {partition!r} must give {size} stages at least one layer each, "
+            f"{num_layers} layers in all"
+        )
+    return counts
+
+
+def pipeline_stage(index: int, counts: list[int]) -> PPStage:
+    start = sum(counts[:index])
+    return PPStage(index, len(counts), start, start + counts[index])
+
+
+def placement(rank: int, tp_size: int, pp_size: int, num_layers: int, partition: str | None = None):
+    """(TPShard, PPStage) of world rank `rank` = stage x tp_size + tensor-parallel rank."""
+    tp_rank, stage = rank % tp_size, rank // tp_size
+    group = tuple(range(stage * tp_size, (stage + 1) * tp_size)) if pp_size > 1 and tp_size > 1 else None
+    counts = layer_partition(num_layers, pp_size, partition)
+    return TPShard(tp_rank, tp_size, group_ranks=group), pipeline_stage(stage, counts)
+
+
+_GROUPS: dict[tuple[int, ...], object] = {}  # each stage's tensor-parallel group, once formed
+
+
+def form_stage_groups(tp_size: int, pp_size: int) -> None:
+    """Every rank calls this once after joining the world: one group per stage's tensor-parallel ranks."""
+    if pp_size > 1 and tp_size > 1:
+        for stage in range(pp_size):
+            ranks = tuple(range(stage * tp_size, (stage + 1) * tp_size))
+            _GROUPS[ranks] = dist.new_group(list(ranks))
+
+
+def leave_stage_groups() -> None:
+    _GROUPS.clear()  # destroyed with the world group
+
+
+def _group(tp: TPShard):
+    return None if tp.group_ranks is None else _GROUPS[tp.group_ranks]
+
+
 def shard_param(param: torch.nn.Parameter, dim: int, start: int, length: int, full_size: int) -> None:
     """Mark `param` as rows [start, start + length) along `dim` of a full tensor `full_size` long."""
     full_shape = list(param.shape)
@@ -84,7 +170,7 @@ def local_part(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
 def all_reduce(x: torch.Tensor, tp: TPShard) -> torch.Tensor:
     """Sum of the ranks' partial results (in place); the identity without parallelism."""
     if tp.size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_group(tp))
     return x
 
 
@@ -98,8 +184,8 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int, tp: TPShard) -> torch.Te
         logits = torch.nn.functional.pad(logits, (0, per - logits.shape[-1]))
     if tp.logits_everywhere:
         parts = [torch.empty_like(logits) for _ in range(tp.size)]
-        dist.all_gather(parts, logits.contiguous())
+        dist.all_gather(parts, logits.contiguous(), group=_group(tp))
         return torch.cat(parts, dim=-1)[..., :vocab_size]
     parts = [torch.empty_like(logits) for _ in range(tp.size)] if tp.rank == 0 else None
-    dist.gather(logits.contiguous(), parts, dst=0)
+    dist.gather(logits.contiguous(), parts, dst=tp.group_ranks[0] if tp.group_ranks else 0, group=_group(tp))
     return torch.cat(parts, dim=-1)[..., :vocab_size] if tp.rank == 0 else None

@@ -24,12 +24,18 @@ from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan,
 
 
 def kv_bytes_per_block(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPShard = NO_TP, kv_cache_dtype: str = "auto"
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    tp: TPShard = NO_TP,
+    kv_cache_dtype: str = "auto",
+    num_layers: int | None = None,
 ) -> int:
-    """K and V (or latent attention's one latent) of one page in every layer, on one tensor-parallel
-    rank, as stored (`kv_cache_dtype`; int8 pages add an fp16 scale per token and KV head)."""
+    """K and V (or latent attention's one latent) of one page in every layer (`num_layers`: a
+    pipeline stage's), on one tensor-parallel rank, as stored (`kv_cache_dtype`; int8 pages add an
+    fp16 scale per token and KV head)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
-    slots = cfg.kv_planes * cfg.num_layers * block_size * tp.local_heads(cfg)[1]
+    slots = cfg.kv_planes * (num_layers or cfg.num_layers) * block_size * tp.local_heads(cfg)[1]
     return slots * (cfg.head_dim * storage.itemsize + scale_bytes_per_slot(storage))
 
 
@@ -48,13 +54,14 @@ class ModelRunner:
     ):
         cfg = model.config
         self.model, self.backend = model, backend
-        self.block_size, self.device = block_size, device
+        self.block_size, self.device, self.dtype = block_size, device, dtype
         # One allocation; each layer's K and V are views [num_blocks + 1, block_size, H_kv, D] (this
         # rank's KV heads). The last page is the padding page: CUDA-graph padding rows write there.
         self.pad_block = num_blocks
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
-        shape = (cfg.num_layers, cfg.kv_planes, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
+        layers = model.stage.layers(cfg.num_layers)  # a pipeline stage caches its own layers' K/V
+        shape = (len(layers), cfg.kv_planes, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(kv_cache_dtype, dtype)
         try:
             self.kv_cache = torch.zeros(shape, device=device, dtype=storage)
@@ -66,9 +73,10 @@ class ModelRunner:
         # Latent attention has one plane: its values are a view of the latent's first kv_lora_rank dims.
         value_plane = 1 if cfg.mla is None else 0
         value_dims = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
-        self.kv_caches = [
-            (self.kv_cache[i, 0], self.kv_cache[i, value_plane, ..., :value_dims]) for i in range(cfg.num_layers)
-        ]
+        # By the model's layer index (None: another stage's layer).
+        self.kv_caches = [None] * cfg.num_layers
+        for i, layer in enumerate(layers):
+            self.kv_caches[layer] = (self.kv_cache[i, 0], self.kv_cache[i, value_plane, ..., :value_dims])
         # Quantized pages' scales (base.write_kv): per layer for fp8 (1.0 unless calibrated on the
         # first step, `calculate_kv_scales`), per slot and KV head for int8 (moved with its page).
         self.kv_scale, self.kv_scales, self.calibrate_kv = None, None, False
@@ -76,7 +84,9 @@ class ModelRunner:
         if storage != dtype:
             scale_shape, scale_dtype = kv_scale_layout(storage, shape[2:])
             self.kv_scale = torch.ones((*shape[:2], *scale_shape), device=device, dtype=scale_dtype)
-            self.kv_scales = [(self.kv_scale[i, 0], self.kv_scale[i, value_plane]) for i in range(cfg.num_layers)]
+            self.kv_scales = [None] * cfg.num_layers
+            for i, layer in enumerate(layers):
+                self.kv_scales[layer] = (self.kv_scale[i, 0], self.kv_scale[i, value_plane])
             if per_token_scales(storage):
                 self.paged.append(self.kv_scale)
             else:
@@ -119,15 +129,16 @@ class ModelRunner:
         inputs = plan.to(self.device)
         return self.run(inputs, self.backend.prepare(inputs.metadata))
 
-    def run(self, inputs: StepInputs, backend_state, timer=None) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs, backend_state, timer=None, hidden=None) -> torch.Tensor | None:
         """fp32 logits [len(logits_indices), vocab] (None on tensor-parallel ranks other than 0);
         a graph's step returns its bucket's rows, the step's own first. `timer` (a DeviceTimer)
-        times each layer's attention in eager steps."""
+        times each layer's attention in eager steps. A pipeline stage starts from the previous
+        stage's `hidden` and, before the last, returns its own [T, hidden_size]."""
         if inputs.graph is not None:
             return self.graphs.replay(inputs)
-        return self.run_eager(inputs, backend_state, timer)
+        return self.run_eager(inputs, backend_state, timer, hidden)
 
-    def run_eager(self, inputs: StepInputs, backend_state: LayerStates, timer=None) -> torch.Tensor | None:
+    def run_eager(self, inputs: StepInputs, backend_state: LayerStates, timer=None, hidden=None) -> torch.Tensor | None:
         ctx = AttentionContext(
             backend_state.backends,
             backend_state.states,
@@ -138,7 +149,7 @@ class ModelRunner:
             self.calibrate_kv,
         )
         self.calibrate_kv = False  # the first step's K/V set the fp8 scales
-        return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices)
+        return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices, hidden)
 
     @property
     def backend(self) -> LayerAttention:

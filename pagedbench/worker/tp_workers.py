@@ -1,9 +1,11 @@
-"""Tensor-parallel ranks 1..N-1 as worker processes (torch.multiprocessing, spawn); rank 0 is
-the engine's own process.
+"""Tensor- and pipeline-parallel ranks 1..N-1 as worker processes (torch.multiprocessing, spawn);
+rank 0 is the engine's own process. World rank = pipeline stage x tensor_parallel_size +
+tensor-parallel rank.
 
 Rank 0 alone schedules and samples: it sends each step's host arrays (a StepPlan) and its
 page copies and swaps down one pipe per worker, and every rank runs the same model call with
-its shard, meeting in the all-reduces (gloo on CPU, NCCL on CUDA). Logits reach rank 0 only.
+its shard, meeting in the all-reduces (gloo on CPU, NCCL on CUDA); pipeline stages pass hidden
+states on (pipeline.py). Logits reach rank 0 only.
 
 Failure: a worker that raises sends its one-line error up its pipe and exits; its sockets
 close, so rank 0's next collective fails at once, and rank 0 raises that worker's error.
@@ -25,9 +27,10 @@ import torch.multiprocessing as mp
 
 from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
-from pagedbench.model.parallel import TPShard
+from pagedbench.model.parallel import form_stage_groups, leave_stage_groups, placement
 from pagedbench.worker.layer_attention import build_layer_attention
 from pagedbench.worker.model_runner import ModelRunner
+from pagedbench.worker.pipeline_stage import StageLink, StageRunner
 from pagedbench.worker.step_plan import StepInputs
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # a first step may JIT-compile for minutes on a CPU
@@ -44,7 +47,7 @@ class WorkerSpec:
 
     config: EngineConfig
     rope_len: int
-    size: int
+    size: int  # the world: tensor_parallel_size x pipeline_parallel_size
     port: int
 
 
@@ -75,27 +78,32 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     from pagedbench.model.loader import build_model, resolve_model_config, weights_path
 
     try:
-        config, tp = spec.config, TPShard(rank, spec.size)
+        config = spec.config
+        cfg, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        tp, stage = placement(rank, tp_size, pp_size, cfg.num_layers, config.pipeline_layer_partition)
         device, dtype = resolve_device_dtype(config.device, config.dtype)
         device = rank_device(device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:  # the ranks share the CPU's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
-        cfg, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
         backend = build_layer_attention(
             config.backend, cfg, config.block_size, device, dtype, tp, config.kv_cache_dtype
         )
         model = build_model(
-            cfg, weights_path(path, config), device, dtype, spec.rope_len, config.seed, tp, config.preset_init
+            cfg, weights_path(path, config), device, dtype, spec.rope_len, config.seed, tp, config.preset_init, stage
         )
         conn.send(("built",))
         _, (num_blocks, num_cpu_blocks) = conn.recv()
         init_group(device, rank, spec.size, spec.port)  # first: a failure after it cannot leave rank 0 waiting
+        form_stage_groups(tp_size, pp_size)
         runner = ModelRunner(
             model, backend, num_blocks, config.block_size, device, dtype, num_cpu_blocks,
             config.kv_cache_dtype, config.calculate_kv_scales,
         )  # fmt: skip
+        if pp_size > 1:
+            runner = StageRunner(runner, StageLink(stage, tp.rank, tp_size))
         conn.send(("ready",))
         while True:
             try:
@@ -122,7 +130,10 @@ class Workers:
 
     def __init__(self, config: EngineConfig, rope_len: int, size: int):
         if dist.is_initialized():
-            raise ValueError("tensor_parallel_size > 1 needs this process free of another torch.distributed group")
+            raise ValueError(
+                "tensor_parallel_size or pipeline_parallel_size > 1 needs this process free of another "
+                "torch.distributed group"
+            )
         self.port = _free_port()
         spec = WorkerSpec(config, rope_len, size, self.port)
         ctx = mp.get_context("spawn")
@@ -134,7 +145,7 @@ class Workers:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        self.size, self.closed = size, False
+        self.size, self.closed, self.config = size, False, config
 
     def start(self, device: torch.device, num_blocks: int, num_cpu_blocks: int) -> None:
         """Wait for every worker's shard, give them the cache size, and form the group."""
@@ -142,6 +153,7 @@ class Workers:
             self._expect("built")
             self.send("init", num_blocks, num_cpu_blocks)
             init_group(device, 0, self.size, self.port)
+            form_stage_groups(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
             self._expect("ready")
         except BaseException:
             self.shutdown()
@@ -210,6 +222,7 @@ class Workers:
                 proc.join(timeout=5)
         for conn in self.conns:
             conn.close()
+        leave_stage_groups()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -246,9 +259,13 @@ class ParallelRunner:
         try:
             return self.local.run(inputs, backend_state, timer)
         except RuntimeError as e:
-            error = e if isinstance(e, WorkerError) else self.workers.failure()
-            self.workers.shutdown()  # the group is broken: this engine cannot step again
-            raise error from None
+            raise self._broken(e) from None
+
+    def _broken(self, e: RuntimeError) -> WorkerError:
+        """The error to raise when a collective failed: the worker's that caused it."""
+        error = e if isinstance(e, WorkerError) else self.workers.failure()
+        self.workers.shutdown()  # the group is broken: this engine cannot step again
+        return error
 
     def _everywhere(self, method: str, *args) -> None:
         self.workers.send(method, *args)
