@@ -125,6 +125,12 @@ class EngineConfig:
     pipeline_layer_partition: str | None = setting(
         None, 'layers per pipeline stage, e.g. "3,3,2" (vLLM\'s VLLM_PP_LAYER_PARTITION; default: an even split)'
     )
+    data_parallel_size: int = setting(
+        1,
+        "engine replicas, each a process with its own KV cache and scheduler (and GPUs on cuda); requests go to "
+        "the least loaded",
+        minimum=1,
+    )
     distributed_executor_backend: str = setting(
         "mp",
         "how tensor-parallel ranks start: mp (the engine spawns worker processes) or external_launcher (torchrun "

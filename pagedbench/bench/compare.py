@@ -19,6 +19,7 @@ from pagedbench.bench.peers import HFContinuousBatching, peer_provider, peer_una
 from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, model_requests
 from pagedbench.config import EngineConfig, speculation_label
 from pagedbench.device.dtypes import resolve_device_dtype
+from pagedbench.engine.data_parallel import make_engine
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
 from pagedbench.model.loader import resolve_model_config
@@ -103,17 +104,15 @@ def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[f
 
 
 def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measurement:
-    engine.stats.reset()
+    """One run of `requests` (an LLMEngine, or a DataParallelEngine: its replicas' counters merged)."""
     engine.reset_prefix_cache()  # every run starts cold, as the warmup did: repeats measure the same thing
-    compile_before = engine.backend.compile_seconds
-    bm = engine.block_manager
-    queries_before, hits_before = bm.prefix_queries, bm.prefix_hits
-    engine.timer.reset()
+    engine.reset_counters()
     duration, outputs = drive(engine, requests, desc)
-    device = engine.timer.totals()
+    counters = engine.run_counters()
+    device, st = counters.device, counters.stats
     output_ids = [[c.token_ids for c in o.outputs] for o in outputs]  # each request's samples
     output_lens = [sum(map(len, samples)) for samples in output_ids]
-    st = engine.stats
+    pipelined = engine.config.pipeline_parallel_size > 1
     row = {
         **throughput_summary([len(r.prompt_token_ids) for r in requests], output_lens, duration),
         **latency_summary([o.metrics for o in outputs]),
@@ -122,15 +121,21 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_kv_blocks": st.peak_blocks_used,
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
         "peak_running_seqs": st.peak_running,
-        "world_size": engine.executor.world,  # processes (GPUs) the engine runs on: tp x pp
+        "world_size": engine.world_size,  # processes (GPUs) the engine runs on: dp x tp x pp
         # Pipeline parallelism: steps in flight when each was launched (1: the stages never overlap).
-        "mean_steps_in_flight": st.in_flight_steps / max(st.steps, 1) if engine.executor.pipeline_depth > 1 else 1.0,
+        "mean_steps_in_flight": st.in_flight_steps / max(st.steps, 1) if pipelined else 1.0,
+        # Data parallelism: requests and output tokens per replica (one engine: all of them).
+        **(
+            engine.replica_load()
+            if hasattr(engine, "replica_load")
+            else {"replica_requests": str(len(requests)), "replica_output_tokens": str(sum(output_lens))}
+        ),
         **st.time_columns(),
         **device_columns(device, sum(st.time.values())),
-        "time_backend_compile_s": engine.backend.compile_seconds - compile_before,  # 0 after a warmup run
+        "time_backend_compile_s": counters.compile_seconds,  # 0 after a warmup run
         "cuda_graphs": engine.cuda_graphs,  # "on: sizes, capture time, MiB" or "off: why"
-        "prefix_cache_queries": bm.prefix_queries - queries_before,  # prompt tokens looked up
-        "prefix_cache_hits": bm.prefix_hits - hits_before,  # of which cached
+        "prefix_cache_queries": counters.prefix_queries,  # prompt tokens looked up
+        "prefix_cache_hits": counters.prefix_hits,  # of which cached
         "peak_shared_blocks": st.peak_shared_blocks,
         "block_copies": st.block_copies,  # copy-on-write page copies (forked samples)
         "mean_kv_utilization": st.used_block_steps / max(st.steps, 1) / engine.num_blocks,
@@ -143,7 +148,8 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         {"request": i, "input_len": len(r.prompt_token_ids), "output_len": n, **request_latencies(o.metrics)}
         for i, (r, o, n) in enumerate(zip(requests, outputs, output_lens))
     ]
-    return Measurement(row, [ids for samples in output_ids for ids in samples], per_request, kv_timeline(engine))
+    timeline = kv_timeline(st.timeline, engine.num_blocks)
+    return Measurement(row, [ids for samples in output_ids for ids in samples], per_request, timeline)
 
 
 def device_columns(device: dict[str, float], step_wall: float) -> dict:
@@ -179,20 +185,19 @@ def grammar_columns(st, apply_s: float) -> dict:
 MAX_KV_POINTS = 500
 
 
-def kv_timeline(engine: LLMEngine) -> list[dict]:
+def kv_timeline(timeline: list[tuple[float, int, int]], num_blocks: int) -> list[dict]:
     """The run's KV use step by step (evenly thinned to MAX_KV_POINTS), time from its first step."""
-    timeline = engine.stats.timeline
     if not timeline:
         return []
     keep = sorted(set(np.linspace(0, len(timeline) - 1, min(len(timeline), MAX_KV_POINTS)).round().astype(int)))
     start = timeline[0][0]
     return [
         {
-            "num_blocks": engine.num_blocks,
+            "num_blocks": num_blocks,
             "step": int(i),
             "time_s": timeline[i][0] - start,
             "used_blocks": timeline[i][1],
-            "kv_utilization": timeline[i][1] / engine.num_blocks,
+            "kv_utilization": timeline[i][1] / num_blocks,
             "wasted_slots": timeline[i][2],
         }
         for i in keep
@@ -223,11 +228,11 @@ def run_backend(
     speculative_config: dict | None = None,
 ) -> tuple[int, list[Measurement]]:
     """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
-    engine = LLMEngine(engine_config(scenario, backend, device, dtype, speculative_config))
+    engine = make_engine(engine_config(scenario, backend, device, dtype, speculative_config))
     if speculative_config is not None:
         backend = f"{backend} [{speculation_label(speculative_config)}]"  # what the progress bars say
     try:
-        engine.timer.enabled = True  # device time from CUDA events read after each run: no sync in the loop
+        engine.set_timing(True)  # device time from CUDA events read after each run: no sync in the loop
         if scenario.longest_request > engine.max_model_len:
             raise ValueError(
                 f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "

@@ -23,7 +23,8 @@ def _labels(df: pd.DataFrame) -> pd.Series:
             label = label + " · " + (f"{col} " if col == "scale" else "") + df[col].astype(str)
     if "enable_prefix_caching" in df and df["enable_prefix_caching"].nunique() > 1:
         label = label + df["enable_prefix_caching"].map({True: "", False: " · no prefix caching"})
-    for column, short in (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp")):
+    sizes = (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp"), ("data_parallel_size", "dp"))
+    for column, short in sizes:
         if column in df and df[column].nunique(dropna=False) > 1:
             label = label + f" · {short} " + df[column].fillna(1).astype(int).astype(str)
     if "enforce_eager" in df and df["enforce_eager"].nunique() > 1:

@@ -50,6 +50,8 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "peak_running_seqs",
     "world_size",
     "mean_steps_in_flight",
+    "replica_requests",
+    "replica_output_tokens",
     "prefix_cache_queries",
     "prefix_cache_hits",
     "peak_shared_blocks",

@@ -17,6 +17,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
         "enable_prefix_caching",
         "tensor_parallel_size",
         "pipeline_parallel_size",
+        "data_parallel_size",
         "enforce_eager",
         "speculative",
         "structured",
@@ -116,18 +117,18 @@ def not_run_lines(df: pd.DataFrame) -> list[str]:
 
 
 def _parallel(df: pd.DataFrame) -> dict[str, pd.Series]:
-    """Tensor- and pipeline-parallel sizes and each rank's KV budget, where some run was split
-    (with pipeline stages, the mean number of steps in flight)."""
-    sizes = {
-        label: df[column].fillna(1).astype(int)
-        for label, column in (("TP", "tensor_parallel_size"), ("PP", "pipeline_parallel_size"))
-        if column in df
-    }
+    """Tensor-, pipeline- and data-parallel sizes and each rank's KV budget, where some run was
+    split (with pipeline stages, the mean number of steps in flight; with replicas, the requests
+    each served)."""
+    names = (("TP", "tensor_parallel_size"), ("PP", "pipeline_parallel_size"), ("DP", "data_parallel_size"))
+    sizes = {label: df[column].fillna(1).astype(int) for label, column in names if column in df}
     if not any((size > 1).any() for size in sizes.values()):
         return {}
     columns = {label: size for label, size in sizes.items() if (size > 1).any()}
     if "PP" in columns and "mean_steps_in_flight" in df:
         columns["steps in flight"] = df["mean_steps_in_flight"].round(2)
+    if "DP" in columns and "replica_requests" in df:
+        columns["requests/replica"] = df["replica_requests"]
     return columns | {"KV blocks/rank": df["num_blocks"].astype("Int64")}
 
 

@@ -34,6 +34,7 @@ ENGINE_FIELDS = (
     "seed",
     "tensor_parallel_size",
     "pipeline_parallel_size",
+    "data_parallel_size",
     "enforce_eager",
     "distributed_executor_backend",
     "kv_cache_dtype",
@@ -88,6 +89,7 @@ class Scenario:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # ranks the model is sharded over; num_blocks is each rank's KV budget
     pipeline_parallel_size: int = 1  # stages the layers are split over (each keeps its layers' num_blocks pages)
+    data_parallel_size: int = 1  # engine replicas, num_blocks pages each; requests go to the least loaded
     enforce_eager: bool = False  # no CUDA graphs (how the engine runs, not what: outside the hash)
     # mp (spawned tensor-parallel workers) or external_launcher (under torchrun): outside the hash too
     distributed_executor_backend: str = "mp"
@@ -104,7 +106,7 @@ class Scenario:
 
     def validate(self) -> None:
         positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
-        positive.append("pipeline_parallel_size")
+        positive += ["pipeline_parallel_size", "data_parallel_size"]
         positive += [
             f for f in ("num_blocks", "kv_tokens", "max_model_len", "request_rate") if getattr(self, f) is not None
         ]
@@ -228,12 +230,12 @@ class Scenario:
 
     def content_hash(self) -> str:
         """sha256 of the canonical form: every field but name and description, sorted keys,
-        the KV budget in blocks however it was given (tensor_parallel_size and pipeline_parallel_size
+        the KV budget in blocks however it was given (the tensor, pipeline and data parallel sizes
         only when > 1, so hashes from before they existed still match; enforce_eager and
         distributed_executor_backend never: the workload is the same)."""
         content = dataclasses.asdict(self) | {"num_blocks": self.kv_blocks, "kv_tokens": None}
         del content["name"], content["description"], content["enforce_eager"], content["distributed_executor_backend"]
-        for size in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for size in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if content[size] == 1:
                 del content[size]
         defaults = {

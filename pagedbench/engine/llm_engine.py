@@ -26,7 +26,7 @@ from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
 from pagedbench.engine.sequence import SequenceStatus
 from pagedbench.engine.speculator import Speculator
-from pagedbench.engine.stats import EngineStats, wasted_slots
+from pagedbench.engine.stats import EngineStats, RunCounters, wasted_slots
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.engine.token_picker import TokenPicker
 from pagedbench.model.loader import resolve_model_config
@@ -134,6 +134,57 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
         self.executor.shutdown()
+
+    # ---- what a benchmark run reads -------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Processes (GPUs) the engine runs on: tensor x pipeline parallel ranks."""
+        return self.executor.world
+
+    def set_timing(self, enabled: bool) -> None:
+        """Device spans from CUDA events, read after a run (no sync in the loop); off by default."""
+        self.timer.enabled = enabled
+
+    def gauges(self) -> dict[str, float]:
+        """What the server's /metrics reads now: requests by queue (a request's samples count once),
+        KV use, and the token, preemption and prefix-cache counters."""
+        sched, bm, st = self.scheduler, self.block_manager, self.stats
+
+        def requests(queue) -> int:
+            return len({s.request_id for s in queue})
+
+        return {
+            "running": requests(sched.running),
+            "waiting": requests(sched.waiting),
+            "swapped": requests(sched.swapped),
+            "used_blocks": bm.num_used_blocks,
+            "num_blocks": bm.num_blocks,
+            "prompt_tokens": st.prompt_tokens,
+            "generation_tokens": st.generation_tokens,
+            "preemptions": st.preemptions,
+            "prefix_queries": bm.prefix_queries,
+            "prefix_hits": bm.prefix_hits,
+        }
+
+    def reset_counters(self) -> None:
+        """Start counting a run: stats, device spans, prefix-cache and compile counters from zero."""
+        self.stats.reset()
+        self.timer.reset()
+        bm = self.block_manager
+        self._counted_from = (bm.prefix_queries, bm.prefix_hits, self.backend.compile_seconds)
+
+    def run_counters(self) -> RunCounters:
+        """The counters since reset_counters()."""
+        queries, hits, compiled = getattr(self, "_counted_from", (0, 0, 0.0))
+        bm = self.block_manager
+        return RunCounters(
+            self.stats,
+            self.timer.totals(),
+            bm.prefix_queries - queries,
+            bm.prefix_hits - hits,
+            self.backend.compile_seconds - compiled,
+        )
 
     # ---- requests -------------------------------------------------------------------------
 

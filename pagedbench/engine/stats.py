@@ -120,3 +120,62 @@ class SpecStats:
             "spec_mean_acceptance_length": round(length, 3) if length is not None else None,
             "spec_acceptance_per_position": " ".join(f"{r:.3f}" for r in self.per_position_rate()) or None,
         }
+
+
+@dataclass(slots=True)
+class RunCounters:
+    """What a benchmark run reads of an engine since its reset_counters(): the stats, the device
+    timer's spans, prefix-cache lookups and hits, and the backend's compile seconds."""
+
+    stats: EngineStats
+    device: dict[str, float]
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    compile_seconds: float = 0.0
+
+    @classmethod
+    def merge(cls, parts: list["RunCounters"]) -> "RunCounters":
+        """Data-parallel replicas' counters as one engine's: sums, with the KV timeline (and its
+        peaks) the replicas' pages in use at once."""
+        merged = EngineStats()
+        summed = ("steps", "preemptions", "block_copies", "prompt_tokens", "generation_tokens", "swap_outs")
+        summed += ("used_block_steps", "wasted_slot_steps", "in_flight_steps", "grammar_rows")
+        summed += ("grammar_fill_s", "grammar_compile_s", "peak_running", "peak_shared_blocks")
+        for name in summed:  # peaks of running sequences and shared pages: summed, an upper bound
+            setattr(merged, name, sum(getattr(p.stats, name) for p in parts))
+        merged.time = {part: sum(p.stats.time[part] for p in parts) for part in STEP_PARTS}
+        merged.timeline = merged_timeline([p.stats.timeline for p in parts])
+        merged.peak_blocks_used = max((used for _, used, _ in merged.timeline), default=0)
+        merged.peak_wasted_slots = max((wasted for _, _, wasted in merged.timeline), default=0)
+        for p in parts:
+            spec = p.stats.spec
+            merged.spec.num_drafts += spec.num_drafts
+            merged.spec.num_draft_tokens += spec.num_draft_tokens
+            merged.spec.num_accepted_tokens += spec.num_accepted_tokens
+            for j, n in enumerate(spec.accepted_per_position):
+                if j == len(merged.spec.accepted_per_position):
+                    merged.spec.accepted_per_position.append(0)
+                merged.spec.accepted_per_position[j] += n
+        device = {}
+        for p in parts:
+            for name, seconds in p.device.items():
+                device[name] = device.get(name, 0.0) + seconds
+        return cls(
+            merged,
+            device,
+            sum(p.prefix_queries for p in parts),
+            sum(p.prefix_hits for p in parts),
+            sum(p.compile_seconds for p in parts),
+        )
+
+
+def merged_timeline(timelines: list[list[tuple[float, int, int]]]) -> list[tuple[float, int, int]]:
+    """Several engines' (time, blocks used, empty slots) step records as one: at each step of any,
+    the sum of every engine's latest record."""
+    latest = [(0, 0)] * len(timelines)
+    events = sorted((t, i, used, wasted) for i, timeline in enumerate(timelines) for t, used, wasted in timeline)
+    merged = []
+    for t, i, used, wasted in events:
+        latest[i] = (used, wasted)
+        merged.append((t, sum(u for u, _ in latest), sum(w for _, w in latest)))
+    return merged

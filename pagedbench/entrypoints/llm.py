@@ -3,6 +3,7 @@
 from tqdm.auto import tqdm
 
 from pagedbench.config import EngineConfig
+from pagedbench.engine.data_parallel import make_engine
 from pagedbench.engine.input_processor import prompt_list
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -28,8 +29,9 @@ class LLM:
         `logits_processors`: engine-wide BatchLogitsProcessors (instances or subclasses), applied to
         every row each step after each request's own (SamplingParams.logits_processors).
 
-        With tensor_parallel_size > 1 the engine starts worker processes (spawn): a script doing
-        so needs the `if __name__ == "__main__":` guard; `shutdown()` (or exit) stops them."""
+        With tensor_parallel_size, pipeline_parallel_size or data_parallel_size > 1 the engine
+        starts worker processes (spawn): a script doing so needs the `if __name__ == "__main__":`
+        guard; `shutdown()` (or exit) stops them."""
         if "policy" in engine_args:  # a short name for scheduling_policy
             policy = engine_args.pop("policy")
             if engine_args.setdefault("scheduling_policy", policy) != policy:
@@ -43,7 +45,7 @@ class LLM:
                 f"LLM() got an unknown engine argument {unknown[0]!r}; known: {', '.join(EngineConfig.names())}"
             )
         self._other_outputs: list[RequestOutput] = []  # finished requests generate() did not add
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), logits_processors)
+        self.engine = make_engine(EngineConfig(model=model, **engine_args), logits_processors)
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -39,11 +39,11 @@ def cmd_serve(args) -> None:
         from pagedbench.entrypoints.openai.api_server import ServerLimits, build_app
     except ImportError as e:
         raise ValueError(f"serving needs the server extra (pip install 'pagedbench[server]'): {e}") from None
-    from pagedbench.engine.llm_engine import LLMEngine
+    from pagedbench.engine.data_parallel import make_engine
     from pagedbench.entrypoints.async_llm import AsyncLLM
 
     config = EngineConfig.from_cli_args(args)
-    engine = LLMEngine(config)
+    engine = make_engine(config)
     # Compile and capture before announcing: the first requests must not wait for it (vLLM does the same).
     seconds, compiling = engine.warm_up()
     warm = f"warmed up in {seconds:.1f} s ({compiling:.1f} s compiling); CUDA graphs {engine.cuda_graphs}"

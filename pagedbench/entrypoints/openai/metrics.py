@@ -14,15 +14,16 @@ class EngineCounters:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        st = self.llm.engine.stats
-        yield CounterMetricFamily("vllm:prompt_tokens", "Prefill tokens processed", value=st.prompt_tokens)
-        yield CounterMetricFamily("vllm:generation_tokens", "Generation tokens produced", value=st.generation_tokens)
-        yield CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions", value=st.preemptions)
-        bm = self.llm.engine.block_manager
-        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up", value=bm.prefix_queries)
-        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found cached", value=bm.prefix_hits)
-        if self.llm.engine.speculator is not None:
-            yield from speculation_counters(st.spec)
+        now = self.llm.engine.gauges()  # a data-parallel engine's: its replicas' latest, summed
+        yield CounterMetricFamily("vllm:prompt_tokens", "Prefill tokens processed", value=now["prompt_tokens"])
+        yield CounterMetricFamily(
+            "vllm:generation_tokens", "Generation tokens produced", value=now["generation_tokens"]
+        )
+        yield CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions", value=now["preemptions"])
+        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up", value=now["prefix_queries"])
+        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found cached", value=now["prefix_hits"])
+        if getattr(self.llm.engine, "speculator", None) is not None:
+            yield from speculation_counters(self.llm.engine.stats.spec)
 
 
 def speculation_counters(spec):
@@ -53,19 +54,15 @@ class ServerMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
-        sched, bm = llm.engine.scheduler, llm.engine.block_manager
-
-        def requests(queue) -> int:  # a request's samples or beams count once
-            return len({s.request_id for s in queue})
-
+        engine = llm.engine
         running = Gauge("vllm:num_requests_running", "Requests running on the engine", registry=self.registry)
-        running.set_function(lambda: requests(sched.running))
+        running.set_function(lambda: engine.gauges()["running"])
         waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", registry=self.registry)
-        waiting.set_function(lambda: requests(sched.waiting))
+        waiting.set_function(lambda: engine.gauges()["waiting"])
         swapped = Gauge("vllm:num_requests_swapped", "Requests swapped out to CPU", registry=self.registry)
-        swapped.set_function(lambda: requests(sched.swapped))
+        swapped.set_function(lambda: engine.gauges()["swapped"])
         usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent", registry=self.registry)
-        usage.set_function(lambda: bm.num_used_blocks / bm.num_blocks)
+        usage.set_function(lambda: (now := engine.gauges())["used_blocks"] / now["num_blocks"])
         self.registry.register(EngineCounters(llm))
         self.success = Counter("vllm:request_success", "Finished requests", ["finished_reason"], registry=self.registry)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", registry=self.registry)
