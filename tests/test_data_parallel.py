@@ -3,10 +3,6 @@ requests balanced by load, outputs in request order and equal to one engine's (g
 preemption, seeded sampling), counters merged, one-line errors, no process left behind, and the
 same through the CLI and the server."""
 
-import os
-import signal
-import time
-
 import pandas as pd
 import pytest
 
@@ -14,7 +10,7 @@ from pagedbench.entrypoints.cli.main import main
 from pagedbench.entrypoints.llm import LLM
 from pagedbench.sample.sampling_params import SamplingParams
 from pagedbench.worker.tp_workers import WorkerError
-from tests.test_tensor_parallel import GREEDY, PRESSURE, decisive_prompts, no_workers_left, prompts
+from tests.test_tensor_parallel import GREEDY, PRESSURE, decisive_prompts, kill_and_step, no_workers_left, prompts
 
 pytestmark = pytest.mark.slow  # each test starts replica processes
 
@@ -68,14 +64,7 @@ def test_abort_and_a_killed_replica(tiny_models):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(prompts(1)[0], GREEDY, request_id="x")
     engine.add_request(prompts(1)[0], GREEDY)  # one request on each replica
-    os.kill(engine.procs[1].pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(WorkerError, match="pagedbench-dp1 exited with code -9"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert time.monotonic() - start < 15
-    assert no_workers_left()
-    llm.shutdown()  # idempotent
+    kill_and_step(llm, engine.procs[1].pid, "pagedbench-dp1 exited with code -9", within_s=15)
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,6 @@ stage built with the whole model's weights for its layers, lanes that keep one s
 flight, greedy outputs at PP 2 and 3 and PP 2 x TP 2 identical to one process under preemption,
 and a killed stage that reaches the user quickly and leaves no process behind."""
 
-import os
-import signal
-import time
-
 import pandas as pd
 import pytest
 import torch
@@ -19,9 +15,8 @@ from pagedbench.entrypoints.llm import LLM
 from pagedbench.model.loader import build_model, resolve_model_config
 from pagedbench.model.parallel import TPShard, layer_partition, pipeline_stage
 from pagedbench.sample.sampling_params import SamplingParams
-from pagedbench.worker.tp_workers import WorkerError
 from tests.conftest import TINY_MODELS, build_hf_model
-from tests.test_tensor_parallel import GREEDY, PRESSURE, decisive_prompts, no_workers_left, prompts
+from tests.test_tensor_parallel import GREEDY, PRESSURE, decisive_prompts, kill_and_step, no_workers_left, prompts
 
 
 def test_layers_split_evenly_the_remainder_to_the_last_stages_or_as_asked():
@@ -141,18 +136,7 @@ def test_an_abort_while_its_step_is_in_flight_waits_for_the_step(tiny_models):
 @pytest.mark.slow
 def test_a_killed_stage_fails_the_step_within_seconds_and_leaves_no_process(tiny_models):
     llm = LLM(tiny_models["llama"][0], backend="sdpa", pipeline_parallel_size=2, num_blocks=64)
-    engine = llm.engine
-    for p in prompts():
-        engine.add_request(p, GREEDY)
-    engine.step()
-    os.kill(engine.workers.procs[0].pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(WorkerError, match="exited with code -9"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert time.monotonic() - start < 10
-    assert no_workers_left()
-    llm.shutdown()
+    kill_and_step(llm, llm.engine.workers.procs[0].pid, "exited with code -9")
 
 
 @pytest.mark.parametrize(

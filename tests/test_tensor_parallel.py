@@ -143,20 +143,26 @@ def test_tp2_greedy_identical_to_tp1_under_preemption(tiny_models, model, backen
     assert no_workers_left()
 
 
-def test_a_killed_worker_fails_the_step_within_seconds_and_leaves_no_process(tiny_models):
-    llm = LLM(tiny_models["llama"][0], backend="sdpa", tensor_parallel_size=2, num_blocks=64)
+def kill_and_step(llm: LLM, pid: int, message: str, within_s: float = 10) -> None:
+    """SIGKILL process `pid` mid-run: the next steps raise `message` within seconds, and no process is left."""
     engine = llm.engine
-    for p in prompts():
-        engine.add_request(p, GREEDY)
-    engine.step()
-    os.kill(engine.workers.procs[0].pid, signal.SIGKILL)
+    if not engine.has_unfinished_requests():
+        for p in prompts():
+            engine.add_request(p, GREEDY)
+        engine.step()
+    os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(WorkerError, match="tensor-parallel worker pagedbench-tp1 exited with code -9"):
+    with pytest.raises(WorkerError, match=message):
         while engine.has_unfinished_requests():
             engine.step()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < within_s
     assert no_workers_left()
     llm.shutdown()  # idempotent
+
+
+def test_a_killed_worker_fails_the_step_within_seconds_and_leaves_no_process(tiny_models):
+    llm = LLM(tiny_models["llama"][0], backend="sdpa", tensor_parallel_size=2, num_blocks=64)
+    kill_and_step(llm, llm.engine.workers.procs[0].pid, "tensor-parallel worker pagedbench-tp1 exited with code -9")
 
 
 def test_a_worker_error_reaches_the_user_as_its_message(tiny_models, monkeypatch):

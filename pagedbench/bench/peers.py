@@ -39,8 +39,8 @@ def peer_unavailable_reason(name: str, scenario: Scenario) -> str | None:
         raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
     if scenario.n > 1:
         return "n > 1: transformers' continuous batching returns one sample per request"
-    if scenario.tensor_parallel_size > 1:
-        return "tensor parallelism: the peer runs on one device"
+    if scenario.tensor_parallel_size * scenario.pipeline_parallel_size * scenario.data_parallel_size > 1:
+        return "tensor, pipeline or data parallelism: the peer runs on one device"
     return None
 
 

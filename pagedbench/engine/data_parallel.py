@@ -9,7 +9,6 @@ before anything is queued) and gives it to the replica with the fewest unfinishe
 front raises it and stops the others."""
 
 import atexit
-import contextlib
 import dataclasses
 import itertools
 import multiprocessing.connection
@@ -33,7 +32,7 @@ from pagedbench.engine.stats import EngineStats, RunCounters
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.loader import resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
-from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError
+from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError, stop_children
 
 
 def make_engine(config: EngineConfig, logits_processors: list | None = None):
@@ -292,19 +291,7 @@ class DataParallelEngine:
         if self.closed:
             return
         self.closed = True
-        for conn in self.conns:
-            try:
-                conn.send(("exit",))
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.close()
+        stop_children(self.conns, self.procs, ("exit",), 10)
 
     def __del__(self):
         if getattr(self, "procs", None) is not None:

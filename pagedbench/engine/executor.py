@@ -131,7 +131,7 @@ class Executor:
             if self.config.tensor_parallel_size != world:
                 raise ValueError(
                     f"external_launcher: tensor_parallel_size={self.config.tensor_parallel_size} must equal the "
-                    f"launcher's world size {world} (pipeline and data parallelism: not yet)"
+                    f"launcher's world size {world} (under torchrun every rank runs one tensor-parallel shard)"
                 )
             tp.validate(self.model_config)
         except ValueError:

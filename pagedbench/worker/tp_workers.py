@@ -12,6 +12,7 @@ close, so rank 0's next collective fails at once, and rank 0 raises that worker'
 Workers exit when their pipe closes (rank 0 gone) and ignore Ctrl-C, which rank 0 handles;
 `shutdown()` joins them, then kills what is left."""
 
+import contextlib
 import datetime
 import multiprocessing.connection
 import os
@@ -210,21 +211,25 @@ class Workers:
         if self.closed:
             return
         self.closed = True
-        for conn in self.conns:
-            try:
-                conn.send(("exit", ()))
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        for conn in self.conns:
-            conn.close()
+        stop_children(self.conns, self.procs, ("exit", ()), 5)
         leave_stage_groups()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def stop_children(conns: list, procs: list, exit_message: tuple, grace_s: float) -> None:
+    """Ask each child process to exit (down its pipe), wait `grace_s` for it, then kill it; close the pipes."""
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(exit_message)
+    for proc in procs:
+        proc.join(timeout=grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.close()
 
 
 class ParallelRunner:
