@@ -8,6 +8,10 @@ tokens x the query heads of one KV head, split too when they are short. Launch s
 only on host counts that a CUDA graph bucket fixes (sequences, tokens, the longest sequence),
 and every per-sequence length is read on the device, so a decode graph captures it.
 
+Latent attention (DeepSeek's MLA, absorbed: many query heads over one latent "head" whose first
+dims are the values) has its own kernel (`backends/triton_mla_kernels.py`): one query token x
+a block of heads per program, the key dims as latent + rope dots.
+
 On CUDA the kernels are JIT-compiled; on CPU they run in Triton's interpreter (numpy, one
 program at a time): correct and slow, for tests and `check`, never for timings.
 """
@@ -23,7 +27,8 @@ from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata,
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; a [BLOCK_M, 256] fp32 accumulator is the ceiling
-MAX_LATENT_HEAD_DIM = 1024  # DeepSeek's 512 + 64, in the interpreter (CPU)
+MAX_LATENT_HEAD_DIM = 1024  # DeepSeek's 512 + 64 (the latent kernel: latent and rope dots apart)
+LATENT_WARPS = 8  # a [32, 512] fp32 accumulator: 4 warps would spill it
 SHORT_QUERY = 16  # sequences with at most this many query tokens are split along their keys like decodes
 INSTALL_HINT = "pip install 'pagedbench[triton]'"
 
@@ -39,14 +44,14 @@ def _triton() -> Any:
 
 
 @functools.cache
-def kernels(device_type: str) -> tuple[Any, Any]:
-    """(paged_attention, combine_segments) compiled for CUDA, or interpreted for CPU tensors."""
+def kernels(device_type: str) -> tuple[Any, Any, Any]:
+    """(paged_attention, combine_segments, mla_attention) compiled for CUDA, or interpreted for CPU tensors."""
     import triton
     from pagedbench.backends import triton_kernels as src
+    from pagedbench.backends import triton_mla_kernels as mla
 
-    if device_type == "cuda":
-        return triton.jit(src.paged_attention), triton.jit(src.combine_segments)
-    return _Interpreted(src.paged_attention), _Interpreted(src.combine_segments)
+    functions = (src.paged_attention, src.combine_segments, mla.mla_attention)
+    return tuple(triton.jit(f) if device_type == "cuda" else _Interpreted(f) for f in functions)
 
 
 class _Interpreted:
@@ -109,11 +114,14 @@ class Tuning:
     min_segment_keys: int  # ... but never into segments shorter than this
     max_segments: int
     combine_heads: int  # heads per program of the segment merge (0: all)
+    latent_block_h: int = 16  # latent attention: query heads per program ...
+    latent_block_n: int = 32  # ... and keys per inner step (a [block_n, 512 + 64] latent tile)
 
     def describe(self) -> str:
         return (
             f"BLOCK_N {self.block_n}, prefill BLOCK_M {self.prefill_block_m}, "
-            f"split-KV <= {self.max_segments} segments of >= {self.min_segment_keys} keys"
+            f"split-KV <= {self.max_segments} segments of >= {self.min_segment_keys} keys, "
+            f"latent {self.latent_block_h} heads x {self.latent_block_n} keys"
         )
 
 
@@ -142,6 +150,9 @@ def cuda_tuning(dtype: torch.dtype, head_dim: int, num_sms: int, shared_limit: i
         min_segment_keys=256,
         max_segments=16,
         combine_heads=1,
+        # Measured with ptxas (sm_90, sm_80): the largest tiles that compile without spilling at 8 warps.
+        latent_block_h=16 if dtype == torch.float32 else 32,
+        latent_block_n=16 if dtype == torch.float32 else 32,
     )
 
 
@@ -153,8 +164,9 @@ def tuning(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: 
         return cuda_tuning(dtype, head_dim, props.multi_processor_count, limit)
     # The interpreter runs programs one by one: big tiles, and splits only as deep as tests need to cover them.
     return Tuning(
-        block_n=64, prefill_block_m=64, target_programs=64, min_segment_keys=64, max_segments=4, combine_heads=0
-    )
+        block_n=64, prefill_block_m=64, target_programs=64, min_segment_keys=64, max_segments=4, combine_heads=0,
+        latent_block_h=64, latent_block_n=64,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +211,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"triton backend: {reason}")
         self.group = num_heads // num_kv_heads
         self.value_dim = variant.value_dim or head_dim  # latent attention: the keys' first value_dim dims
+        self.latent = self.value_dim != head_dim  # absorbed MLA: its own kernel (triton_mla_kernels.py)
         self.tuning = tuning(torch.device(device), dtype, head_dim)
-        self._attend, self._combine = kernels(torch.device(device).type)
+        self._attend, self._combine, self._latent = kernels(torch.device(device).type)
         self._compiled: set[tuple] = set()
 
     @classmethod
@@ -213,14 +226,11 @@ class TritonBackend(AttentionBackend):
             return f"Triton runs on CUDA (or interpreted on CPU), not {device.type}"
         if dtype not in DTYPES:
             return f"{dtype} is not one of fp32/fp16/bf16"
-        latent = kwargs.get("value_dim") is not None and device.type == "cpu"
+        latent = kwargs.get("value_dim") not in (None, head_dim)
         if not MIN_HEAD_DIM <= head_dim <= (MAX_LATENT_HEAD_DIM if latent else MAX_HEAD_DIM):
-            if kwargs.get("value_dim") is not None:  # on CUDA: one program holds every head of a KV head
-                return (
-                    f"head_dim {head_dim} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM} on CUDA: latent attention's wide "
-                    "heads need the heads of a KV head split across programs (not yet); the interpreter runs them"
-                )
-            return f"head_dim {head_dim} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}"
+            return f"head_dim {head_dim} outside {MIN_HEAD_DIM}..{MAX_LATENT_HEAD_DIM if latent else MAX_HEAD_DIM}"
+        if latent and (kwargs.get("num_kv_heads") or 1) != 1:
+            return "latent attention reads one latent head per token"
         if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
             return "bf16 needs compute capability 8.0+"
         return None
@@ -259,9 +269,13 @@ class TritonBackend(AttentionBackend):
         block_m = max(16, group_p2 * _pow2(max_query_len)) if short else max(t.prefill_block_m, group_p2)
         block_m = min(block_m, max(t.prefill_block_m, group_p2))
         block_q = block_m // group_p2
+        if self.latent:  # a program per token and block of heads; only decodes are split
+            block_m, block_q, short = min(t.latent_block_h, max(16, group_p2)), 1, max_query_len == 1
         segments = 1
         if short:
             programs = (num_seqs + (num_tokens - num_seqs) // block_q) * self.num_kv_heads
+            if self.latent:
+                programs = num_tokens * -(-self.num_heads // block_m)
             wanted = _pow2(-(-t.target_programs // programs))
             keys = meta.max_seq_len  # the most keys one query tile reads; a window caps it
             if self.variant.sliding_window:
@@ -278,7 +292,10 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k_cache, v_cache, state: TritonState, sinks=None, kv_scales=None) -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], self.value_dim)  # [T, H, D_v]
         for launch in state.launches:
-            self._run(launch, q, k_cache, v_cache, out, state, out if sinks is None else sinks, kv_scales)
+            if self.latent:
+                self._run_latent(launch, q, k_cache, out, state, kv_scales)
+            else:
+                self._run(launch, q, k_cache, v_cache, out, state, out if sinks is None else sinks, kv_scales)
         return out
 
     def constants(self, launch: Launch, page_size: int, kv_dtype: torch.dtype | None = None) -> dict:
@@ -322,13 +339,52 @@ class TritonBackend(AttentionBackend):
             **constants, num_warps=launch.num_warps,
         )  # fmt: skip
         if split:
-            block_h = self.tuning.combine_heads or _pow2(self.num_heads)
-            self._combine[(launch.num_tokens, -(-self.num_heads // block_h))](
-                out, part_out, part_max, part_sum, launch.token_start, launch.num_tokens,
-                out.stride(0), out.stride(1), self.num_heads, BLOCK_H=block_h,
-                HEAD_DIM=self.value_dim, HEAD_DIM_P2=constants["V_DIM_P2"], NUM_SEGMENTS=launch.num_segments,
-            )  # fmt: skip
+            self._merge(launch, out)
         self._count_compile(tuple(constants.items()), start)
+
+    def _merge(self, launch: Launch, out: torch.Tensor) -> None:
+        """The split launch's segments into `out` (combine_segments)."""
+        part_out, part_max, part_sum = launch.partials
+        block_h = self.tuning.combine_heads or _pow2(self.num_heads)
+        self._combine[(launch.num_tokens, -(-self.num_heads // block_h))](
+            out, part_out, part_max, part_sum, launch.token_start, launch.num_tokens,
+            out.stride(0), out.stride(1), self.num_heads, BLOCK_H=block_h,
+            HEAD_DIM=self.value_dim, HEAD_DIM_P2=max(16, _pow2(self.value_dim)), NUM_SEGMENTS=launch.num_segments,
+        )  # fmt: skip
+
+    def latent_constants(self, launch: Launch, page_size: int, kv_dtype: torch.dtype) -> dict:
+        """The latent kernel's compile-time parameters for `launch` (pages stored as `kv_dtype`)."""
+        rope_dim = self.head_dim - self.value_dim
+        return dict(
+            BLOCK_H=launch.block_m,
+            BLOCK_N=self.tuning.latent_block_n,
+            V_DIM=self.value_dim,
+            V_DIM_P2=max(16, _pow2(self.value_dim)),
+            ROPE_DIM=rope_dim,
+            ROPE_P2=max(16, _pow2(rope_dim)),
+            PAGE_SIZE=page_size,
+            NUM_SEGMENTS=launch.num_segments,
+            FP32_DOTS=self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.device.type != "cuda"),
+            KV_SCALES=0 if kv_dtype == self.dtype else 2 if per_token_scales(kv_dtype) else 1,
+        )
+
+    def _run_latent(self, launch: Launch, q, cache, out, state: TritonState, kv_scales) -> None:
+        """Latent attention: one program per token x block of launch.block_m heads x key segment."""
+        split = launch.partials is not None
+        part_out, part_max, part_sum = launch.partials if split else (out, out, out)
+        scale = kv_scales[0] if kv_scales else out  # the latent's: its values are its first dims
+        constants = self.latent_constants(launch, cache.shape[1], cache.dtype)
+        start = time.perf_counter()
+        self._latent[(launch.num_tokens, -(-self.num_heads // launch.block_m), launch.num_segments)](
+            out, q, cache, state.block_table, state.query_start_loc, state.seq_lens, scale,
+            part_out, part_max, part_sum, self.scale, launch.seq_start, launch.num_seqs,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
+            state.block_table.stride(0), scale.stride(0), scale.stride(1) if scale.dim() > 1 else 0, self.num_heads,
+            **constants, num_warps=LATENT_WARPS,
+        )  # fmt: skip
+        if split:
+            self._merge(launch, out)
+        self._count_compile(("latent", *constants.items()), start)
 
     def _count_compile(self, key: tuple, start: float) -> None:
         """The first launch of each kernel configuration on CUDA pays its JIT compilation on the host."""

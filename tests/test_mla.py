@@ -3,6 +3,7 @@ tokens identical to Hugging Face's in fp32 for every backend that claims latent 
 others say why), under chunked prefill, preemption and prefix caching; the latent cache holds
 one latent per token and layer."""
 
+import importlib.util
 import random
 from pathlib import Path
 
@@ -175,6 +176,9 @@ def test_quantized_latent_pages(mla_models, kv_cache_dtype, floor):
     quantized = kv_quality.teacher_forced_logprobs(path, "sdpa", kv_cache_dtype, segments, chunk=16, **cpu32)
     reference = kv_quality.teacher_forced_logprobs(path, "reference", kv_cache_dtype, segments, chunk=16, **cpu32)
     torch.testing.assert_close(quantized, reference, atol=5e-4, rtol=0)
+    if importlib.util.find_spec("triton") is not None:  # its latent kernel scales scores and probabilities
+        triton = kv_quality.teacher_forced_logprobs(path, "triton", kv_cache_dtype, segments, chunk=16, **cpu32)
+        torch.testing.assert_close(triton, reference, atol=5e-4, rtol=0)
     assert not torch.equal(quantized, exact)  # the pages were quantized
     agreement = (quantized.argmax(-1) == exact.argmax(-1)).float().mean().item()
     assert agreement >= floor, agreement

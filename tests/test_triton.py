@@ -187,3 +187,84 @@ def test_kernels_compile_for_the_gpu(arch, dtype, head_dim, query_len, kv):
         if fn is triton_kernels.paged_attention and kv is None:  # the rule's estimate bounds what Triton allots
             estimate = backend_module.shared_bytes(dtype, head_dim, constants["BLOCK_M"], constants["BLOCK_N"])
             assert estimate - 1024 <= compiled.metadata.shared <= estimate, (compiled.metadata.shared, estimate)
+
+
+def latent_backend(num_heads: int, value_dim: int, rope_dim: int, dtype=torch.float32, block_size=64):
+    from pagedbench.backends.base import AttentionVariant
+
+    head_dim = value_dim + rope_dim
+    return get_backend("triton")(
+        num_heads, 1, head_dim, head_dim**-0.5, block_size, torch.device("cpu"), dtype,
+        AttentionVariant(value_dim=value_dim),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "spec",
+    [[(300, 1), (65, 1), (7, 1), (129, 1)], [(190, 1), (0, 40), (70, 9)]],
+    ids=["decode", "mixed"],
+)
+def test_latent_kernel_splits_heads_and_keys_to_the_oracle(spec, dtype):
+    """Absorbed MLA: 40 query heads (3 blocks of 16, the last partial) over one latent head of
+    64 + 16 dims whose first 64 are the values; decodes split along their keys, prefill unsplit."""
+    problem = random_problem(spec, 40, 1, 80, seed=4, value_dim=64)
+    batch = place(problem, 64, layout_seed=3)
+    backend = latent_backend(40, 64, 16, dtype)
+    backend.tuning = replace(backend.tuning, latent_block_h=16, latent_block_n=32)
+    out, state = attend(backend, batch, dtype)
+    assert state.launches[0].num_segments > 1 and state.launches[0].block_m == 16
+    expected = attend_dense(problem, 80**-0.5, torch.float64)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or _ptxas() is None, reason="no bundled ptxas")
+@pytest.mark.parametrize("arch,dtype,kv", [(90, torch.bfloat16, None), (90, torch.bfloat16, torch.float8_e4m3fn),
+                                           (80, torch.float16, torch.int8), (90, torch.float32, None)])  # fmt: skip
+def test_latent_kernel_compiles_for_the_gpu(arch, dtype, kv, tmp_path):
+    """DeepSeek-V3's decode shape (128 heads over a 512 + 64 latent, pages of 64) on CUDA: the
+    latent kernel and its merge compile within the arch's shared memory, without spilling."""
+    import triton
+    from pagedbench.backends import triton as backend_module
+    from pagedbench.backends import triton_kernels, triton_mla_kernels
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    backend = latent_backend(128, 512, 64, dtype)
+    backend.device = torch.device("cuda")
+    limit = {90: 227, 80: 163}[arch] * 1024
+    backend.tuning = backend_module.cuda_tuning(dtype, 576, num_sms=132, shared_limit=limit)
+    meta = place(random_problem([(4000, 1)] * 4, 128, 1, 576, value_dim=512), 64, layout_seed=0).metadata
+    launch = backend.prepare(meta).launches[0]
+    assert launch.num_segments > 1
+    element = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    kv_type = {None: None, torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}[kv]
+    constants = backend.latent_constants(launch, 64, kv or dtype)
+    merge = dict(BLOCK_H=1, HEAD_DIM=512, HEAD_DIM_P2=512, NUM_SEGMENTS=launch.num_segments)
+    for fn, consts in ((triton_mla_kernels.mla_attention, constants), (triton_kernels.combine_segments, merge)):
+        jit = triton.jit(fn)
+        signature = {}
+        for name in jit.arg_names:
+            if name == "cache_ptr" and kv_type:
+                signature[name] = f"*{kv_type}"
+            elif name == "scale_ptr":
+                signature[name] = "*fp16" if kv_type == "i8" else "*fp32"
+            else:
+                signature[name] = _arg_type(name, consts, element)
+        warps = backend_module.LATENT_WARPS if fn is triton_mla_kernels.mla_attention else 4
+        source, target = ASTSource(jit, signature, constexprs=consts), GPUTarget("cuda", arch, 32)
+        compiled = triton.compile(source, target=target, options={"num_warps": warps})
+        assert compiled.metadata.shared <= limit, (fn.__name__, compiled.metadata.shared)
+        assert spilled_bytes(compiled.asm["cubin"], tmp_path) == 0, (fn.__name__, arch, dtype, kv)
+
+
+def spilled_bytes(cubin: bytes, folder) -> int:
+    """Bytes of stack a compiled kernel uses (register spills), as cuobjdump reports them."""
+    import re
+    import subprocess
+
+    path = folder / "kernel.cubin"
+    path.write_bytes(cubin)
+    tool = os.path.join(os.path.dirname(_ptxas()), "cuobjdump")
+    usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    return sum(int(n) for n in re.findall(r"STACK:(\d+)", usage))
