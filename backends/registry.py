@@ -18,6 +18,7 @@ _BUILTIN = {
     "flex": "pagedbench.backends.flex:FlexBackend",
     "flash-attn": "pagedbench.backends.flash_attn:FlashAttnBackend",
     "triton": "pagedbench.backends.triton:TritonBackend",
+    "flashinfer": "pagedbench.backends.flashinfer:FlashInferBackend",
 }
 _loaded: dict[str, type[AttentionBackend]] = {}  # imported classes by name
 
