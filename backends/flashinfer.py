@@ -13,9 +13,11 @@ latent attention through BatchMLAPagedAttentionWrapper (the latent and rope part
 of our one-plane cache).
 
 Variants through FlashInfer's own parameters: a window (window_left = window - 1), soft-cap
-(logits_soft_cap), sinks, and fp8 pages (kv_data_type, k_scale / v_scale per layer). Its kernels
-are JIT-compiled with nvcc the first time each configuration runs: that time is counted in
-`compile_seconds`, outside the timed calls. CPU: none (its kernels are CUDA).
+(logits_soft_cap), sinks (the sink wrapper's extra input), and fp8 pages (kv_data_type; the
+layer's K scale folded into q and its V scale into the output, as tensors, so no scale is read
+back to the host). Its kernels are JIT-compiled with nvcc the first time each configuration
+runs: that time is counted in `compile_seconds`, outside the timed calls. CPU: none (its kernels
+are CUDA). Checked against FlashInfer 0.7.2's source; not yet run on a GPU.
 """
 
 import time
@@ -89,7 +91,7 @@ class FlashInferBackend(AttentionBackend):
         if reason:
             raise ValueError(f"flashinfer backend: {reason}")
         self.fi = _flashinfer()
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # decode wants zeros
         self.value_dim = variant.value_dim or head_dim
         self._wrappers: dict[str, Any] = {}  # built once per kind, planned every step
         self._compiled: set[tuple] = set()
@@ -105,7 +107,11 @@ class FlashInferBackend(AttentionBackend):
             return fi
         if dtype not in (torch.float16, torch.bfloat16):
             return f"{dtype}: FlashInfer runs fp16 and bf16"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "FlashInfer needs compute capability 8.0+"
         value_dim = kwargs.get("value_dim")
+        if kwargs.get("sinks") and kwargs.get("softcap"):
+            return "sinks with a soft-cap: FlashInfer's sink kernel has no soft-cap"
         if value_dim not in (None, head_dim):
             if (value_dim, head_dim - value_dim) != (512, 64):
                 dims = f"{value_dim} + {head_dim - value_dim}"
@@ -115,9 +121,16 @@ class FlashInferBackend(AttentionBackend):
             return None
         if head_dim not in HEAD_DIMS:
             return f"head_dim {head_dim}: FlashInfer's paged kernels are compiled for {', '.join(map(str, HEAD_DIMS))}"
-        if torch.cuda.get_device_capability(device) < (8, 0):
-            return "FlashInfer needs compute capability 8.0+"
         return None
+
+    @classmethod
+    def kv_cache_reason(cls, kv_cache_dtype: str = "auto", value_dim=None, **settings) -> str | None:
+        if kv_cache_dtype != "auto" and value_dim is not None:
+            return (
+                f"kv_cache_dtype {kv_cache_dtype} with latent attention: FlashInfer's fp8 MLA path (SM90, e4m3, "
+                "its own ckv/kpe scales) is not wired"
+            )
+        return super().kv_cache_reason(kv_cache_dtype, **settings)
 
     @classmethod
     def provider(cls, **settings) -> str:
@@ -146,17 +159,17 @@ class FlashInferBackend(AttentionBackend):
             kind = "latent"
         elif self.variant.sinks:
             kind = "sinks"
-        else:  # the decode wrapper takes a float scale: fp8 pages (tensor scales) go through prefill
-            kind = "decode" if meta.max_query_len == 1 and state.kv_dtype == self.dtype else "prefill"
+        else:
+            kind = "decode" if meta.max_query_len == 1 else "prefill"
         wrapper = self._wrapper(kind, state.kv_dtype)
         window = (self.variant.sliding_window or 0) - 1  # FlashInfer: keys p - window_left .. p
         dtypes = dict(q_data_type=self.dtype, kv_data_type=state.kv_dtype)
-        if kind == "latent":
+        if kind == "latent":  # host metadata (FlashInfer schedules on the host), device page ids
             kv_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int32)
             wrapper.plan(
-                qo_indptr.to(self.device), kv_indptr.to(self.device), state.kv_indices, kv_lens.to(self.device),
-                self.num_heads, self.value_dim, self.head_dim - self.value_dim, self.block_size,
-                causal=True, sm_scale=self.scale, **dtypes,
+                metadata=self.fi.mla.MLAPlanMetadata.csr(qo_indptr, kv_indptr, state.kv_indices, kv_lens),
+                num_heads=self.num_heads, head_dim_ckv=self.value_dim, head_dim_kpe=self.head_dim - self.value_dim,
+                page_size=self.block_size, causal=True, sm_scale=self.scale, **dtypes,
             )  # fmt: skip
         elif kind == "decode":
             wrapper.plan(
@@ -172,8 +185,9 @@ class FlashInferBackend(AttentionBackend):
         state.kind, state.wrapper = kind, wrapper
 
     def _wrapper(self, kind: str, kv_dtype: torch.dtype):
-        """The wrapper of `kind` (built once; the sink wrapper takes the pages' dtype when built)."""
-        kind_key = (kind, kv_dtype) if kind == "sinks" else kind
+        """The wrapper of `kind` for pages of `kv_dtype`, built once: a wrapper fixes its kernel
+        family at its first plan (fa3 takes no fp8 pages beside a 16-bit query, fa2 does)."""
+        kind_key = (kind, kv_dtype)
         if kind_key not in self._wrappers:
             fi = self.fi
             if kind == "latent":
@@ -199,14 +213,15 @@ class FlashInferBackend(AttentionBackend):
             state.kv_dtype = self.kv_dtype = k_cache.dtype
             self._plan(state)
         start = time.perf_counter()
-        if state.kind == "latent":
-            latent, d = k_cache[:, :, 0], self.value_dim  # [blocks, page, 576]: the latent, then the rope part
-            q_nope, q_pe = q[..., :d].contiguous(), q[..., d:].contiguous()
-            out = state.wrapper.run(q_nope, q_pe, latent[..., :d], latent[..., d:])
+        if state.kind == "latent":  # packed: the latent then the rope dims, in q and in the pages
+            out = state.wrapper.run(query=q, kv_cache=k_cache[:, :, 0])
         else:
-            scales = {} if kv_scales is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
-            extra = {"sinks": sinks} if state.kind == "sinks" else {}
-            out = state.wrapper.run(q, (k_cache, v_cache), **scales, **extra)
+            if kv_scales is not None:  # q.(s_k k) = (s_k q).k; the output's values scale by s_v after
+                q = q * kv_scales[0].to(q.dtype)
+            extra = (sinks.float().contiguous(),) if state.kind == "sinks" else ()  # its JIT kernel's extra input
+            out = state.wrapper.run(q, (k_cache, v_cache), *extra)
+            if kv_scales is not None:
+                out = out * kv_scales[1].to(out.dtype)
         key = (state.kind, k_cache.dtype)
         if key not in self._compiled:  # the first run of a configuration JIT-compiles it
             torch.cuda.synchronize(self.device)

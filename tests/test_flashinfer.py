@@ -35,3 +35,4 @@ def test_registered_and_unavailable_without_cuda_with_the_reason():
         FlashInferBackend(8, 2, 128, 0.1, 16, torch.device("cpu"), torch.bfloat16)
     assert FlashInferBackend.kv_cache_reason("int8").startswith("kv_cache_dtype int8: FlashInfer reads fp8 pages")
     assert FlashInferBackend.kv_cache_reason("fp8") is None
+    assert "fp8 MLA path" in FlashInferBackend.kv_cache_reason("fp8", value_dim=512)
