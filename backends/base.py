@@ -7,6 +7,7 @@ Slot `s` is token `s % block_size` of block `s // block_size`.
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
+from importlib import import_module
 from typing import Any, ClassVar
 
 import torch
@@ -121,6 +122,18 @@ def one_line(error: BaseException) -> str:
     """`Type: first line of the message`, for reasons shown in tables and CLI errors."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def import_or_reason(name: str, install_hint: str | None = None) -> Any:
+    """The module, or a one-line reason: absent (and how to install it), or broken."""
+    try:
+        return import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name not in (name, name.split(".")[0]):  # the module is there; something it imports is not
+            return f"import {name}: {one_line(e)}"
+        return f"{e.name} not installed" + (f" ({install_hint})" if install_hint else "")
+    except Exception as e:  # a broken install raises anything at import time
+        return f"import {name}: {one_line(e)}"
 
 
 # kv_cache_dtype (vLLM's names) -> how K/V pages are stored: None keeps the model's dtype. fp8 pages

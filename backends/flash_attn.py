@@ -23,11 +23,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import import_module, metadata
+from importlib import metadata
 from typing import Any
 
 import torch
-from pagedbench.backends.base import AttentionBackend, AttentionMetadata, one_line
+from pagedbench.backends.base import AttentionBackend, AttentionMetadata, import_or_reason, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -57,20 +57,6 @@ def _missing_params(fn: Callable, *names: str) -> list[str]:
     return [n for n in names if n not in params]
 
 
-def _import(name: str) -> Any:
-    """The module, or a one-line reason it is absent or broken."""
-    try:
-        return import_module(name)
-    except ModuleNotFoundError as e:
-        return (
-            f"{e.name or name} not installed"
-            if e.name in (name, name.split(".")[0])
-            else f"import {name}: {one_line(e)}"
-        )
-    except Exception as e:  # a broken install raises anything at import time
-        return f"import {name}: {one_line(e)}"
-
-
 def _paged_api(module: Any, where: str, fn_name: str, *params: str) -> str | None:
     """Why `module.fn_name` cannot serve paged attention (absent, or lacks `params`), or None."""
     fn = getattr(module, fn_name, None)
@@ -81,7 +67,7 @@ def _paged_api(module: Any, where: str, fn_name: str, *params: str) -> str | Non
 
 
 def _probe_fa3() -> Provider | str:
-    fa3 = _import("flash_attn_interface")
+    fa3 = import_or_reason("flash_attn_interface")
     if isinstance(fa3, str):
         return fa3
     reason = _paged_api(
@@ -91,7 +77,7 @@ def _probe_fa3() -> Provider | str:
 
 
 def _probe_fa4() -> Provider | str:
-    fa4 = _import("flash_attn.cute")
+    fa4 = import_or_reason("flash_attn.cute")
     if isinstance(fa4, str):
         return fa4.replace("flash_attn not installed", "flash_attn.cute not installed") + INSTALL_HINT[
             "fa4"
@@ -102,7 +88,7 @@ def _probe_fa4() -> Provider | str:
 
 
 def _probe_fa2() -> Provider | str:
-    fa2 = _import("flash_attn")
+    fa2 = import_or_reason("flash_attn")
     if isinstance(fa2, str):
         return fa2 + INSTALL_HINT["fa2"] * fa2.endswith("not installed")
     if getattr(fa2, "__file__", None) is None and not hasattr(fa2, "flash_attn_varlen_func"):
@@ -116,7 +102,7 @@ def _probe_fa2() -> Provider | str:
 
 
 def _probe_torch() -> Provider | str:
-    varlen = _import("torch.nn.attention.varlen")
+    varlen = import_or_reason("torch.nn.attention.varlen")
     if isinstance(varlen, str):
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     varlen_attn = getattr(varlen, "varlen_attn", None)

@@ -22,12 +22,11 @@ are CUDA). Checked against FlashInfer 0.7.2's source; not yet run on a GPU.
 
 import time
 from dataclasses import dataclass
-from importlib import import_module
 from typing import Any
 
 import numpy as np
 import torch
-from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, one_line
+from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, import_or_reason
 
 INSTALL_HINT = "pip install 'pagedbench[flashinfer]'"
 HEAD_DIMS = (64, 128, 256)
@@ -37,12 +36,7 @@ TENSOR_CORE_GROUP = 4  # decode with tensor cores from this many query heads per
 
 def _flashinfer() -> Any:
     """The flashinfer module, or a one-line reason it cannot be imported."""
-    try:
-        return import_module("flashinfer")
-    except ModuleNotFoundError as e:
-        return f"{e.name or 'flashinfer'} not installed ({INSTALL_HINT})"
-    except Exception as e:  # a broken install raises anything at import time
-        return f"import flashinfer: {one_line(e)}"
+    return import_or_reason("flashinfer", INSTALL_HINT)
 
 
 @dataclass(slots=True)

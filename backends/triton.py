@@ -19,11 +19,16 @@ program at a time): correct and slow, for tests and `check`, never for timings.
 import functools
 import time
 from dataclasses import dataclass, field, replace
-from importlib import import_module
 from typing import Any
 
 import torch
-from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, one_line, per_token_scales
+from pagedbench.backends.base import (
+    PLAIN,
+    AttentionBackend,
+    AttentionMetadata,
+    import_or_reason,
+    per_token_scales,
+)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; a [BLOCK_M, 256] fp32 accumulator is the ceiling
@@ -35,12 +40,7 @@ INSTALL_HINT = "pip install 'pagedbench[triton]'"
 
 def _triton() -> Any:
     """The triton module, or a one-line reason it cannot be imported."""
-    try:
-        return import_module("triton")
-    except ModuleNotFoundError as e:
-        return f"{e.name or 'triton'} not installed ({INSTALL_HINT})"
-    except Exception as e:  # a broken install raises anything at import time
-        return f"import triton: {one_line(e)}"
+    return import_or_reason("triton", INSTALL_HINT)
 
 
 @functools.cache
