@@ -128,15 +128,28 @@ def placement(rank: int, tp_size: int, pp_size: int, num_layers: int, partition:
     return TPShard(tp_rank, tp_size, group_ranks=group), pipeline_stage(stage, counts)
 
 
-_GROUPS: dict[tuple[int, ...], object] = {}  # each stage's tensor-parallel group, once formed
+_GROUPS: dict[tuple, object] = {}  # each stage's tensor-parallel group, and the logits' way back
+
+
+LOGITS = ("logits",)  # the key of the group the last stage returns logits to rank 0 through
 
 
 def form_stage_groups(tp_size: int, pp_size: int) -> None:
-    """Every rank calls this once after joining the world: one group per stage's tensor-parallel ranks."""
+    """Every rank calls this once after joining the world: one group per stage's tensor-parallel
+    ranks, and one that carries the logits back from the last stage to rank 0. On NCCL a group is
+    its own communicator and stream, so rank 0's receive of step A's logits never queues behind
+    its send of step B's hidden states (which the last stage takes only after sending A's)."""
     if pp_size > 1 and tp_size > 1:
         for stage in range(pp_size):
             ranks = tuple(range(stage * tp_size, (stage + 1) * tp_size))
             _GROUPS[ranks] = dist.new_group(list(ranks))
+    if pp_size > 1:
+        _GROUPS[LOGITS] = dist.new_group([0, (pp_size - 1) * tp_size])
+
+
+def logits_group():
+    """The group of rank 0 and the last stage's tensor-parallel rank 0 (pipeline parallelism)."""
+    return _GROUPS[LOGITS]
 
 
 def leave_stage_groups() -> None:

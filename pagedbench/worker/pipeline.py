@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagedbench.model.parallel import logits_group
 from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.pipeline_stage import StageLink
 from pagedbench.worker.step_plan import StepInputs
@@ -49,7 +50,7 @@ class PipelineRunner(ParallelRunner):
         logits = torch.empty(step.num_logits, self.vocab_size, dtype=torch.float32, device=self.local.device)
         try:
             step.send.wait()
-            dist.recv(logits, src=self.link.last_stage_rank)
+            dist.recv(logits, src=self.link.last_stage_rank, group=logits_group())
         except RuntimeError as e:
             raise self._broken(e) from None
         return logits

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pagedbench.model.parallel import PPStage
+from pagedbench.model.parallel import PPStage, logits_group
 from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.step_plan import StepPlan
 
@@ -54,7 +54,7 @@ class StageRunner:
         if not link.stage.last:
             dist.send(out, dst=link.next)
         elif out is not None:  # tensor-parallel rank 0 of the last stage
-            dist.send(out, dst=0)
+            dist.send(out, dst=0, group=logits_group())
 
     def __getattr__(self, name):  # copy_blocks, swap_out, swap_in
         return getattr(self.runner, name)
