@@ -175,11 +175,12 @@ class Executor:
     def backend(self) -> LayerAttention:
         return self.runner.backend
 
-    def shutdown(self) -> None:
+    def shutdown(self, broken: bool = False) -> None:
         """Stop the tensor-parallel workers, if any (also done when the executor is collected), and
-        leave the process group this engine joined under an external launcher."""
+        leave the process group this engine joined under an external launcher. `broken`: a step
+        was cut off mid-way (workers may be blocked in a collective: they are killed sooner)."""
         if getattr(self, "workers", None) is not None:
-            self.workers.shutdown()
+            self.workers.shutdown(broken)
         if getattr(self, "owns_process_group", False) and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_process_group = False

@@ -303,7 +303,7 @@ class LLMEngine:
         except BaseException:
             while self.in_flight:  # the stages hold steps nobody will collect: the pipeline is gone
                 self._abandon(self.in_flight.popleft().sched)
-            self.executor.shutdown()
+            self.executor.shutdown(broken=True)
             raise
         for rid in [r for r in self._pending_aborts if r not in self.requests or not self._lane_busy(r)]:
             self._pending_aborts.discard(rid)

@@ -206,12 +206,14 @@ class Workers:
             time.sleep(0.05)
         return WorkerError("a tensor-parallel collective failed, but no worker reported an error")
 
-    def shutdown(self) -> None:
-        """Stop every worker (asking first), leaving no process behind; idempotent."""
+    def shutdown(self, broken: bool = False) -> None:
+        """Stop every worker (asking first), leaving no process behind; idempotent. `broken`: a
+        collective failed or a step was interrupted, so workers may be blocked in one and never
+        read the request: they get a second, not five."""
         if self.closed:
             return
         self.closed = True
-        stop_children(self.conns, self.procs, ("exit", ()), 5)
+        stop_children(self.conns, self.procs, ("exit", ()), 1 if broken else 5)
         leave_stage_groups()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -269,7 +271,7 @@ class ParallelRunner:
     def _broken(self, e: RuntimeError) -> WorkerError:
         """The error to raise when a collective failed: the worker's that caused it."""
         error = e if isinstance(e, WorkerError) else self.workers.failure()
-        self.workers.shutdown()  # the group is broken: this engine cannot step again
+        self.workers.shutdown(broken=True)  # the group is broken: this engine cannot step again
         return error
 
     def _everywhere(self, method: str, *args) -> None:
