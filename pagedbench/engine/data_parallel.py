@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import multiprocessing.connection
 import os
+import secrets
 import signal
 import time
 import traceback
@@ -112,7 +113,7 @@ class DataParallelEngine:
         if config.distributed_executor_backend == "external_launcher":
             raise ValueError("data_parallel_size > 1 runs with distributed_executor_backend='mp'")
         if config.seed is None:
-            config = dataclasses.replace(config, seed=int(time.time_ns() % 2**31))  # one seed, every replica
+            config = dataclasses.replace(config, seed=secrets.randbelow(2**31))  # one seed, every replica
         self.config, self.size = config, config.data_parallel_size
         self.model_config, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
         cfg = self.model_config
@@ -138,7 +139,10 @@ class DataParallelEngine:
                     proc.start()
                 finally:
                     for name, value in saved.items():
-                        os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+                        if value is None:
+                            os.environ.pop(name)
+                        else:
+                            os.environ[name] = value
                 child.close()
                 self.conns.append(parent)
                 self.procs.append(proc)
@@ -153,9 +157,9 @@ class DataParallelEngine:
         self.num_blocks = self.blocks_per_replica * self.size  # every replica's pages
         self.cuda_graphs = infos[0]["cuda_graphs"]
         self.world_size = infos[0]["world_size"] * self.size
-        self.stats_device = torch.device("cpu")
+        # Constraints are compiled here to check requests; the replicas' own managers apply them.
         structured = StructuredOutputManager(
-            self.tokenizer, cfg.vocab_size, cfg.eos_token_ids, self.stats_device, EngineStats(), None,
+            self.tokenizer, cfg.vocab_size, cfg.eos_token_ids, torch.device("cpu"), EngineStats(), None,
             config.disable_any_whitespace,
         )  # fmt: skip
         self.input_processor = InputProcessor(config, cfg, self.tokenizer, self.max_model_len, self.device, structured)
