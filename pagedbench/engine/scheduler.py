@@ -153,9 +153,10 @@ class Scheduler:
         """Admit waiting requests while budget, blocks and max_num_seqs allow, unless a
         swapped-out sequence goes first. A request that will fork (n/best_of samples, beams)
         reserves room for all; its cached prefix counts as computed."""
+        waiting = self._mine(self.waiting)  # the lane's view, taken once (nothing joins it in this loop)
+        swapped = self.order.best(self._mine(self.swapped))
         while budget > 0:
-            waiting = self._mine(self.waiting)
-            seq, swapped = self.order.first(waiting), self.order.best(self._mine(self.swapped))
+            seq = self.order.first(waiting)
             if seq is None or (swapped is not None and not self.order.outranks(waiting, swapped)):
                 break
             fits = reserved + _width(seq) <= self.max_num_seqs
@@ -170,6 +171,8 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = hit
             self.waiting.remove(seq)
+            if waiting is not self.waiting:
+                waiting.remove(seq)
             self._start(seq, n, out, scheduled)
             # Nothing admitted in this loop is preempted before the step runs, so its pages
             # may be shared at once by the next admissions.
