@@ -3,17 +3,30 @@
 import pandas as pd
 import pytest
 
+import pagedbench.bench.compare
+import pagedbench.engine.llm_engine
 from pagedbench.bench.compare import compare
 from pagedbench.bench.scenario import load_scenario
 from pagedbench.entrypoints.cli.main import main
+from pagedbench.model.loader import resolve_model_config
 
 
-def test_hf_peer_runs_the_identical_requests(tiny_models):
+def test_hf_peer_runs_the_identical_requests(tiny_models, monkeypatch):
     """Same weights (a model directory), greedy fp32: transformers' continuous batching produces
-    exactly the tokens our engine does, request by request."""
+    exactly the tokens our engine does, request by request. The model is resolved once for the
+    whole command (a GGUF's costs seconds): engines, peer and columns get it passed down."""
     scenario = load_scenario("mixed").scaled(0.02)
     scenario.model = str(tiny_models["llama"][0])
-    result = compare(scenario, ["sdpa"], 0.02, "cpu", "fp32", warmup=False, peers=["hf"])
+    resolved = []
+
+    def counted(model, **kwargs):
+        resolved.append(model)
+        return resolve_model_config(model, **kwargs)
+
+    for module in (pagedbench.bench.compare, pagedbench.engine.llm_engine):
+        monkeypatch.setattr(module, "resolve_model_config", counted)
+    result = compare(scenario, ["sdpa", "reference"], 0.02, "cpu", "fp32", warmup=False, peers=["hf"])
+    assert resolved == [scenario.model]
     rows = {r["backend"]: r for r in result.rows}
     assert rows["hf"]["status"] == "ok" and rows["hf"]["provider"].startswith("transformers ")
     assert rows["hf"]["total_output_tokens"] == rows["sdpa"]["total_output_tokens"] > 0

@@ -5,12 +5,15 @@ leaves no process behind."""
 
 import multiprocessing
 import os
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagedbench.entrypoints.cli.main import main
 from pagedbench.entrypoints.llm import LLM
@@ -165,16 +168,19 @@ def test_a_killed_worker_fails_the_step_within_seconds_and_leaves_no_process(tin
     kill_and_step(llm, llm.engine.workers.procs[0].pid, "tensor-parallel worker pagedbench-tp1 exited with code -9")
 
 
-def test_a_worker_error_reaches_the_user_as_its_message(tiny_models, monkeypatch):
-    """Rank 1 cannot load the model (here: its path does not exist for it): the engine raises
-    that rank's one-line error and stops the other workers."""
-    import pagedbench.engine.llm_engine
-
-    real = resolve_model_config(tiny_models["llama"][0])
-    monkeypatch.setattr(pagedbench.engine.llm_engine, "resolve_model_config", lambda model, **kwargs: real)
+def test_a_worker_error_reaches_the_user_as_its_message(tiny_models, tmp_path):
+    """Rank 1 cannot load its part of the model (here: pipeline stage 1's layer is missing from
+    the checkpoint, which stage 0 never reads): the engine raises that rank's one-line error and
+    stops the other workers."""
+    source = Path(tiny_models["llama"][0])
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    for file in broken.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({name: t for name, t in tensors.items() if not name.startswith("model.layers.1.")}, file)
     start = time.monotonic()
-    with pytest.raises(WorkerError, match=r"tensor-parallel rank 1: .*model '/nonexistent/model' is neither"):
-        LLM("/nonexistent/model", backend="sdpa", tensor_parallel_size=2, num_blocks=64)
+    with pytest.raises(WorkerError, match=r"rank 1: (ValueError: )?weights missing from .*model\.layers\.1\."):
+        LLM(str(broken), backend="sdpa", pipeline_parallel_size=2, num_blocks=64)
     assert time.monotonic() - start < 30
     assert no_workers_left()
 

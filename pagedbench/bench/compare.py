@@ -22,7 +22,8 @@ from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.engine.data_parallel import make_engine
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
-from pagedbench.model.loader import resolve_model_config
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.parallel import TPShard
 from pagedbench.worker.model_runner import kv_bytes_per_block
 
@@ -45,25 +46,31 @@ class Comparison:
     unavailable: dict[str, str]
 
 
-def engine_settings(scenario: Scenario, dtype: torch.dtype) -> dict:
+def engine_settings(scenario: Scenario, dtype: torch.dtype, model: ModelConfig) -> dict:
     """The scenario's engine settings, with the KV budget as blocks (of its kv_cache_dtype)."""
-    return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": kv_blocks(scenario, dtype)}
+    blocks = kv_blocks(scenario, dtype, model)
+    return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": blocks}
 
 
-def kv_blocks(scenario: Scenario, dtype: torch.dtype) -> int:
+def kv_blocks(scenario: Scenario, dtype: torch.dtype, model: ModelConfig) -> int:
     """The KV budget in blocks. The scenario gives it as unquantized pages; quantized pages get the
     same memory, so more of them (twice as many fp8 pages as bf16 ones)."""
     if scenario.kv_cache_dtype == "auto":
         return scenario.kv_blocks
-    cfg, tp = resolve_model_config(scenario.model)[0], TPShard(0, scenario.tensor_parallel_size)
-    memory = scenario.kv_blocks * kv_bytes_per_block(cfg, scenario.block_size, dtype, tp)
-    return memory // kv_bytes_per_block(cfg, scenario.block_size, dtype, tp, scenario.kv_cache_dtype)
+    tp = TPShard(0, scenario.tensor_parallel_size)
+    memory = scenario.kv_blocks * kv_bytes_per_block(model, scenario.block_size, dtype, tp)
+    return memory // kv_bytes_per_block(model, scenario.block_size, dtype, tp, scenario.kv_cache_dtype)
 
 
 def engine_config(
-    scenario: Scenario, backend: str, device, dtype: torch.dtype, speculative_config: dict | None = None
+    scenario: Scenario,
+    model: ModelConfig,
+    backend: str,
+    device,
+    dtype: torch.dtype,
+    speculative_config: dict | None = None,
 ) -> EngineConfig:
-    settings = engine_settings(scenario, dtype) | {"speculative_config": speculative_config}
+    settings = engine_settings(scenario, dtype, model) | {"speculative_config": speculative_config}
     return EngineConfig(backend=backend, device=device, dtype=dtype, **settings)
 
 
@@ -219,6 +226,7 @@ def warmup_requests(requests: list[Request], max_tokens: int = 16) -> list[Reque
 
 def run_backend(
     scenario: Scenario,
+    model: ResolvedModel,
     requests: list[Request],
     backend: str,
     device,
@@ -228,7 +236,7 @@ def run_backend(
     speculative_config: dict | None = None,
 ) -> tuple[int, list[Measurement]]:
     """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
-    engine = make_engine(engine_config(scenario, backend, device, dtype, speculative_config))
+    engine = make_engine(engine_config(scenario, model.config, backend, device, dtype, speculative_config), model=model)
     if speculative_config is not None:
         backend = f"{backend} [{speculation_label(speculative_config)}]"  # what the progress bars say
     try:
@@ -267,11 +275,12 @@ def compare(
     for peer in peers:
         peer_unavailable_reason(peer, scenario)  # an unknown name fails here, before any run
     dev, dt = resolve_device_dtype(device, dtype)
-    model, model_path = resolve_model_config(scenario.model)
-    requests = model_requests(scenario, model, model_path)
-    env, workload = environment(dev, dt), scenario_columns(scenario, scale, dt) | expert_columns(model)
+    model = resolve_model_config(scenario.model)  # once: every engine, peer and column below reuses it
+    requests = model_requests(scenario, *model)
+    workload = scenario_columns(scenario, scale, dt, model.config) | expert_columns(model.config)
+    env = environment(dev, dt)
     out = Comparison([] if rows is None else rows, [], [], {})
-    measured = _compare_backends(scenario, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
+    measured = _compare_backends(scenario, model, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
     for peer in peers:
         head = {**env, "backend": peer, "provider": peer_provider(peer), **workload, "speculative": "off"}
         reason = peer_unavailable_reason(peer, scenario)
@@ -279,19 +288,19 @@ def compare(
             out.unavailable[peer] = reason
             out.rows.append({**head, "status": "unavailable", "reason": reason})
             continue
-        measured[peer, "off"] = run_peer(scenario, requests, dev, dt, repeats, warmup)
+        measured[peer, "off"] = run_peer(scenario, model, requests, dev, dt, repeats, warmup)
         for repeat, m in enumerate(measured[peer, "off"]):
             out.rows.append({**head, "status": "ok", "reason": "", "repeat": repeat, **m.row})
         gc.collect()
     _add_cross_backend_columns(out.rows, measured, greedy=scenario.temperature == 0)
-    if model_path is None:  # a preset: the peer's random weights differ
+    if model.path is None:  # a preset: the peer's random weights differ
         for row in out.rows:
             if row["backend"] in peers and "identical_token_share" in row:
                 row["identical_token_share"] = np.nan
     return out
 
 
-def expert_columns(model) -> dict:
+def expert_columns(model: ModelConfig) -> dict:
     """The model's experts per MoE layer and how many each token uses (empty for a dense model)."""
     moe = model.moe
     if moe is None or not any(moe.layers):
@@ -299,9 +308,9 @@ def expert_columns(model) -> dict:
     return {"num_experts": moe.num_experts, "experts_per_token": moe.top_k}
 
 
-def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype) -> dict:
+def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype, model: ModelConfig) -> dict:
     """What every row of a scenario's run says about the workload."""
-    settings = engine_settings(scenario, dtype)
+    settings = engine_settings(scenario, dtype, model)
     del settings["speculative_config"]  # each row says its own (`speculative`)
     return {
         "scenario": scenario.name,
@@ -318,17 +327,24 @@ def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype) -> di
 
 
 def _compare_backends(
-    scenario: Scenario, backends: list[str], requests, device, dtype, repeats: int, warmup: bool, columns, out
+    scenario: Scenario,
+    model: ResolvedModel,
+    backends: list[str],
+    requests,
+    device,
+    dtype,
+    repeats: int,
+    warmup: bool,
+    columns,
+    out,
 ) -> dict[str, list[Measurement]]:
     """Each backend's runs, as rows of `out` (a Comparison) that start with `columns` (environment,
     workload); the unavailable ones with their reason."""
     env, workload = columns
-    model = resolve_model_config(scenario.model)[0]
-    num_heads, num_kv_heads = TPShard(0, scenario.tensor_parallel_size).local_heads(model)  # per rank
+    cfg = model.config
+    num_heads, num_kv_heads = TPShard(0, scenario.tensor_parallel_size).local_heads(cfg)  # per rank
     found = [  # an unknown name fails here, before any run
-        resolve(
-            name, device, dtype, model.head_dim, scenario.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads
-        )
+        resolve(name, device, dtype, cfg.head_dim, scenario.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
         for name in backends
     ]
     measured = {}
@@ -341,7 +357,7 @@ def _compare_backends(
         for spec in speculation_variants(scenario):
             label = speculation_label(spec)
             head = {**env, "backend": name, "provider": provider, **workload, "speculative": label}
-            max_model_len, runs = run_backend(scenario, requests, name, device, dtype, repeats, warmup, spec)
+            max_model_len, runs = run_backend(scenario, model, requests, name, device, dtype, repeats, warmup, spec)
             measured[name, label] = runs
             caveat = cls.timing_caveat(device) or ""  # an interpreted backend: its times are not a kernel's
             for repeat, m in enumerate(runs):
@@ -355,10 +371,12 @@ def _compare_backends(
     return measured
 
 
-def run_peer(scenario: Scenario, requests: list[Request], device, dtype, repeats: int, warmup: bool):
+def run_peer(
+    scenario: Scenario, model: ResolvedModel, requests: list[Request], device, dtype, repeats: int, warmup: bool
+):
     """`repeats` measurements of Hugging Face continuous batching on the requests (throughput
     only: it reports no per-token times)."""
-    peer = HFContinuousBatching(scenario, device, dtype)
+    peer = HFContinuousBatching(scenario, model, device, dtype)
     if warmup:
         peer.drive(warmup_requests(requests))
     runs = []

@@ -8,13 +8,14 @@ compared. A model directory loads the same weights, so greedy tokens are."""
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import torch
 import transformers
 from packaging.version import Version
 
 from pagedbench.bench.scenario import Request, Scenario
-from pagedbench.model.loader import resolve_model_config
+from pagedbench.model.loader import ResolvedModel
 from pagedbench.model.presets import PRESETS
 
 PEERS = ("hf",)
@@ -44,12 +45,12 @@ def peer_unavailable_reason(name: str, scenario: Scenario) -> str | None:
     return None
 
 
-def hf_model(model: str, device: torch.device, dtype: torch.dtype, seed: int):
-    """The scenario's model in transformers: a directory's weights, or a preset's shape with
-    transformers' own random initialisation."""
+def hf_model(model: str, path: Path | None, device: torch.device, dtype: torch.dtype, seed: int):
+    """The scenario's model in transformers: its directory's weights (`path`, as the command
+    resolved `model`), or with `path` None a preset's shape with transformers' own random
+    initialisation."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _, path = resolve_model_config(model)
     if path is not None:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=HF_ATTENTION)
     else:
@@ -78,12 +79,12 @@ class HFContinuousBatching:
     """One transformers model, driven like pagedbench drives its engine: each request added
     when its arrival time comes, with its own output length."""
 
-    def __init__(self, scenario: Scenario, device: torch.device, dtype: torch.dtype):
+    def __init__(self, scenario: Scenario, model: ResolvedModel, device: torch.device, dtype: torch.dtype):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        self.model = hf_model(scenario.model, device, dtype, scenario.seed)
-        eos = resolve_model_config(scenario.model)[0].eos_token_ids
+        self.model = hf_model(scenario.model, model.path, device, dtype, scenario.seed)
+        eos = model.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else -1
         sampling = dict(do_sample=True, temperature=scenario.temperature, top_p=scenario.top_p)
         self.generation = GenerationConfig(

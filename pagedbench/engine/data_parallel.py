@@ -31,24 +31,27 @@ from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
 from pagedbench.engine.stats import EngineStats, RunCounters
 from pagedbench.engine.structured_outputs import StructuredOutputManager
-from pagedbench.model.loader import resolve_model_config
+from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
 from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError, stop_children
 
 
-def make_engine(config: EngineConfig, logits_processors: list | None = None):
-    """An LLMEngine, or with data_parallel_size > 1 a DataParallelEngine over that many."""
+def make_engine(config: EngineConfig, logits_processors: list | None = None, model: ResolvedModel | None = None):
+    """An LLMEngine, or with data_parallel_size > 1 a DataParallelEngine over that many; `model`
+    is config.model already resolved by the command, if it was."""
     if config.data_parallel_size > 1:
-        return DataParallelEngine(config, logits_processors)
-    return LLMEngine(config, logits_processors)
+        return DataParallelEngine(config, logits_processors, model)
+    return LLMEngine(config, logits_processors, model)
 
 
-def _replica_main(index: int, config: EngineConfig, logits_processors, threads: int, conn) -> None:
+def _replica_main(
+    index: int, config: EngineConfig, logits_processors, model: ResolvedModel, threads: int, conn
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
     try:
         if threads:
             torch.set_num_threads(threads)
-        engine = LLMEngine(config, logits_processors)
+        engine = LLMEngine(config, logits_processors, model)
         info = {"max_model_len": engine.max_model_len, "num_blocks": engine.num_blocks}
         conn.send(("ready", info | {"cuda_graphs": engine.cuda_graphs, "world_size": engine.world_size}))
         while True:
@@ -108,14 +111,15 @@ class DataParallelEngine:
     """The front over `data_parallel_size` replica processes; what LLM, AsyncLLM and the benchmark
     commands use of an LLMEngine."""
 
-    def __init__(self, config: EngineConfig, logits_processors: list | None = None):
+    def __init__(self, config: EngineConfig, logits_processors: list | None = None, model: ResolvedModel | None = None):
         config.validate()
         if config.distributed_executor_backend == "external_launcher":
             raise ValueError("data_parallel_size > 1 runs with distributed_executor_backend='mp'")
         if config.seed is None:
             config = dataclasses.replace(config, seed=secrets.randbelow(2**31))  # one seed, every replica
         self.config, self.size = config, config.data_parallel_size
-        self.model_config, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
+        model = model or resolve_model_config(config.model, need_weights=config.load_format != "dummy")
+        self.model_config, path = model
         cfg = self.model_config
         self.tokenizer = tokenizer_for(config.tokenizer, path, cfg.vocab_size, cfg.eos_token_ids)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
@@ -133,7 +137,7 @@ class DataParallelEngine:
                 try:
                     proc = ctx.Process(  # not a daemon: a replica may start its own parallel workers
                         target=_replica_main,
-                        args=(index, replica, logits_processors, threads, child),
+                        args=(index, replica, logits_processors, model, threads, child),
                         name=f"pagedbench-dp{index}",
                     )
                     proc.start()

@@ -22,7 +22,7 @@ from pagedbench.engine.kv_budget import cuda_kv_budget, num_kv_blocks
 from pagedbench.engine.sequence import Sequence
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.llama import CausalLM
-from pagedbench.model.loader import build_model, resolve_model_config, weights_path
+from pagedbench.model.loader import ResolvedModel, build_model, resolve_model_config, weights_path
 from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, layer_partition, placement
 from pagedbench.worker.cuda_graphs import DecodeGraphs, decode_buckets
 from pagedbench.worker.layer_attention import LayerAttention, build_layer_attention
@@ -65,7 +65,7 @@ class Executor:
         self.draft_config, self.draft_path = self._draft_config()
         # Workers build their shards while this process builds rank 0's (none under an external launcher).
         spawn = self.world > 1 and not self.tp.logits_everywhere
-        self.workers = Workers(config, rope_len, self.world) if spawn else None
+        self.workers = Workers(config, ResolvedModel(model_config, model_path), rope_len, self.world) if spawn else None
         try:
             weights = weights_path(model_path, config)
             self.model = build_model(

@@ -29,7 +29,7 @@ from pagedbench.engine.speculator import Speculator
 from pagedbench.engine.stats import EngineStats, RunCounters, wasted_slots
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.engine.token_picker import TokenPicker
-from pagedbench.model.loader import resolve_model_config
+from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
 from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams
 
@@ -46,15 +46,18 @@ class LaunchedStep:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, logits_processors: list | None = None):
+    def __init__(self, config: EngineConfig, logits_processors: list | None = None, model: ResolvedModel | None = None):
         """`logits_processors`: engine-wide BatchLogitsProcessors (instances, or subclasses built
-        with no arguments) that see every sampling row each step, after each request's own."""
+        with no arguments) that see every sampling row each step, after each request's own.
+        `model`: config.model as the command already resolved it (else resolved here)."""
         config.validate()
         logits_processors = engine_logits_processors(logits_processors)
         if config.seed is None:  # one fresh seed, shared with the tensor-parallel workers
             config = dataclasses.replace(config, seed=secrets.randbelow(2**31))
         self.config = config
-        self.model_config, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
+        self.model_config, path = model or resolve_model_config(
+            config.model, need_weights=config.load_format != "dummy"
+        )
         cfg = self.model_config
         self.tokenizer = tokenizer_for(config.tokenizer, path, cfg.vocab_size, cfg.eos_token_ids)
         self.executor = Executor(config, cfg, path)

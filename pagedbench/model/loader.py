@@ -3,6 +3,7 @@
 import logging
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,12 +19,19 @@ from pagedbench.model.trained_pair import trained_models
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_config(model: str, need_weights: bool = True) -> tuple[ModelConfig, Path | None]:
+class ResolvedModel(NamedTuple):
+    """A model name resolved once per command and passed down (engines, peers, report columns)."""
+
+    config: ModelConfig
+    path: Path | None  # the Hugging Face directory; None for a preset (random weights)
+
+
+def resolve_model_config(model: str, need_weights: bool = True) -> ResolvedModel:
     """(config, model directory or None for a preset). The trained pair (py-byte-target,
     py-byte-draft) and the real GGUF models (smollm2-135m-instruct) are found by name; a .gguf
     file is converted once into a cached directory (gguf.py)."""
     if model in PRESETS:
-        return ModelConfig.from_dict(PRESETS[model]), None
+        return ResolvedModel(ModelConfig.from_dict(PRESETS[model]), None)
     path = gguf_model_dir(model) if is_gguf(model) else trained_models().get(model, Path(model))
     if not path.exists():
         known = ", ".join([*PRESETS, *trained_models(), *REAL_MODELS])
@@ -32,7 +40,7 @@ def resolve_model_config(model: str, need_weights: bool = True) -> tuple[ModelCo
         raise ValueError(f"model directory {model!r} has no config.json")
     if need_weights and not list(path.glob("*.safetensors")):
         raise ValueError(f"model directory {model!r} has no *.safetensors weights")
-    return ModelConfig.from_dir(path), path
+    return ResolvedModel(ModelConfig.from_dir(path), path)
 
 
 def weights_path(path: Path | None, config) -> Path | None:

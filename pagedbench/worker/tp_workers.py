@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
+from pagedbench.model.loader import ResolvedModel
 from pagedbench.model.parallel import form_stage_groups, leave_stage_groups, placement
 from pagedbench.worker.layer_attention import build_layer_attention
 from pagedbench.worker.model_runner import ModelRunner
@@ -47,6 +48,7 @@ class WorkerSpec:
     """What a worker needs to build its shard (all picklable)."""
 
     config: EngineConfig
+    model: ResolvedModel  # config.model as rank 0 resolved it
     rope_len: int
     size: int  # the world: tensor_parallel_size x pipeline_parallel_size
     port: int
@@ -76,11 +78,11 @@ def _free_port() -> int:
 def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     from pagedbench.device.dtypes import resolve_device_dtype
-    from pagedbench.model.loader import build_model, resolve_model_config, weights_path
+    from pagedbench.model.loader import build_model, weights_path
 
     try:
         config = spec.config
-        cfg, path = resolve_model_config(config.model, need_weights=config.load_format != "dummy")
+        cfg, path = spec.model
         tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         tp, stage = placement(rank, tp_size, pp_size, cfg.num_layers, config.pipeline_layer_partition)
         device, dtype = resolve_device_dtype(config.device, config.dtype)
@@ -129,14 +131,14 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 class Workers:
     """Ranks 1..size-1. Started before rank 0 builds its shard, so the ranks build in parallel."""
 
-    def __init__(self, config: EngineConfig, rope_len: int, size: int):
+    def __init__(self, config: EngineConfig, model: ResolvedModel, rope_len: int, size: int):
         if dist.is_initialized():
             raise ValueError(
                 "tensor_parallel_size or pipeline_parallel_size > 1 needs this process free of another "
                 "torch.distributed group"
             )
         self.port = _free_port()
-        spec = WorkerSpec(config, rope_len, size, self.port)
+        spec = WorkerSpec(config, model, rope_len, size, self.port)
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(1, size):
