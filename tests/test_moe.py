@@ -12,7 +12,7 @@ import torch
 
 from pagedbench import LLM, SamplingParams
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.moe import route
+from pagedbench.model.moe import experts_kernel, route
 from tests.conftest import VOCAB, build_hf_model, hf_greedy
 from tests.test_mla import LATENT
 
@@ -196,9 +196,10 @@ def test_reports_record_experts_and_the_moe_share(moe_models, tmp_path):
     assert main([*args, "--out", str(tmp_path)]) == 0
     row = pd.read_csv(tmp_path / "run-mixed.csv").iloc[0]
     assert (row["num_experts"], row["experts_per_token"]) == (6, 2)
+    assert row["moe_kernel"] == experts_kernel("cpu", torch.float32)  # the grouped matmul, where torch has one
     assert 0 < row["moe_share"] < 1 and 0 < row["attention_share"] < 1 and row["time_moe_s"] > 0
     markdown = (tmp_path / "run-mixed.md").read_text()
-    assert "MoE % of forward" in markdown and "6 top 2" in markdown
+    assert "MoE % of forward" in markdown and f"6 top 2 ({row['moe_kernel']})" in markdown
 
 
 @pytest.mark.parametrize("backend", ["sdpa", pytest.param("triton", marks=pytest.mark.slow)])

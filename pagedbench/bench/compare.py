@@ -24,6 +24,7 @@ from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
+from pagedbench.model.moe import experts_kernel
 from pagedbench.model.parallel import TPShard
 from pagedbench.worker.model_runner import kv_bytes_per_block
 
@@ -277,7 +278,7 @@ def compare(
     dev, dt = resolve_device_dtype(device, dtype)
     model = resolve_model_config(scenario.model)  # once: every engine, peer and column below reuses it
     requests = model_requests(scenario, *model)
-    workload = scenario_columns(scenario, scale, dt, model.config) | expert_columns(model.config)
+    workload = scenario_columns(scenario, scale, dt, model.config) | expert_columns(model.config, dev, dt)
     env = environment(dev, dt)
     out = Comparison([] if rows is None else rows, [], [], {})
     measured = _compare_backends(scenario, model, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
@@ -300,12 +301,17 @@ def compare(
     return out
 
 
-def expert_columns(model: ModelConfig) -> dict:
-    """The model's experts per MoE layer and how many each token uses (empty for a dense model)."""
+def expert_columns(model: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
+    """The model's experts per MoE layer, how many each token uses and what their matmuls run as
+    (empty for a dense model)."""
     moe = model.moe
     if moe is None or not any(moe.layers):
-        return {"num_experts": np.nan, "experts_per_token": np.nan}
-    return {"num_experts": moe.num_experts, "experts_per_token": moe.top_k}
+        return {"num_experts": np.nan, "experts_per_token": np.nan, "moe_kernel": ""}
+    return {
+        "num_experts": moe.num_experts,
+        "experts_per_token": moe.top_k,
+        "moe_kernel": experts_kernel(device.type, dtype),
+    }
 
 
 def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype, model: ModelConfig) -> dict:

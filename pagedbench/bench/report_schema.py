@@ -75,6 +75,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "attention_share",
     "num_experts",
     "experts_per_token",
+    "moe_kernel",
     "time_moe_s",
     "moe_share",
     "engine_overhead_share",

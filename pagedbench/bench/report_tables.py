@@ -21,6 +21,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
         "enforce_eager",
         "speculative",
         "structured",
+        "moe_kernel",
     )  # older CSVs lack some
     keys += [col for col in optional if col in ok]
     numeric = ok.select_dtypes("number").columns.difference(keys)
@@ -169,6 +170,8 @@ def _moe(df: pd.DataFrame) -> dict[str, pd.Series]:
         + " top "
         + _column(df, "experts_per_token").astype("Int64").astype(str)
     )
+    if "moe_kernel" in df:  # what the experts' matmuls ran as (CSVs before it have none)
+        experts = experts + df["moe_kernel"].fillna("").map(lambda kernel: f" ({kernel})" if kernel else "")
     return {"experts": experts, "MoE % of forward": (100 * share).round(1)}
 
 

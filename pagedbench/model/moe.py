@@ -54,6 +54,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return torch.cat([x[a:b] @ w for a, b, w in zip([0, *ends[:-1]], ends, weight)])
 
 
+def experts_kernel(device_type: str, dtype: torch.dtype) -> str:
+    """What the experts' matmuls run as on this device type and dtype (the report's moe_kernel)."""
+    return "torch._grouped_mm" if grouped_mm_runs(device_type, dtype) else "one matmul per expert"
+
+
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm exists and runs for this device type and dtype (tried once)."""
