@@ -3,7 +3,10 @@ through its block table. Providers, tried in this order (the first one that impo
 these settings wins; `PAGEDBENCH_FLASH_PROVIDER=fa3|fa4|fa2|torch` forces one):
 
 - `fa3`: `flash_attn_interface` (FlashAttention-3, hopper/ build):
-  `flash_attn_with_kvcache(page_table=, cu_seqlens_q=)` for every step; any page size.
+  `flash_attn_with_kvcache(page_table=, cu_seqlens_q=)` for every step; any page size. The only
+  provider with latent attention (MLA, absorbed, as vLLM's FLASH_ATTN_MLA): `qv=` takes the
+  queries' latent dims, so scores are q_rope.k_rope + q_latent.latent over the one cached plane
+  (k_cache its rope dims, v_cache its latent dims); Hopper, 16-bit, rope <= 64 and latent 256..512.
 - `fa4`: `flash_attn.cute` (FlashAttention-4, `flash-attn-4`, CuTe DSL, JIT-compiled):
   `flash_attn_varlen_func(page_table=, seqused_k=, cu_seqlens_q=)` for every step; any page
   size; paged KV on SM 9.x (Hopper) and 10.x/11.x (Blackwell) only; split-KV only on Blackwell.
@@ -216,6 +219,26 @@ def variant_kwargs(found: Provider, sliding_window=None, softcap=None) -> dict:
     return kwargs
 
 
+FA3_QV_ROPE_MAX, FA3_QV_LATENT = 64, (256, 512)  # hopper/flash_api.cpp's checks on q_v
+
+
+def latent_reason(
+    found: Provider, capability: tuple[int, int], head_dim: int, value_dim: int, sliding_window, softcap, sinks
+) -> str | None:
+    """Why this provider cannot run absorbed latent attention over `head_dim` = latent
+    `value_dim` + rope dims, or None (FA3's qv path only)."""
+    if found.kind != "fa3" or not _accepts_named(_entry(found), "qv"):
+        return f"latent attention: {found.label} takes no qv (FA3's MLA path, Hopper)"
+    if capability[0] != 9:
+        return f"latent attention on compute capability {capability[0]}.{capability[1]}: FA3's qv runs on Hopper only"
+    rope, (low, high) = head_dim - value_dim, FA3_QV_LATENT
+    if not (0 < rope <= FA3_QV_ROPE_MAX and low <= value_dim <= high and value_dim % 8 == 0 and rope % 8 == 0):
+        return f"latent attention {value_dim} + {rope}: FA3's qv takes rope dims <= 64 and latent dims {low}..{high}"
+    if sliding_window is not None or softcap is not None or sinks:
+        return "latent attention with a window, soft-cap or sinks: not wired for FA3's qv path"
+    return None
+
+
 def select_provider(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
@@ -226,6 +249,7 @@ def select_provider(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: bool = False,
+    value_dim: int | None = None,
     **_,
 ) -> tuple[Provider | None, str | None]:
     """(the first candidate provider that imports and runs these settings, None), or (None, why
@@ -248,8 +272,12 @@ def select_provider(
         elif device is None:
             return found, None
         else:
-            reason = provider_reason(kind, torch.cuda.get_device_capability(device), block_size, head_dim)
-            reason = reason or variant_reason(found, sliding_window, softcap, sinks)
+            capability = torch.cuda.get_device_capability(device)
+            if value_dim is not None and value_dim != head_dim:
+                reason = latent_reason(found, capability, head_dim, value_dim, sliding_window, softcap, sinks)
+            else:
+                reason = provider_reason(kind, capability, block_size, head_dim)
+                reason = reason or variant_reason(found, sliding_window, softcap, sinks)
             if reason is None:
                 return found, None
             why_not.append(f"{kind}: {found.label}: {reason}")
@@ -349,6 +377,7 @@ class FlashAttnBackend(AttentionBackend):
         "not wired in yet"
     )
     cuda_graph_reason = None  # prepare() refills StepBuffers in place
+    latent_values = True  # FA3's qv path; select_provider gives the other providers' reasons
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
@@ -358,7 +387,10 @@ class FlashAttnBackend(AttentionBackend):
     def provider(cls, **settings) -> str:
         found = select_provider(**settings)[0] if settings else None
         found = found or select_provider()[0]  # none runs these settings: name the first that imports
-        return found.label if found else "none"
+        if found is None:
+            return "none"
+        latent = settings.get("value_dim") not in (None, settings.get("head_dim"))
+        return f"{found.label}, latent absorbed through qv" if latent and found.kind == "fa3" else found.label
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -373,6 +405,10 @@ class FlashAttnBackend(AttentionBackend):
         )
         if found is None and self.device.type != "cuda":  # CPU: fakes in tests; the kernels need CUDA
             found = select_provider()[0]
+            latent = self.variant.value_dim not in (None, self.head_dim)
+            if found is not None and latent:
+                reason = latent_reason(found, (9, 0), self.head_dim, **self.variant.settings())
+                found = None if reason else found
         if found is None:
             raise ValueError(f"flash-attn cannot run here: {reason}")
         self.impl = found
@@ -404,6 +440,10 @@ class FlashAttnBackend(AttentionBackend):
         return self._attend(q, k_cache, v_cache, state, **self._variant, **{self._sink_param: sinks})
 
     def _attend_fa3(self, q, k_cache, v_cache, s: FlashAttnState, **variant) -> torch.Tensor:
+        latent = self.variant.value_dim
+        if latent is not None and latent != self.head_dim:  # one plane [.., latent | rope]: two views of it
+            variant["qv"], q = q[..., :latent], q[..., latent:]
+            k_cache, v_cache = k_cache[..., latent:], k_cache[..., :latent]
         return self.impl.api.flash_attn_with_kvcache(
             q,
             k_cache,

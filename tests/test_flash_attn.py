@@ -40,11 +40,11 @@ def paged_attention(
     attend to its first seq_lens[i] keys, found through block_table [B, max_blocks], with the
     causal mask aligned to the bottom right (FlashAttention's convention), a query at p seeing
     keys from p - window_size[0] (-1: all), scores soft-capped, a sink logit per head [H] in the
-    denominator. Returns [T, H, D]."""
+    denominator. Returns [T, H, Dv]."""
     assert causal is True and isinstance(scale, float)
     left = -1 if window_size[0] is None else window_size[0]
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])  # [T, H, Dv]
     bounds = cu_seqlens_q.tolist()
     for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
         pos = torch.arange(int(seq_lens[i]))
@@ -189,6 +189,12 @@ def fake_fa3(calls):
         assert q.dim() == 3 and k is None and v is None  # [T, H, D] with cu_seqlens_q
         check_index_tensors(cu_seqlens_q, cache_seqlens, page_table)
         check_max_lengths(cu_seqlens_q, cache_seqlens, max_seqlen_q, int(cache_seqlens.max()))
+        for t in (q, k_cache, v_cache, qv):
+            assert t is None or t.stride(-1) == 1  # hopper/flash_api.cpp: contiguous last dims
+        if qv is not None:  # scores q.k + qv.v (hopper/flash_api.cpp's checks on q_v)
+            assert q.shape[-1] <= 64 and 256 <= v_cache.shape[-1] <= 512 and k_cache.shape[-1] == q.shape[-1]
+            assert qv.shape == (*q.shape[:-1], v_cache.shape[-1]) and qv.dtype == q.dtype
+            q, k_cache = torch.cat([qv, q], dim=-1), torch.cat([v_cache, k_cache], dim=-1)
         return paged_attention(
             q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, softmax_scale, causal, window_size, softcap
         )
@@ -717,6 +723,60 @@ def test_variants_reach_the_kernel_or_say_why_not(monkeypatch, kind, feature):
         backend = get_backend(name)(num_heads, num_kv_heads, 64, SCALE, 16, torch.device("cpu"), torch.float32, variant)
         outputs.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata), sinks))
     torch.testing.assert_close(*outputs, atol=1e-4, rtol=1e-4)
+
+
+LATENT = AttentionVariant(value_dim=256)  # FA3's qv takes latent dims 256..512 beside <= 64 rope dims
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill", "mixed"])
+def test_fa3_runs_latent_attention_through_qv(monkeypatch, phase):
+    """Absorbed MLA as vLLM's FLASH_ATTN_MLA calls FA3: q's rope dims against the pages' rope
+    dims, qv (q's latent dims) against the latent, which is also the values; equal to reference."""
+    calls = []
+    install_only(monkeypatch, "fa3", calls)
+    spec = ragged_batch_spec(phase, 16, random.Random(f"latent-{phase}"))
+    head_dim, heads = 256 + 64, (8, 1)
+    batch = random_attention_batch(spec, *heads, head_dim, 16, seed=5, value_dim=LATENT.value_dim)
+    outputs = []
+    for name in ("flash-attn", "reference"):
+        backend = get_backend(name)(*heads, head_dim, SCALE, 16, torch.device("cpu"), torch.float32, LATENT)
+        outputs.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata)))
+    assert calls == ["flash_attn_with_kvcache"] and outputs[0].shape == (len(batch.q), 8, 256)
+    torch.testing.assert_close(*outputs, atol=1e-4, rtol=1e-4)
+
+
+def test_latent_attention_is_fa3_on_hopper_only(monkeypatch):
+    fake_cuda(monkeypatch)
+    install(monkeypatch, fa3=fake_fa3([]), fa4=fake_fa4([]), fa2=fake_fa2([]), varlen=fake_varlen_attn([]))
+    settings = dict(num_heads=16, num_kv_heads=1, value_dim=512)
+    assert reason(head_dim=576, block_size=64, **settings) is None
+    assert FlashAttnBackend.provider(
+        device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=576, block_size=64, **settings
+    ).endswith(", latent absorbed through qv")
+    assert "latent attention 128 + 64: FA3's qv takes" in reason(head_dim=192, **settings | {"value_dim": 128})
+    assert "not wired for FA3's qv path" in reason(head_dim=576, sliding_window=8, **settings)
+    install(monkeypatch, fa4=fake_fa4([]), fa2=fake_fa2([]), varlen=fake_varlen_attn([]))  # no FA3
+    why = reason(head_dim=576, block_size=256, **settings)
+    for label in ("flash_attn.cute (FA4)", "flash_attn ", "varlen_attn"):
+        assert label in why and "takes no qv (FA3's MLA path, Hopper)" in why
+
+    def paged_without_qv(q, k_cache, v_cache, cache_seqlens=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=0):
+        return None
+
+    old_fa3 = types.ModuleType("flash_attn_interface")  # an FA3 from before qv
+    old_fa3.flash_attn_with_kvcache = paged_without_qv
+    install(monkeypatch, fa3=old_fa3)
+    assert "takes no qv" in reason(head_dim=576, **settings)
+    install_only(monkeypatch, "fa3")
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+        assert "FA3's qv runs on Hopper only" in reason(head_dim=576, **settings)
+
+
+def test_a_provider_without_qv_refuses_latent_attention_on_cpu_too(monkeypatch):
+    install_only(monkeypatch, "fa4")
+    with pytest.raises(ValueError, match="takes no qv"):
+        FlashAttnBackend(8, 1, 320, SCALE, 16, torch.device("cpu"), torch.float32, LATENT)
 
 
 def test_state_is_built_once_and_reused_by_every_layer(monkeypatch):
