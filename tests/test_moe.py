@@ -70,6 +70,36 @@ MOE_MODELS = {
             norm_topk_prob=True,
         ),
     ),
+    # DeepSeek-V2: a softmax router, groups ranked by their best expert, never renormalized (even
+    # with norm_topk_prob), rotary over (even, odd) pairs as complex numbers, YaRN with its mscale.
+    "deepseek-v2-moe": (
+        "DeepseekV2Config",
+        LATENT
+        | dict(
+            q_lora_rank=24,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            norm_topk_prob=True,
+        ),
+    ),
 }
 PROMPT_LENS = [1, 7, 16, 17, 33, 58]
 MAX_NEW = 10
@@ -129,7 +159,7 @@ def test_greedy_matches_hf_under_pressure(moe_models, prompts, model_name, backe
     assert llm.engine.stats.preemptions > 0
 
 
-@pytest.mark.parametrize("model_name", ["mixtral", "gpt-oss", "deepseek-v3-moe"])
+@pytest.mark.parametrize("model_name", ["mixtral", "gpt-oss", "deepseek-v3-moe", "deepseek-v2-moe"])
 def test_tensor_parallel_shards_every_expert(moe_models, prompts, model_name):
     path, hf = moe_models[model_name]
     llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", tensor_parallel_size=2, num_blocks=64)
@@ -167,6 +197,14 @@ def test_layers_and_routers_as_each_family_says(moe_models):
     assert sorted(experts[0].tolist()) == [2, 7]  # groups 1 (2, 3) and 3 (6, 7 biased) win; 5 is in a losing group
     scores = logits.sigmoid()[0]
     expected = scores[[2, 7]] / scores[[2, 7]].sum() * 2.5
+    assert sorted(weights[0].tolist()) == pytest.approx(sorted(expected.tolist()))
+    # DeepSeek-V2: groups ranked by their best softmax score (groups 0: 4.0 and 2: 5.0 win over group
+    # 1's 3 + 3), top-2 within them, times the scaling factor, not renormalized.
+    v2 = ModelConfig.from_dir(Path(moe_models["deepseek-v2-moe"][0])).moe
+    assert (v2.layers, v2.num_shared_experts, v2.norm_topk_prob) == ((False, True, True), 2, False)
+    weights, experts = route(v2, logits, None)
+    assert sorted(experts[0].tolist()) == [0, 5]
+    expected = logits.softmax(dim=-1)[0, [0, 5]] * 1.5
     assert sorted(weights[0].tolist()) == pytest.approx(sorted(expected.tolist()))
 
 

@@ -19,19 +19,20 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": (False, True, False),
     "Gemma2ForCausalLM": (False, False, True),
     "Gemma3ForCausalLM": (False, True, True),
-    "DeepseekV3ForCausalLM": (False, False, False),  # latent attention (LatentAttention)
+    "DeepseekV2ForCausalLM": (False, False, False),  # latent attention (LatentAttention)
+    "DeepseekV3ForCausalLM": (False, False, False),
     "MixtralForCausalLM": (False, False, False),  # MoE layers (MoEConfig)
     "Qwen3MoeForCausalLM": (False, True, False),
     "GptOssForCausalLM": (True, False, False),  # sinks, alternating windows, MoE with a clamped SwiGLU
 }
-LATENT_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+LATENT_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING = "sliding_attention"
 
 
 @dataclass(frozen=True, slots=True)
 class LatentAttention:
-    """Multi-head latent attention (DeepSeek-V3): each token caches, per layer, one latent shared by
+    """Multi-head latent attention (DeepSeek-V2 and V3): each token caches, per layer, one latent shared by
     every head, the normalized kv_lora_rank compression and the rotated qk_rope_head_dim key part
     (kv_lora_rank + qk_rope_head_dim numbers, one "KV head"). Keys and values are up-projected from
     it per head (kv_b_proj), or, absorbed, the key up-projection is folded into the query and the
@@ -58,14 +59,17 @@ class MoEConfig:
     """Mixture-of-experts layers: which layers have them, the router and the experts. Mixtral and
     Qwen3-MoE score with a softmax over the experts (renormalizing the top k where norm_topk_prob);
     DeepSeek-V3 with a sigmoid plus a correction bias, top-k within the best topk_group of n_group
-    groups, times routed_scaling_factor, and shared experts beside the routed ones; gpt-oss takes
-    the top k of its router's biased logits and a softmax over those ("topk_softmax")."""
+    groups, times routed_scaling_factor, and shared experts beside the routed ones; DeepSeek-V2
+    with a softmax, top-k within the topk_group groups of the best single scores (its
+    "group_limited_greedy"; one group for "greedy"), times routed_scaling_factor, never
+    renormalized ("grouped_softmax"), and shared experts; gpt-oss takes the top k of its router's
+    biased logits and a softmax over those ("topk_softmax")."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
     layers: tuple[bool, ...]  # per layer: an MoE layer (else the dense MLP of the model's intermediate_size)
-    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3), "grouped_softmax" (DeepSeek-V2), "topk_softmax"
     norm_topk_prob: bool = True
     num_shared_experts: int = 0
     routed_scaling_factor: float = 1.0
@@ -260,7 +264,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _latent_attention(arch: str, cfg: dict, get) -> LatentAttention | None:
-    """The latent-attention dims of a DeepSeek-V3 config."""
+    """The latent-attention dims of a DeepSeek-V2 or V3 config."""
     if arch not in LATENT_ARCHITECTURES:
         return None
     if get("attention_bias"):
@@ -271,12 +275,13 @@ def _latent_attention(arch: str, cfg: dict, get) -> LatentAttention | None:
         qk_nope_head_dim=get("qk_nope_head_dim"),
         qk_rope_head_dim=get("qk_rope_head_dim"),
         v_head_dim=get("v_head_dim"),
-        rope_interleave=bool(get("rope_interleave")),
+        # DeepSeek-V2 rotates (even, odd) pairs as complex numbers: V3's rope_interleave.
+        rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(get("rope_interleave")),
     )
 
 
 def _experts(arch: str, cfg: dict, get) -> MoEConfig | None:
-    """The MoE layers of a Mixtral, Qwen3-MoE or DeepSeek-V3 config (None: every layer dense)."""
+    """The MoE layers of a Mixtral, Qwen3-MoE, gpt-oss or DeepSeek config (None: every layer dense)."""
     n = cfg["num_hidden_layers"]
     if arch == "MixtralForCausalLM":
         return MoEConfig(
@@ -309,19 +314,20 @@ def _experts(arch: str, cfg: dict, get) -> MoEConfig | None:
             layers=tuple(i not in dense and get("num_experts") > 0 and (i + 1) % step == 0 for i in range(n)),
             norm_topk_prob=bool(get("norm_topk_prob")),
         )
-    if arch == "DeepseekV3ForCausalLM" and get("n_routed_experts"):
-        dense = get("first_k_dense_replace") or 0
+    if arch in LATENT_ARCHITECTURES and get("n_routed_experts"):
+        dense, v2 = get("first_k_dense_replace") or 0, arch == "DeepseekV2ForCausalLM"
+        grouped = not v2 or get("topk_method") == "group_limited_greedy"  # V2's "greedy": one group
         return MoEConfig(
             num_experts=get("n_routed_experts"),
             top_k=get("num_experts_per_tok"),
             intermediate_size=get("moe_intermediate_size"),
             layers=tuple(i >= dense for i in range(n)),
-            scoring="sigmoid",
-            norm_topk_prob=bool(get("norm_topk_prob")),
+            scoring="grouped_softmax" if v2 else "sigmoid",
+            norm_topk_prob=not v2 and bool(get("norm_topk_prob")),  # transformers' V2 router never renormalizes
             num_shared_experts=get("n_shared_experts") or 0,
             routed_scaling_factor=float(get("routed_scaling_factor") or 1.0),
-            n_group=get("n_group") or 1,
-            topk_group=get("topk_group") or 1,
+            n_group=(get("n_group") or 1) if grouped else 1,
+            topk_group=(get("topk_group") or 1) if grouped else 1,
         )
     return None
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Mixtral, Qwen3-MoE, DeepSeek-V3), computed as transformers computes
+"""Mixture-of-experts layers (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V2 and V3), computed as transformers computes
 each family, with the experts batched.
 
 A router picks top-k experts per token (each family's scoring and normalization). The (token,
@@ -22,18 +22,32 @@ from pagedbench.model.layers import MLP
 from pagedbench.model.parallel import TPShard, all_reduce, shard_param
 
 
+def _by_group(moe: MoEConfig, scores: torch.Tensor) -> torch.Tensor:
+    """[T, E] -> [T, n_group, E / n_group]."""
+    return scores.view(-1, moe.n_group, moe.num_experts // moe.n_group)
+
+
+def kept_groups(moe: MoEConfig, group_scores: torch.Tensor) -> torch.Tensor:
+    """[T, n_group] group scores -> [T, E] bool: the experts of each token's topk_group best groups."""
+    kept = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1], 1)
+    return kept.bool().repeat_interleave(moe.num_experts // moe.n_group, dim=1)
+
+
 def route(moe: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] fp32, experts [T, k] int64), as each family does it."""
     if moe.scoring == "sigmoid":  # DeepSeek-V3: groups by their best two, then top-k within the kept groups
         scores = logits.float().sigmoid()
         choice = scores + bias
-        groups = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group).topk(2, dim=-1)[0].sum(dim=-1)
-        kept = torch.zeros_like(groups).scatter_(1, groups.topk(moe.topk_group, dim=-1, sorted=False)[1], 1)
-        kept = kept.unsqueeze(-1).expand(-1, -1, moe.num_experts // moe.n_group).reshape(-1, moe.num_experts)
-        experts = choice.masked_fill(~kept.bool(), float("-inf")).topk(moe.top_k, dim=-1, sorted=False)[1]
+        kept = kept_groups(moe, _by_group(moe, choice).topk(2, dim=-1)[0].sum(dim=-1))
+        experts = choice.masked_fill(~kept, float("-inf")).topk(moe.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, experts)
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, experts
+    if moe.scoring == "grouped_softmax":  # DeepSeek-V2: groups by their best expert, masked to 0, no renormalizing
+        scores = logits.float().softmax(dim=-1)
+        kept = kept_groups(moe, _by_group(moe, scores).amax(dim=-1))
+        weights, experts = scores.masked_fill(~kept, 0.0).topk(moe.top_k, dim=-1, sorted=False)
         return weights * moe.routed_scaling_factor, experts
     if moe.scoring == "topk_softmax":  # gpt-oss: the top k logits, then a softmax over them
         top, experts = logits.topk(moe.top_k, dim=-1)
@@ -111,7 +125,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         router = getattr(self, moe.router_name)
-        if moe.scoring == "sigmoid":  # DeepSeek routes in fp32
+        if moe.scoring in ("sigmoid", "grouped_softmax"):  # DeepSeek routes in fp32
             logits = F.linear(x.float(), router.weight.float())
         else:
             logits = router(x)
