@@ -90,6 +90,8 @@ GGUF_NAMES = [
     (r"^model\.layers\.(\d+)\.mlp\.gate_proj\.", r"blk.\1.ffn_gate."),
     (r"^model\.layers\.(\d+)\.mlp\.up_proj\.", r"blk.\1.ffn_up."),
     (r"^model\.layers\.(\d+)\.mlp\.down_proj\.", r"blk.\1.ffn_down."),
+    (r"^model\.layers\.(\d+)\.mlp\.gate\.", r"blk.\1.ffn_gate_inp."),  # an MoE router
+    (r"^model\.layers\.(\d+)\.mlp\.experts\.down_proj$", r"blk.\1.ffn_down_exps.weight"),  # [E, out, I]
 ]
 # GGUF architecture -> (config class, its settings). transformers' GGUF reader takes Qwen3's
 # head_dim from the config class's default (128; it maps no attention.key_length for qwen3), so the
@@ -97,6 +99,12 @@ GGUF_NAMES = [
 TINY_GGUF = {
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0)),
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=128, tie_word_embeddings=True, rope_theta=1e6)),
+    # Qwen3-MoE: its GGUF stacks each layer's experts (ffn_{gate,up,down}_exps), which transformers
+    # reads into its own stacked layout; it maps no expert width, so the class default's (768) stays.
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768),
+    ),
 }
 GGUF_PROMPTS = ["the quick brown fox", "paged attention stores keys", "hello world, a scheduler"]
 GGUF_TOKENS = 12
@@ -177,9 +185,17 @@ def write_tiny_gguf(arch: str, path):
     writer.add_pad_token_id(tokens.index("<pad>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if hasattr(config, "num_experts"):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp writes no output tensor for tied embeddings
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, in], gate first: two GGUF tensors
+            block = f"blk.{name.split('.')[2]}"
+            for part, half in zip(("gate", "up"), tensor.chunk(2, dim=1)):
+                writer.add_tensor(f"{block}.ffn_{part}_exps.weight", half.float().contiguous().numpy())
+            continue
         writer.add_tensor(gguf_name(name), tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

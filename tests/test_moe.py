@@ -174,6 +174,33 @@ def test_tensor_parallel_shards_every_expert(moe_models, prompts, model_name):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts[:4]]
 
 
+@pytest.mark.parametrize("parallel", [{}, {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}])
+def test_experts_in_transformers_stacked_layout_load(moe_models, prompts, tmp_path, parallel):
+    """A checkpoint holding transformers' own stacked experts (gate_up_proj [E, 2I, in], down_proj
+    [E, out, I]; what its GGUF reader yields) loads as the per-expert one does: into one process,
+    into pipeline stages (each passing over the other's layers) and into tensor-parallel shards."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    source, hf = moe_models["qwen3-moe"]
+    stacked = tmp_path / "stacked"
+    shutil.copytree(source, stacked, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = {name: t.contiguous() for name, t in hf.state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    save_file(state, str(stacked / "model.safetensors"))
+    llm = LLM(str(stacked), backend="sdpa", device="cpu", dtype="float32", num_blocks=64, **parallel)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:3]],
+            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts[:3]]
+
+
 def test_layers_and_routers_as_each_family_says(moe_models):
     """Which layers are MoE (Qwen3's mlp_only_layers, DeepSeek's first_k_dense_replace) and the
     routers' rules on hand-made logits."""

@@ -128,9 +128,11 @@ def _load_safetensors(model: CausalLM, path: Path) -> None:
     tied = model.config.tie_word_embeddings
     others = {name for name, _ in _whole_model_shapes(model)} - set(params)  # other stages' weights
     loaded: set[str] = set()
+    moe = model.config.moe
+    expert_names = moe.expert_names if moe is not None else ("gate_proj", "up_proj", "down_proj")
     for file in sorted(path.glob("*.safetensors")):
         try:
-            _load_file(file, params, tied, loaded, others)
+            _load_file(file, params, tied, loaded, others, expert_names)
         except (OSError, RuntimeError, SafetensorError) as e:  # truncated or corrupt: one line naming the file
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(f"cannot read weights from {file}: {reason}") from None
@@ -170,14 +172,48 @@ def _load_expert(name: str, tensor: torch.Tensor, params: dict, loaded: set[str]
     return True
 
 
-def _load_file(file: Path, params: dict, tied: bool, loaded: set[str], others: set[str]) -> None:
+# transformers' in-memory layout of SiLU-gated experts (what its GGUF reader yields): gate and up
+# stacked as one [E, 2I, in] gate_up_proj (gate first), down_proj [E, out, I].
+STACKED_EXPERTS = re.compile(r"^(?P<stack>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def _load_stacked_experts(name: str, f, model_names: tuple[str, str, str], params: dict, skip: set[str],
+                          loaded: set[str]) -> bool:  # fmt: skip
+    """Copy transformers' stacked gate_up_proj / down_proj from file `f` into the model's
+    per-projection stacks (`model_names`: its gate, up and down names), or pass over another
+    pipeline stage's (in `skip`); False when `name` is no such weight of the model."""
+    match = STACKED_EXPERTS.match(name)
+    if match is None:
+        return False
+    gate, up, down = (f"{match['stack']}.{proj}" for proj in model_names)
+    if gate in skip:
+        return True
+    if gate not in params:
+        return False
+    tensor = f.get_tensor(name)
+    parts = {down: tensor} if match["proj"] == "down_proj" else dict(zip((gate, up), tensor.chunk(2, dim=1)))
+    for target, part in parts.items():
+        param = params[target]
+        if tuple(part.shape) != full_shape(param):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}: not the experts of {full_shape(param)}")
+        param.data.copy_(local_part(param, part))
+        loaded.add(target)
+    return True
+
+
+def _load_file(
+    file: Path, params: dict, tied: bool, loaded: set[str], others: set[str], expert_names: tuple[str, str, str]
+) -> None:
     """Copy `file`'s weights into `params` (this rank's parts); `others`: the names of weights
-    other pipeline stages hold, passed over."""
+    other pipeline stages hold, passed over; `expert_names`: the model's gate, up and down
+    expert projections."""
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
             if name in others or _expert_stack(name) in others:
                 continue
             if name not in params and _load_expert(name, f.get_tensor(name), params, loaded):
+                continue
+            if name not in params and _load_stacked_experts(name, f, expert_names, params, others, loaded):
                 continue
             if name not in params:
                 if "rotary_emb" in name or (tied and name == "lm_head.weight"):
