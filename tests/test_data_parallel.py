@@ -3,6 +3,8 @@ requests balanced by load, outputs in request order and equal to one engine's (g
 preemption, seeded sampling), counters merged, one-line errors, no process left behind, and the
 same through the CLI and the server."""
 
+import types
+
 import pandas as pd
 import pytest
 
@@ -51,6 +53,26 @@ def test_replicas_preempt_on_their_own_budget_and_their_counters_merge(tiny_mode
         assert llm.engine.world_size == 2
     finally:
         llm.shutdown()
+
+
+def test_replicas_speculation_counters_reach_the_servers_metrics(tiny_models):
+    """Each replica speculates (n-gram); the front's gauges sum their proposal counters, and
+    /metrics' collector names them as vLLM does."""
+    from pagedbench.entrypoints.openai.metrics import EngineCounters
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    repeating = [[5, 6, 7, 8] * 6 for _ in range(4)]  # prompt lookup finds proposals in them
+    llm = LLM(tiny_models["llama"][0], backend="sdpa", data_parallel_size=2, speculative_config=ngram)
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in repeating], GREEDY, use_tqdm=False)
+        gauges = llm.engine.gauges()
+        assert gauges["spec_draft_tokens"] >= gauges["spec_accepted_tokens"] and gauges["spec_drafts"] > 0
+        counters = {m.name: m for m in EngineCounters(types.SimpleNamespace(engine=llm.engine)).collect()}
+    finally:
+        llm.shutdown()
+    assert counters["vllm:spec_decode_num_drafts"].samples[0].value == gauges["spec_drafts"]
+    per_position = counters["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert sum(s.value for s in per_position) == gauges["spec_accepted_tokens"]
 
 
 def test_abort_and_a_killed_replica(tiny_models):

@@ -151,13 +151,21 @@ class LLMEngine:
 
     def gauges(self) -> dict[str, float]:
         """What the server's /metrics reads now: requests by queue (a request's samples count once),
-        KV use, and the token, preemption and prefix-cache counters."""
+        KV use, the token, preemption and prefix-cache counters and, when speculating, the
+        proposals' counters (a data-parallel front sums its replicas' gauges)."""
         sched, bm, st = self.scheduler, self.block_manager, self.stats
 
         def requests(queue) -> int:
             return len({s.request_id for s in queue})
 
-        return {
+        spec = {}
+        if self.speculator is not None:
+            spec = {
+                "spec_drafts": st.spec.num_drafts,
+                "spec_draft_tokens": st.spec.num_draft_tokens,
+                "spec_accepted_tokens": st.spec.num_accepted_tokens,
+            } | {f"spec_accepted_at_{j}": n for j, n in enumerate(st.spec.accepted_per_position)}
+        return spec | {
             "running": requests(sched.running),
             "waiting": requests(sched.waiting),
             "swapped": requests(sched.swapped),

@@ -22,28 +22,31 @@ class EngineCounters:
         yield CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions", value=now["preemptions"])
         yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up", value=now["prefix_queries"])
         yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found cached", value=now["prefix_hits"])
-        if getattr(self.llm.engine, "speculator", None) is not None:
-            yield from speculation_counters(self.llm.engine.stats.spec)
+        if "spec_drafts" in now:  # the engine (or its data-parallel replicas) speculates
+            yield from speculation_counters(now)
 
 
-def speculation_counters(spec):
-    """vLLM v1's speculative-decoding counters (a draft: one sequence's proposal in one step)."""
+def speculation_counters(gauges: dict):
+    """vLLM v1's speculative-decoding counters (a draft: one sequence's proposal in one step),
+    from the engine's gauges."""
     from prometheus_client.core import CounterMetricFamily
 
-    yield CounterMetricFamily("vllm:spec_decode_num_drafts", "Proposals verified", value=spec.num_drafts)
+    yield CounterMetricFamily("vllm:spec_decode_num_drafts", "Proposals verified", value=gauges["spec_drafts"])
     yield CounterMetricFamily(
-        "vllm:spec_decode_num_draft_tokens", "Proposed tokens verified", value=spec.num_draft_tokens
+        "vllm:spec_decode_num_draft_tokens", "Proposed tokens verified", value=gauges["spec_draft_tokens"]
     )
     yield CounterMetricFamily(
-        "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", value=spec.num_accepted_tokens
+        "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", value=gauges["spec_accepted_tokens"]
     )
     per_position = CounterMetricFamily(
         "vllm:spec_decode_num_accepted_tokens_per_pos",
         "Accepted tokens by position in the proposal",
         labels=["position"],
     )
-    for position, count in enumerate(spec.accepted_per_position):
-        per_position.add_metric([str(position)], count)
+    position = 0
+    while f"spec_accepted_at_{position}" in gauges:
+        per_position.add_metric([str(position)], gauges[f"spec_accepted_at_{position}"])
+        position += 1
     yield per_position
 
 
