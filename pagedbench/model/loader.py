@@ -177,8 +177,9 @@ def _load_expert(name: str, tensor: torch.Tensor, params: dict, loaded: set[str]
 STACKED_EXPERTS = re.compile(r"^(?P<stack>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
-def _load_stacked_experts(name: str, f, model_names: tuple[str, str, str], params: dict, skip: set[str],
-                          loaded: set[str]) -> bool:  # fmt: skip
+def _load_stacked_experts(
+    name: str, f, model_names: tuple[str, str, str], params: dict, skip: set[str], loaded: set[str]
+) -> bool:
     """Copy transformers' stacked gate_up_proj / down_proj from file `f` into the model's
     per-projection stacks (`model_names`: its gate, up and down names), or pass over another
     pipeline stage's (in `skip`); False when `name` is no such weight of the model."""
