@@ -87,7 +87,7 @@ def test_compare_csv_has_exactly_the_schema(compared):
     ok = df[df["status"] == "ok"]
     assert list(ok["backend"]) == ["reference", "reference", "sdpa", "sdpa"] and list(ok["repeat"]) == [0, 1, 0, 1]
     spec = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_acceptance_per_position"}
-    moe = {"num_experts", "experts_per_token", "time_moe_s", "moe_share"}
+    moe = {"num_experts", "experts_per_token", "moe_kernel", "time_moe_s", "moe_share"}
     assert ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"} - spec - moe)].notna().all().all()
     assert (ok["speculative"] == "off").all() and ok[sorted(spec)].isna().all().all()  # empty without speculation
     assert ok[sorted(moe)].isna().all().all()  # a dense model
@@ -234,7 +234,9 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
         (["compare", "--backends", "sdpa,nope", "--scenario", "mixed"], "unknown backend 'nope'"),
         (["run", "--scale", "0"], "scale must be a positive number"),
     ]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # OMP_NUM_THREADS set: no thread-choice notice, which three processes starting at once (each
+    # seeing the others' cores busy) would otherwise print beside the error.
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "pagedbench", *args, "--out", str(tmp_path)],
