@@ -34,6 +34,10 @@ def test_kv_calc_command(capsys):
     assert "114,688 B (112 KiB) per token" in out and "23405" in out and "11702" in out
     assert main(["kv-calc", "qwen3-0.6b", "--block-size", "0"]) == 2
     assert "--block-size takes positive integers" in capsys.readouterr().err
+    # DeepSeek-V3: one latent plane per token and layer, 2 x (512 + 64) x 2 bytes, no separate V.
+    assert main(["kv-calc", "deepseek-v3", "--memory", "1"]) == 0
+    latent = "2 layers x one latent of 512 + 64 rope dims (no separate V) x 2 B (bf16) = 2,304 B"
+    assert latent in capsys.readouterr().out
 
 
 def test_wasted_slots_are_the_empty_part_of_last_pages(tiny_models):

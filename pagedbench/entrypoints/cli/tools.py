@@ -35,10 +35,13 @@ def cmd_kv_calc(args) -> None:
     for kv in kv_dtypes:
         kv_storage_dtype(kv, dtype)  # an unknown name fails here, naming the known ones
     per_token = kv_bytes_per_token(cfg, dtype)
+    if cfg.mla is None:
+        shape = f"{cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim} x 2 (K, V)"
+    else:  # latent attention caches one plane per token and layer, the values a view of it
+        shape = f"one latent of {cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim} rope dims (no separate V)"
     print(
-        f"{args.model}: {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim} x 2 (K, V) "
-        f"x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B ({per_token / 1024:g} KiB) per token unquantized; "
-        f"{args.memory:g} GiB of KV cache"
+        f"{args.model}: {cfg.num_layers} layers x {shape} x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B "
+        f"({per_token / 1024:g} KiB) per token unquantized; {args.memory:g} GiB of KV cache"
     )
     print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens, kv_dtypes)))
 
