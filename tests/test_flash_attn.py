@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 import torch.nn.attention.varlen
-from pagedbench.backends import flash_attn
+from pagedbench.backends import flash_attn, flash_attn_providers
 from pagedbench.backends.base import AttentionVariant
 from pagedbench.backends.flash_attn import FlashAttnBackend
 from pagedbench.backends.registry import get_backend
@@ -332,7 +332,7 @@ def fake_cuda(monkeypatch, capability=(9, 0), torch_has_flash=True):
 
 def install(monkeypatch, fa3=None, fa4=None, fa2=None, varlen=None):
     """Exactly these providers import (None: absent)."""
-    monkeypatch.delenv(flash_attn.PROVIDER_ENV, raising=False)
+    monkeypatch.delenv(flash_attn_providers.PROVIDER_ENV, raising=False)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", fa4)
     monkeypatch.setitem(sys.modules, "flash_attn", fa2)
@@ -358,7 +358,7 @@ def reason(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256, **
 
 
 def chosen(**settings):
-    found, why_not = flash_attn.select_provider(**settings)
+    found, why_not = flash_attn_providers.select_provider(**settings)
     return found.kind if found else why_not
 
 
@@ -406,7 +406,7 @@ def test_fa3_without_page_table_falls_back(monkeypatch):
     old_fa3.flash_attn_with_kvcache = lambda q, k_cache, v_cache, cache_seqlens=None: None
     install(monkeypatch, fa3=old_fa3, fa4=fake_fa4([]), fa2=fake_fa2([]))
     assert chosen() == "fa4"
-    assert flash_attn.probe("fa3") == (
+    assert flash_attn_providers.probe("fa3") == (
         "flash_attn_interface: flash_attn_with_kvcache has no page_table, cu_seqlens_q, max_seqlen_q"
     )
 
@@ -561,7 +561,7 @@ def test_heads_must_group(monkeypatch):
 
 def test_provider_prefers_fa3_then_fa4_then_fa2_then_torch(monkeypatch):
     versions = {"flash_attn_3": "3.0.0b1", "flash-attn-4": "4.0.0b36"}
-    monkeypatch.setattr(flash_attn.metadata, "version", lambda dist: versions[dist])
+    monkeypatch.setattr(flash_attn_providers.metadata, "version", lambda dist: versions[dist])
     install(monkeypatch, fa3=fake_fa3([]), fa4=fake_fa4([]), fa2=fake_fa2([]), varlen=fake_varlen_attn([]))
     assert FlashAttnBackend.provider() == "flash_attn_interface (FA3) 3.0.0b1"
     assert backend_id("flash-attn") == "flash-attn[flash_attn_interface-FA3-3.0.0b1]"
@@ -592,16 +592,16 @@ def test_provider_is_the_one_that_runs_these_settings(monkeypatch):
 def test_forced_provider(monkeypatch):
     fake_cuda(monkeypatch)
     install(monkeypatch, fa3=fake_fa3([]), fa4=fake_fa4([]), fa2=fake_fa2([]))
-    monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa2")
+    monkeypatch.setenv(flash_attn_providers.PROVIDER_ENV, "fa2")
     assert chosen() == "fa2" and FlashAttnBackend.provider() == "flash_attn 2.8.3"
     assert reason(block_size=16) == (
         "no FlashAttention provider runs these settings; PAGEDBENCH_FLASH_PROVIDER forces "
         "fa2: flash_attn 2.8.3: block_size 16 is not a multiple of 256 (FlashAttention-2's "
         "paged kernels)"
     )
-    monkeypatch.setenv(flash_attn.PROVIDER_ENV, "FA4")
+    monkeypatch.setenv(flash_attn_providers.PROVIDER_ENV, "FA4")
     assert chosen() == "fa4"
-    monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa5")
+    monkeypatch.setenv(flash_attn_providers.PROVIDER_ENV, "fa5")
     assert reason() == "PAGEDBENCH_FLASH_PROVIDER='fa5' is not one of fa3, fa4, fa2, torch"
     assert FlashAttnBackend.provider() == "none"
 
@@ -612,7 +612,7 @@ def test_forced_provider_that_cannot_run_is_a_one_line_error(monkeypatch):
 
     fake_cuda(monkeypatch)
     install(monkeypatch, fa2=fake_fa2([]))
-    monkeypatch.setenv(flash_attn.PROVIDER_ENV, "fa4")
+    monkeypatch.setenv(flash_attn_providers.PROVIDER_ENV, "fa4")
     with pytest.raises(ValueError) as e:
         LLMEngine(EngineConfig(model="tiny-llama", backend="flash-attn", device="cuda", dtype="bf16"))
     assert str(e.value) == (
@@ -624,9 +624,9 @@ def test_forced_provider_that_cannot_run_is_a_one_line_error(monkeypatch):
 
 def test_fa3_version_unknown_without_distribution(monkeypatch):
     def no_dist(dist):
-        raise flash_attn.metadata.PackageNotFoundError(dist)
+        raise flash_attn_providers.metadata.PackageNotFoundError(dist)
 
-    monkeypatch.setattr(flash_attn.metadata, "version", no_dist)
+    monkeypatch.setattr(flash_attn_providers.metadata, "version", no_dist)
     install_only(monkeypatch, "fa3")
     assert FlashAttnBackend.provider() == "flash_attn_interface (FA3) (version unknown)"
 
@@ -930,7 +930,7 @@ def test_kernels_match_reference_on_cuda(block_size, dtype, head_dim, phase, hea
 
 
 def test_fa4_gets_max_seqlen_k_only_where_its_signature_names_it():
-    from pagedbench.backends.flash_attn import _accepts
+    from pagedbench.backends.flash_attn_providers import accepts
 
     def narrow(q, k, v, cu_seqlens_q=None, max_seqlen_q=None, seqused_k=None, page_table=None):
         pass
@@ -938,5 +938,5 @@ def test_fa4_gets_max_seqlen_k_only_where_its_signature_names_it():
     def wide(q, k, v, max_seqlen_k=None):
         pass
 
-    assert not _accepts(narrow, "max_seqlen_k") and _accepts(wide, "max_seqlen_k")
-    assert _accepts(lambda *a, **kw: None, "max_seqlen_k")
+    assert not accepts(narrow, "max_seqlen_k") and accepts(wide, "max_seqlen_k")
+    assert accepts(lambda *a, **kw: None, "max_seqlen_k")
