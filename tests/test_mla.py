@@ -28,6 +28,17 @@ LATENT = dict(
     first_k_dense_replace=2,  # every layer dense (test_moe.py has DeepSeek-V3's MoE layers)
     n_routed_experts=4,
 )
+# DeepSeek's YaRN, with the mscale that also scales the softmax
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 # DeepSeek-V3's own choices (a q LoRA, interleaved rotary dims, YaRN with its mscale), and the plain ones.
 MLA_MODELS = {
     "deepseek-v3": (
@@ -36,16 +47,7 @@ MLA_MODELS = {
         | dict(
             q_lora_rank=24,
             rope_interleave=True,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "original_max_position_embeddings": 128,
-                "beta_fast": 32,
-                "beta_slow": 1,
-            },
+            rope_parameters=YARN,
         ),
     ),
     "deepseek-v3-plain": (

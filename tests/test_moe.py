@@ -14,7 +14,7 @@ from pagedbench import LLM, SamplingParams
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.moe import experts_kernel, route
 from tests.conftest import VOCAB, build_hf_model, hf_greedy
-from tests.test_mla import LATENT
+from tests.test_mla import LATENT, YARN
 
 MOE_MODELS = {
     "mixtral": (
@@ -77,16 +77,7 @@ MOE_MODELS = {
         LATENT
         | dict(
             q_lora_rank=24,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "original_max_position_embeddings": 128,
-                "beta_fast": 32,
-                "beta_slow": 1,
-            },
+            rope_parameters=YARN,
             num_hidden_layers=3,
             first_k_dense_replace=1,
             n_routed_experts=8,
@@ -159,19 +150,21 @@ def test_greedy_matches_hf_under_pressure(moe_models, prompts, model_name, backe
     assert llm.engine.stats.preemptions > 0
 
 
+def greedy_tokens(path: str, prompts: list[list[int]], **parallel) -> list[list[int]]:
+    """The engine's greedy tokens (sdpa, fp32) for `prompts`, its worker processes stopped after."""
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", num_blocks=64, **parallel)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs]
+
+
 @pytest.mark.parametrize("model_name", ["mixtral", "gpt-oss", "deepseek-v3-moe", "deepseek-v2-moe"])
 def test_tensor_parallel_shards_every_expert(moe_models, prompts, model_name):
     path, hf = moe_models[model_name]
-    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", tensor_parallel_size=2, num_blocks=64)
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts[:4]],
-            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
-            use_tqdm=False,
-        )
-    finally:
-        llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts[:4]]
+    assert greedy_tokens(path, prompts[:4], tensor_parallel_size=2) == [hf_greedy(hf, p, MAX_NEW) for p in prompts[:4]]
 
 
 @pytest.mark.parametrize("parallel", [{}, {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}])
@@ -189,16 +182,7 @@ def test_experts_in_transformers_stacked_layout_load(moe_models, prompts, tmp_pa
     state = {name: t.contiguous() for name, t in hf.state_dict().items()}
     assert any(name.endswith("experts.gate_up_proj") for name in state)
     save_file(state, str(stacked / "model.safetensors"))
-    llm = LLM(str(stacked), backend="sdpa", device="cpu", dtype="float32", num_blocks=64, **parallel)
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts[:3]],
-            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
-            use_tqdm=False,
-        )
-    finally:
-        llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts[:3]]
+    assert greedy_tokens(str(stacked), prompts[:3], **parallel) == [hf_greedy(hf, p, MAX_NEW) for p in prompts[:3]]
 
 
 def test_layers_and_routers_as_each_family_says(moe_models):
