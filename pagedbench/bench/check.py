@@ -318,10 +318,12 @@ def teacher_forced_logits(
     prompt_lens: list[int],
     block_size: int = 16,
     layout_seed: int = 0,
+    resolved=None,
 ) -> torch.Tensor:
     """fp32 logits [steps, B, vocab] of every sequence at the end of its prompt and after each
     forced continuation token: the prompt in two chunks (a chunked prefill), then one decode step
-    per token, on pages scattered at random through the cache."""
+    per token, on pages scattered at random through the cache. `resolved`: `model` as the command
+    resolved it (a ResolvedModel; else the engine resolves it)."""
     from pagedbench.config import EngineConfig
     from pagedbench.engine.llm_engine import LLMEngine
     from pagedbench.engine.sequence import Sequence
@@ -339,7 +341,8 @@ def teacher_forced_logits(
             num_blocks=sum(pages) + 8,
             seed=0,
             preset_init="plain",  # soft attention everywhere: the whole model's numerics are compared
-        )
+        ),
+        model=resolved,
     )
     runner = engine.runner
     free = (torch.randperm(engine.num_blocks - 1, generator=torch.Generator().manual_seed(layout_seed)) + 1).tolist()
@@ -380,14 +383,15 @@ def engine_check(
     and top-1 agreement where reference's top-2 gap exceeds the noise."""
     from pagedbench.model.loader import resolve_model_config
 
-    vocab = resolve_model_config(model)[0].vocab_size
+    resolved = resolve_model_config(model)  # once for every backend and dtype
+    vocab = resolved.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompt_lens = [prompt_len - 7 * i for i in range(num_seqs)]  # ragged, on and off page boundaries
     tokens = [torch.randint(3, vocab, (n + steps,), generator=gen).tolist() for n in prompt_lens]
     rows = []
-    fp32 = teacher_forced_logits(model, "reference", device, torch.float32, tokens, prompt_lens)
+    fp32 = teacher_forced_logits(model, "reference", device, torch.float32, tokens, prompt_lens, resolved=resolved)
     for dtype in dtypes:
-        expected = teacher_forced_logits(model, "reference", device, dtype, tokens, prompt_lens)
+        expected = teacher_forced_logits(model, "reference", device, dtype, tokens, prompt_lens, resolved=resolved)
         noise = max(float((expected - fp32).abs().max()), ENGINE_NOISE_FLOOR)
         top2 = expected.topk(2, dim=-1).values
         decisive = (top2[..., 0] - top2[..., 1]) > 2 * noise
@@ -405,7 +409,9 @@ def engine_check(
                 continue
             row = {**head, "backend": name}
             try:
-                got = teacher_forced_logits(model, name, device, dtype, tokens, prompt_lens, layout_seed=1)
+                got = teacher_forced_logits(
+                    model, name, device, dtype, tokens, prompt_lens, layout_seed=1, resolved=resolved
+                )
             except ValueError as e:  # unavailable here: the engine says why
                 rows.append({**row, "status": "skipped", "reason": str(e)})
                 continue

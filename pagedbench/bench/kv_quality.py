@@ -20,16 +20,19 @@ from pagedbench.worker.step_plan import prepare_step
 MILESTONE = "top-1 agreement >= 99 % and perplexity within 1 %"
 
 
-def held_out_segments(model: str = "py-byte-target", num_segments: int = 4, length: int = 512, seed: int = 0):
+def held_out_segments(
+    model: str = "py-byte-target", num_segments: int = 4, length: int = 512, seed: int = 0, resolved=None
+):
     """Held-out Python source (the trained pair never saw it) from random places, as `model` reads
-    it: bytes as ids for the byte-level pair and presets, a real model's own tokens."""
+    it: bytes as ids for the byte-level pair and presets, a real model's own tokens. `resolved`:
+    `model` as the command resolved it (else resolved here)."""
     from pagedbench.model.loader import resolve_model_config
     from pagedbench.model.tokenizer import tokenizer_for
     from pagedbench.model.trained_pair import VOCAB, corpus, held_out_tokens
 
     text = corpus()[1]
     starts = np.random.default_rng(seed).integers(0, len(text) - length, num_segments)
-    config, path = resolve_model_config(model)
+    config, path = resolved or resolve_model_config(model)
     if path is not None and config.vocab_size > VOCAB:
         tokenizer = tokenizer_for(None, path, config.vocab_size, config.eos_token_ids)
         return held_out_tokens(tokenizer, starts, [length] * num_segments)
@@ -38,17 +41,25 @@ def held_out_segments(model: str = "py-byte-target", num_segments: int = 4, leng
 
 @torch.no_grad()
 def teacher_forced_logprobs(
-    model: str, backend: str, kv_cache_dtype: str, segments: list[list[int]], device=None, dtype=None, chunk: int = 128
+    model: str,
+    backend: str,
+    kv_cache_dtype: str,
+    segments: list[list[int]],
+    device=None,
+    dtype=None,
+    chunk: int = 128,
+    resolved=None,
 ) -> torch.Tensor:
     """Log-probabilities [positions, vocab] (fp32, on the host) of the next token at every position
-    but each segment's last, the segments run side by side in chunks of `chunk` tokens."""
+    but each segment's last, the segments run side by side in chunks of `chunk` tokens. `resolved`:
+    `model` as the command resolved it (a ResolvedModel; else the engine resolves it)."""
     block_size = 16
     num_blocks = sum(-(-len(s) // block_size) for s in segments) + 4
     config = EngineConfig(
         model=model, backend=backend, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
         block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False, seed=0,
     )  # fmt: skip
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, model=resolved)
     runner, bm = engine.runner, engine.block_manager
     seqs = [Sequence(str(i), None, ids, SamplingParams()) for i, ids in enumerate(segments)]
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -94,7 +105,10 @@ def kv_quality(
 ) -> list[dict]:
     """One row per backend x quantized kv_cache_dtype; a backend that cannot run here, or cannot
     read such pages, gets "unavailable" rows with its reason (and is not run for nothing)."""
-    segments = held_out_segments(model)
+    from pagedbench.model.loader import resolve_model_config
+
+    resolved = resolve_model_config(model)  # once for every backend and page dtype
+    segments = held_out_segments(model, resolved=resolved)
     next_tokens = targets(segments)
     rows = []
     for backend in backends:
@@ -105,13 +119,13 @@ def kv_quality(
         if not readable:
             continue
         try:
-            exact = teacher_forced_logprobs(model, backend, "auto", segments, device, dtype)
+            exact = teacher_forced_logprobs(model, backend, "auto", segments, device, dtype, resolved=resolved)
         except ValueError as e:  # the backend cannot run this model here: it says why
             rows += [{**heads[kv], "status": "unavailable", "reason": str(e)} for kv in readable]
             continue
         for kv in readable:
             try:
-                quantized = teacher_forced_logprobs(model, backend, kv, segments, device, dtype)
+                quantized = teacher_forced_logprobs(model, backend, kv, segments, device, dtype, resolved=resolved)
             except ValueError as e:
                 rows.append({**heads[kv], "status": "unavailable", "reason": str(e)})
                 continue
