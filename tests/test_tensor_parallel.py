@@ -179,7 +179,8 @@ def test_a_worker_error_reaches_the_user_as_its_message(tiny_models, tmp_path):
         tensors = load_file(file)
         save_file({name: t for name, t in tensors.items() if not name.startswith("model.layers.1.")}, file)
     start = time.monotonic()
-    with pytest.raises(WorkerError, match=r"rank 1: (ValueError: )?weights missing from .*model\.layers\.1\."):
+    missing = r"pipeline stage rank 1: (ValueError: )?weights missing from .*model\.layers\.1\."
+    with pytest.raises(WorkerError, match=missing):
         LLM(str(broken), backend="sdpa", pipeline_parallel_size=2, num_blocks=64)
     assert time.monotonic() - start < 30
     assert no_workers_left()

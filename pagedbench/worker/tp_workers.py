@@ -120,7 +120,8 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         if os.environ.get("PAGEDBENCH_DEBUG"):
             traceback.print_exc()
         try:
-            conn.send(("error", f"tensor-parallel rank {rank}: {one_line(e)}"))
+            who = "pipeline stage" if spec.config.pipeline_parallel_size > 1 else "tensor-parallel"
+            conn.send(("error", f"{who} rank {rank}: {one_line(e)}"))
         except OSError:
             pass
         os._exit(1)  # closes this rank's sockets, so rank 0's collective fails now, not at a timeout
