@@ -314,13 +314,11 @@ class Executor:
         t_prepare = time.perf_counter()
         forward_start = self.timer.mark()
         timer = self.timer if self.timer.enabled and inputs.graph is None else None
-        if isinstance(self.runner, PipelineRunner):
-            return inputs, self.runner.launch(inputs, state, timer), (t_metadata, t_prepare), forward_start
-        return inputs, self.runner.run(inputs, state, timer), (t_metadata, t_prepare), forward_start
+        return inputs, self.runner.launch(inputs, state, timer), (t_metadata, t_prepare), forward_start
 
     def collect(self, launched: tuple) -> tuple[StepInputs, torch.Tensor, tuple]:
         """(inputs, fp32 logits, wall times) of a launched step, waiting for its last stage."""
-        inputs, result, times, forward_start = launched
-        logits = self.runner.collect(result) if isinstance(self.runner, PipelineRunner) else result
+        inputs, handle, times, forward_start = launched
+        logits = self.runner.collect(handle)
         self.timer.span("forward" if inputs.graph is None else "forward_graph", forward_start)
         return inputs, logits, (*times, time.perf_counter())
