@@ -169,7 +169,6 @@ class DataParallelEngine:
         self.input_processor = InputProcessor(config, cfg, self.tokenizer, self.max_model_len, self.device, structured)
         self.requests: dict[str, int] = {}  # unfinished request id -> its replica
         self.structured_outputs = structured
-        self.speculator = None  # the replicas speculate; the server's counters read their gauges
         self.load = [0] * self.size  # unfinished requests per replica
         self.requests_served = [0] * self.size  # since the last reset_counters
         self.tokens_served = [0] * self.size

@@ -128,8 +128,7 @@ def _load_safetensors(model: CausalLM, path: Path) -> None:
     tied = model.config.tie_word_embeddings
     others = {name for name, _ in _whole_model_shapes(model)} - set(params)  # other stages' weights
     loaded: set[str] = set()
-    moe = model.config.moe
-    expert_names = moe.expert_names if moe is not None else ("gate_proj", "up_proj", "down_proj")
+    expert_names = model.config.moe.expert_names if model.config.moe is not None else None
     for file in sorted(path.glob("*.safetensors")):
         try:
             _load_file(file, params, tied, loaded, others, expert_names)
@@ -178,13 +177,13 @@ STACKED_EXPERTS = re.compile(r"^(?P<stack>.+\.experts)\.(?P<proj>gate_up_proj|do
 
 
 def _load_stacked_experts(
-    name: str, f, model_names: tuple[str, str, str], params: dict, skip: set[str], loaded: set[str]
+    name: str, f, model_names: tuple[str, str, str] | None, params: dict, skip: set[str], loaded: set[str]
 ) -> bool:
     """Copy transformers' stacked gate_up_proj / down_proj from file `f` into the model's
-    per-projection stacks (`model_names`: its gate, up and down names), or pass over another
-    pipeline stage's (in `skip`); False when `name` is no such weight of the model."""
+    per-projection stacks (`model_names`: its gate, up and down names; None: a dense model), or
+    pass over another pipeline stage's (in `skip`); False when `name` is no such weight of the model."""
     match = STACKED_EXPERTS.match(name)
-    if match is None:
+    if match is None or model_names is None:
         return False
     gate, up, down = (f"{match['stack']}.{proj}" for proj in model_names)
     if gate in skip:
@@ -203,7 +202,7 @@ def _load_stacked_experts(
 
 
 def _load_file(
-    file: Path, params: dict, tied: bool, loaded: set[str], others: set[str], expert_names: tuple[str, str, str]
+    file: Path, params: dict, tied: bool, loaded: set[str], others: set[str], expert_names: tuple[str, str, str] | None
 ) -> None:
     """Copy `file`'s weights into `params` (this rank's parts); `others`: the names of weights
     other pipeline stages hold, passed over; `expert_names`: the model's gate, up and down
