@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-from pagedbench.entrypoints.cli import kernels, run, serve, tools
+from pagedbench.entrypoints.cli import gpu_suite, kernels, profile, run, serve, tools
 from pagedbench.entrypoints.cli.common import CLIParser, Interrupted, NothingMeasured, apply_threads
 from pagedbench.worker.tp_workers import WorkerError
 
@@ -57,6 +57,8 @@ def build_parser() -> CLIParser:
         tools.register_kv_calc,
         serve.register,  # serve, bench-serve
         kernels.register_backends,
+        profile.register,
+        gpu_suite.register,
     )
     for register in commands:
         register(sub)

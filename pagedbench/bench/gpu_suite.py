@@ -1,0 +1,284 @@
+"""The GPU suite: one command that measures what matters on a CUDA machine within a time budget.
+
+Steps run most valuable first, each as its own process under its own time limit (cut to what is
+left of the budget). Results are written as each step ends: its log, its reports, a summary row,
+and the one tarball everything is packed into, so a cut or a crash loses only the step it hit.
+The summary table prints last. On a machine without CUDA the CUDA steps are skipped with the
+reason; the rest (environment, packing, limits) runs the same, which is how the tests check it.
+"""
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STASH = Path(os.environ.get("PAGEDBENCH_GPU_STASH", "/tmp/pagedbench-gpu"))  # survives between calls while warm
+MIN_STEP_SECONDS = 20  # a step with less time than this left is skipped, not started
+KILL_GRACE_SECONDS = 5  # between SIGTERM to a step's process group and SIGKILL
+TARBALL = "gpu-suite.tar.gz"
+
+
+@dataclass(slots=True)
+class SuiteStep:
+    name: str
+    argv: list[str]
+    limit_s: int
+    needs_cuda: bool = True
+    needs_fa4: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepResult:
+    name: str
+    status: str  # ok, failed, cut, skipped
+    seconds: float
+    limit_s: int
+    detail: str = ""  # rc, or why it was skipped or cut
+    command: str = ""
+
+
+def pagedbench_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pagedbench", *args]
+
+
+def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) -> list[SuiteStep]:
+    """The suite's steps, most valuable first (FA4, which needs its wheels installed, last)."""
+    r = str(reports)
+    decode = ["--phases", "decode", "--batch-sizes", "16,64,256", "--context-lens", "2048,4096", "--heads", "32/8"]
+    decode += ["--warmup", "3", "--repeats", "20", "--max-kv-tokens", "1100000"]
+    compare = ["compare", "--model", "qwen3-0.6b", "--scenario", "mixed", "--scale", str(scale)]
+    compare += ["--num-blocks", str(num_blocks), "--repeats", "1"]
+    profile = ["profile", "--model", "qwen3-0.6b", "--backends", "triton,flex", "--batch-sizes", "64,256"]
+    pytest = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-n", "8", "--timeout", "150", "-p", "no:cacheprovider"]
+    return [
+        SuiteStep("environment", [sys.executable, "-m", "pagedbench.bench.gpu_suite", "environment"], 60, False),
+        SuiteStep("profile-graphs", pagedbench_cmd(*profile, "--out", f"{r}/profile-graphs"), 150),
+        SuiteStep("profile-eager", pagedbench_cmd(*profile, "--enforce-eager", "--out", f"{r}/profile-eager"), 120),
+        SuiteStep(
+            "kernels-decode",
+            pagedbench_cmd("kernels", *decode, "--block-sizes", "16,64,128", "--backends", "sdpa,flex,triton")
+            + ["--out", f"{r}/kernels-decode"],
+            180,
+        ),
+        SuiteStep(
+            "compare-mixed",
+            pagedbench_cmd(*compare, "--backends", "triton,flex,sdpa", "--out", f"{r}/compare-mixed"),
+            240,
+        ),
+        SuiteStep(
+            "compare-hf-peer",
+            pagedbench_cmd(
+                "compare",
+                "--model",
+                "qwen3-0.6b",
+                "--scenario",
+                "mixed",
+                "--scale",
+                "0.25",
+                "--repeats",
+                "1",
+                "--backends",
+                "triton",
+                "--peer",
+                "hf",
+                "--out",
+                f"{r}/compare-hf-peer",
+            ),
+            150,
+        ),  # fmt: skip
+        SuiteStep("pytest-cuda", [*pytest, "-k", "cuda and not flash", "tests"], 240),
+        SuiteStep(
+            "fa4-kernels",
+            pagedbench_cmd("kernels", *decode, "--block-sizes", "16,128", "--backends", "flash-attn")
+            + ["--out", f"{r}/kernels-decode-fa4"],
+            120,
+            needs_fa4=True,
+        ),
+        SuiteStep(
+            "fa4-compare",
+            pagedbench_cmd(*compare, "--backends", "flash-attn", "--out", f"{r}/compare-mixed-fa4"),
+            150,
+            needs_fa4=True,
+        ),
+        SuiteStep("fa4-pytest", [*pytest, "-k", "cuda and flash", "tests"], 150, needs_fa4=True),
+    ]
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def fa4_available(env: dict[str, str]) -> bool:
+    """FA4's entry point imports (in a fresh process with the suite's PYTHONPATH)."""
+    probe = "from flash_attn.cute import flash_attn_varlen_func"
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode == 0
+
+
+def install_fa4(parts: list[Path], stash: Path = STASH) -> Path | None:
+    """FA4's wheels travel as halves of one tar (../shared/gpu/pack.sh), one per call: each half
+    present here is kept in `stash`; once every half is there they are joined and installed into
+    stash/site, returned (None while a half is missing)."""
+    stash.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for i, part in enumerate(parts):
+        copy = stash / f"fa4.{i}"
+        if part.exists() and not copy.exists():
+            shutil.copyfile(part, copy)
+        kept.append(copy)
+    site = stash / "site"
+    if site.exists():
+        return site
+    if not all(p.exists() for p in kept):
+        return None
+    joined = stash / "fa4.tar"
+    with joined.open("wb") as out:
+        for p in kept:
+            out.write(p.read_bytes())
+    with tarfile.open(joined) as tar:
+        tar.extractall(stash, filter="data")
+    wheels = sorted(str(w) for w in stash.glob("**/*.whl"))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target"]
+    subprocess.run([*pip, str(site), *wheels], check=True, timeout=300)
+    return site
+
+
+def run_step(step: SuiteStep, limit: int, log: Path, env: dict[str, str]) -> tuple[str, str]:
+    """(status, detail) of one step run under `limit` seconds, its output in `log`. A step past its
+    limit gets SIGTERM, then SIGKILL, with every process it started (its own process group)."""
+    with log.open("w") as f:
+        f.write(f"$ {' '.join(step.argv)}\n")
+        f.flush()
+        proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            f.write(f"\n=== cut at its time limit ({limit} s)\n")
+            return "cut", f"at its limit of {limit} s"
+    return ("ok", "rc=0") if rc == 0 else ("failed", f"rc={rc}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_SECONDS), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def write_summary(results: list[StepResult], work: Path) -> str:
+    """summary.csv and summary.md in `work`; returns the markdown table."""
+    import pandas as pd
+
+    from pagedbench.bench.report_tables import markdown
+
+    columns = ["name", "status", "seconds", "limit_s", "detail", "command"]
+    with (work / "summary.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in results:
+            writer.writerow([getattr(r, c) for c in columns])
+    df = pd.DataFrame([[r.name, r.status, round(r.seconds, 1), r.limit_s, r.detail] for r in results])
+    table = markdown(df.set_axis(["step", "status", "seconds", "limit s", "detail"], axis=1)) if results else ""
+    (work / "summary.md").write_text(f"# GPU suite summary\n\n{table}\n")
+    return table
+
+
+def pack(work: Path, out: Path) -> Path:
+    """Everything under `work` into out/gpu-suite.tar.gz (written aside, then renamed: never half a tarball)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (TARBALL + ".partial")
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(work, arcname=work.name)
+    return tmp.replace(out / TARBALL)
+
+
+def run_suite(
+    steps: list[SuiteStep],
+    work: Path,
+    out: Path,
+    budget_s: float,
+    cuda: bool | None = None,
+    env: dict[str, str] | None = None,
+    fa4: bool | None = None,
+) -> list[StepResult]:
+    """Run `steps` in order within `budget_s` seconds, writing each one's log, the summary and the
+    tarball as it ends. `cuda`/`fa4`: whether CUDA steps / FA4 steps can run (probed when None)."""
+    deadline = time.monotonic() + budget_s
+    env = dict(os.environ if env is None else env) | {"PYTHONUNBUFFERED": "1"}
+    cuda = cuda_available() if cuda is None else cuda
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    results: list[StepResult] = []
+    fa4_ok = None if fa4 is None else fa4
+    for i, step in enumerate(steps):
+        left = int(deadline - time.monotonic())
+        limit = min(step.limit_s, left)
+        command = " ".join(step.argv)
+        skip = None
+        if step.needs_cuda and not cuda:
+            skip = "no CUDA device"
+        elif step.needs_fa4:
+            fa4_ok = fa4_available(env) if fa4_ok is None else fa4_ok
+            skip = None if fa4_ok else "FA4 not importable (pass --fa4-parts with its wheel halves)"
+        if skip is None and limit < min(step.limit_s, MIN_STEP_SECONDS):
+            skip = f"{max(left, 0)} s of the budget left"
+        print(f"=== {step.name}: " + (f"skipped ({skip})" if skip else f"limit {limit} s: {command}"), flush=True)
+        if skip:
+            results.append(StepResult(step.name, "skipped", 0.0, step.limit_s, skip, command))
+        else:
+            t0 = time.monotonic()
+            status, detail = run_step(step, limit, work / "logs" / f"{i:02d}-{step.name}.log", env | step.env)
+            results.append(StepResult(step.name, status, time.monotonic() - t0, limit, detail, command))
+            print(f"=== {step.name}: {status} ({detail}) in {results[-1].seconds:.0f} s", flush=True)
+        write_summary(results, work)
+        pack(work, out)
+    return results
+
+
+def environment() -> None:
+    """The facts every figure of the suite is read with, and the copy bandwidth that scales them."""
+    import platform
+
+    import torch
+
+    from pagedbench.bench.environment import device_name, git_sha
+
+    print("pagedbench", git_sha(), "| python", platform.python_version(), "| torch", torch.__version__)
+    for mod in ("triton", "transformers", "flash_attn.cute", "flashinfer"):
+        try:
+            m = __import__(mod, fromlist=["_"])
+            print(mod, getattr(m, "__version__", "?"))
+        except Exception as e:  # an optional kernel library; FA4's half-namespace package fails oddly
+            print(mod, "not importable:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print("device", device_name(device))
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        gib = round(p.total_memory / 2**30, 1)
+        print("SMs", p.multi_processor_count, "| memory GiB", gib, f"| cc {p.major}.{p.minor}")
+        print("cuda", torch.version.cuda)
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            q = "--query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem"
+            print(subprocess.run([smi, q, "--format=csv"], capture_output=True, text=True).stdout.strip())
+    from pagedbench.bench.kernels import copy_bandwidth
+
+    print(f"copy bandwidth {copy_bandwidth(device):,.0f} GB/s (read + write)")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["environment"]:
+    environment()
