@@ -149,7 +149,15 @@ class EngineConfig:
         maximum=1,
     )
     max_logprobs: int = setting(20, "most logprobs / prompt_logprobs a request may ask for", minimum=0)
-    enforce_eager: bool = setting(False, "never capture CUDA graphs: every step runs eagerly")
+    enforce_eager: bool = setting(
+        False, "never capture CUDA graphs and never compile the model (vLLM's meaning): every step runs eagerly"
+    )
+    compile: bool | None = setting(
+        None,
+        "torch.compile each layer's elementwise work (norms with their residual adds, q/k norm and RoPE, the "
+        "activation, the router) around the opaque attention call; None: on for CUDA, off on CPU (measured: "
+        "docs/benchmarks.md); enforce_eager turns it off",
+    )
     cpu_kv_cache_bytes: int = setting(1 << 30, "KV cache bytes on CPU when num_blocks is None", minimum=1)
     kv_cache_dtype: str = setting(
         "auto",
@@ -193,6 +201,12 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be <= {maximum}, got {value}")
         SpeculativeConfig.parse(self.speculative_config)
         self._check_structured_outputs_config()
+
+    def compiles(self, device) -> bool:
+        """Whether the model's layers run compiled on `device` (a torch.device or its type)."""
+        if self.enforce_eager:
+            return False
+        return getattr(device, "type", device) == "cuda" if self.compile is None else self.compile
 
     @property
     def disable_any_whitespace(self) -> bool:

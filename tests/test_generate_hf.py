@@ -63,3 +63,18 @@ def test_text_prompts_match_hf(tiny_models):
         expected = hf_greedy(model, ids, 10)
         assert out.outputs[0].token_ids == expected
         assert out.outputs[0].text == tok.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_name,backend", [("llama", "sdpa"), ("qwen3", "sdpa"), ("qwen2", "sdpa"), ("llama", "flex")]
+)
+def test_compiled_model_matches_hf(tiny_models, prompts, hf_outputs, model_name, backend):
+    """compile=True (fused norms, RoPE, activation; merged q/k/v and gate/up) under preemption and
+    chunked prefill: the same greedy tokens as Hugging Face."""
+    llm = LLM(tiny_models[model_name][0], backend=backend, dtype="float32", compile=True, **ENGINE_SETUPS["pressure"])
+    assert llm.engine.executor.compiled
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_outputs[model_name]
+    assert llm.engine.stats.preemptions > 0

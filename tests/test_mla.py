@@ -195,3 +195,15 @@ def test_speculative_decoding_keeps_the_tokens(mla_models, prompts):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in repetitive], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in repetitive]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", MLA_MODELS)
+def test_compiled_model_matches_hf(mla_models, prompts, model_name):
+    """compile=True: the latent's norms and the interleaved (YaRN) rotary parts fused."""
+    path, hf = mla_models[model_name]
+    llm = LLM(path, backend="sdpa", dtype="float32", compile=True, **SETUPS["pressure"])
+    assert llm.engine.executor.compiled
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]

@@ -264,3 +264,18 @@ def test_gpt_oss_reads_a_shared_prefix_past_its_window(moe_models, backend):
     second = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
     assert second.num_cached_tokens == 32
     assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["qwen3-moe", "deepseek-v3-moe"])
+def test_compiled_model_matches_hf(moe_models, prompts, model_name):
+    """compile=True: the router's scores and top-k (DeepSeek's grouped sigmoid with its bias) compiled."""
+    path, hf = moe_models[model_name]
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", compile=True, **PRESSURE)
+    assert llm.engine.executor.compiled
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]

@@ -110,3 +110,15 @@ def test_windowed_sequences_survive_preemption(variant_models, prompts, hf_outpu
     assert llm.engine.stats.preemptions > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["gemma2", "gemma3"])
+def test_compiled_model_matches_hf(variant_models, prompts, hf_outputs, model_name):
+    """compile=True: Gemma's 1 + w norms around attention and MLP, GeLU-tanh, soft-caps, Gemma 3's
+    q/k norms and local RoPE base, fused — the same greedy tokens as Hugging Face."""
+    llm = LLM(variant_models[model_name][0], backend="sdpa", dtype="float32", compile=True, **SETUPS["pressure"])
+    assert llm.engine.executor.compiled
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_outputs[model_name]

@@ -71,7 +71,7 @@ def _is_aten(name: str) -> bool:
 def _computes(event) -> bool:
     if event.name in NON_COMPUTING:
         return False
-    return event.name not in COMPUTING_IF_CHILDREN or any(_is_aten(c.name) for c in event.cpu_children)
+    return event.name not in COMPUTING_IF_CHILDREN or any(_is_aten(c.name) and _computes(c) for c in event.cpu_children)
 
 
 def _under(event, span: str) -> bool:

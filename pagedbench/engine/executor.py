@@ -68,9 +68,11 @@ class Executor:
         self.workers = Workers(config, ResolvedModel(model_config, model_path), rope_len, self.world) if spawn else None
         try:
             weights = weights_path(model_path, config)
+            self.compiled = config.compiles(self.device)
             self.model = build_model(
-                cfg, weights, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init, self.stage
-            )
+                cfg, weights, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init, self.stage,
+                self.compiled,
+            )  # fmt: skip
             # The draft's weights are in place before the cache is sized from what memory is left.
             draft_model = self._build_draft(rope_len) if self.draft_config is not None else None
             self.num_blocks, self.max_model_len = self._size_kv_cache(backend, max_len_cap)
@@ -156,7 +158,10 @@ class Executor:
         cfg, config = self.draft_config, self.config
         rope_len = min(rope_len, cfg.max_position_embeddings)
         weights = weights_path(self.draft_path, config)
-        return build_model(cfg, weights, self.device, self.dtype, rope_len, config.seed, NO_TP, config.preset_init)
+        return build_model(
+            cfg, weights, self.device, self.dtype, rope_len, config.seed, NO_TP, config.preset_init,
+            compile=config.compiles(self.device),
+        )  # fmt: skip
 
     def _start_draft(self, model: CausalLM) -> ModelRunner:
         """The draft's KV cache: as many pages as the target's, addressed by the same block tables

@@ -3,7 +3,6 @@ tensor-parallel linears and embedding (Hugging Face's module names, so checkpoin
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedbench.backends.base import AttentionBackend, write_kv
+from pagedbench.model import fused
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.parallel import TPShard, all_reduce, shard_param
 
@@ -98,35 +98,60 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         yarn = not local and (cfg.rope_scaling or {}).get("rope_type") == "yarn"
         factor = _yarn(cfg)[1] if yarn else 1.0  # YaRN scales cos and sin (its attention factor)
-        self.register_buffer("cos", emb.cos() * factor, persistent=False)  # [max_positions, rotary_dim] fp32
-        self.register_buffer("sin", emb.sin() * factor, persistent=False)
+        # [max_positions, 2, rotary_dim] fp32: cos and sin side by side, so a step gathers both at once
+        self.register_buffer("cos_sin", torch.stack((emb.cos(), emb.sin()), dim=1) * factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, rotary_dim] for `positions` [T]; gathered once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.cos_sin[positions].to(dtype).unbind(1)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] in the half-split (rotate_half) layout Hugging Face uses."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return fused.rotate(x, cos, sin)
 
 
 class RMSNorm(nn.Module):
-    """Llama's: weight * norm(x) in x's dtype; Gemma's (`offset`): norm(x) * (1 + weight) in fp32."""
+    """Llama's: weight * norm(x) in x's dtype; Gemma's (`offset`): norm(x) * (1 + weight) in fp32.
+    Given the residual stream, it adds first and returns (normed, new residual): one fused kernel
+    when the model is compiled."""
+
+    ops: fused.LayerOps = fused.EAGER  # the model's choice (CausalLM.use_ops)
 
     def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps, self.offset)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+
+
+def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum of out, in] (and bias) holding the rows of `linears`, whose own parameters
+    become views of it: checkpoints still load into q_proj / k_proj / v_proj (or gate_proj /
+    up_proj) by name, tensor-parallel shards included, and one GEMM reads them all (vLLM's stacked
+    parameters, seen from the other side)."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    bias = torch.cat([lin.bias.data for lin in linears]) if linears[0].bias is not None else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        _alias(lin, "weight", weight[start : start + rows])
+        if bias is not None:
+            _alias(lin, "bias", bias[start : start + rows])
+        start += rows
+    return weight, bias
+
+
+def _alias(linear: nn.Linear, name: str, view: torch.Tensor) -> None:
+    old = getattr(linear, name)
+    param = nn.Parameter(view, requires_grad=old.requires_grad)
+    param.__dict__.update(old.__dict__)  # tp_slice and other marks
+    setattr(linear, name, param)
 
 
 def column_parallel(in_features: int, out_features: int, start: int, length: int, bias: bool) -> nn.Linear:
@@ -160,7 +185,11 @@ def row_parallel(
 
 
 class MLP(nn.Module):
-    """A gated MLP of `intermediate_size` (the model's by default; DeepSeek's shared experts' own)."""
+    """A gated MLP of `intermediate_size` (the model's by default; DeepSeek's shared experts' own):
+    gate and up as one GEMM (merged weights) unless the model runs them apart."""
+
+    ops: fused.LayerOps = fused.EAGER
+    merged = True  # CausalLM.use_ops sets the device's choice
 
     def __init__(self, cfg: ModelConfig, tp: TPShard, intermediate_size: int | None = None):
         super().__init__()
@@ -170,10 +199,15 @@ class MLP(nn.Module):
         self.gate_proj = column_parallel(h, n, start, length, bias=False)
         self.up_proj = column_parallel(h, n, start, length, bias=False)
         self.down_proj = row_parallel(n, h, start, length)
-        self.act = F.silu if cfg.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
+        self.gelu = cfg.hidden_act != "silu"  # Gemma's GeLU-tanh
+        self.gate_up_weight, _ = merge_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)), self.tp)
+        if self.merged:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return all_reduce(self.down_proj(self.ops.act_and_mul(gate, up, self.gelu)), self.tp)
 
 
 class VocabParallelEmbedding(nn.Embedding):

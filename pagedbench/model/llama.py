@@ -13,18 +13,20 @@ LM head on the last.
 """
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
 from pagedbench.model.config import ModelConfig
+from pagedbench.model.fused import EAGER, LayerOps
 from pagedbench.model.layers import (
     MLP,
     AttentionContext,
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
-    apply_rope,
     column_parallel,
+    merge_linears,
     row_parallel,
 )
 from pagedbench.model.mla import MLAAttention
@@ -33,7 +35,11 @@ from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, all_
 
 
 class Attention(nn.Module):
-    """This rank's heads: q heads [h0, h0 + H), KV heads [k0, k0 + H_kv) (all of them at tp=1)."""
+    """This rank's heads: q heads [h0, h0 + H), KV heads [k0, k0 + H_kv) (all of them at tp=1).
+    q, k and v as one GEMM over merged weights (merge_linears) unless the model runs them apart."""
+
+    ops: LayerOps = EAGER
+    merged = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
         super().__init__()
@@ -51,15 +57,18 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.norm_eps, self.gemma = cfg.qk_norm, cfg.rms_norm_eps, cfg.gemma
+        self.heads = (self.num_heads, self.num_kv_heads, d)
+        self.qkv_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_weight, self.qkv_bias = merge_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        q = rearrange(self.q_proj(x), "t (h d) -> t h d", d=self.head_dim)
-        k = rearrange(self.k_proj(x), "t (h d) -> t h d", d=self.head_dim)
-        v = rearrange(self.v_proj(x), "t (h d) -> t h d", d=self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.merged:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        q, k, v = self.ops.qkv_rope(q, k, v, *rope, self.heads, *norms, self.norm_eps, self.gemma)
         out = ctx.attend(self.layer_idx, q, k, v, getattr(self, "sinks", None))
         return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
 
@@ -82,12 +91,25 @@ class DecoderLayer(nn.Module):
         if cfg.gemma:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (x, residual), the residual stream carried apart (vLLM's layout) so that
+        each add is fused with the norm after it; the first layer gets residual None."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, ctx)
         if not self.gemma:
-            x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-            return x + self._ffn(self.post_attention_layernorm(x), ctx)
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
-        return x + self.post_feedforward_layernorm(self._ffn(self.pre_feedforward_layernorm(x), ctx))
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self._ffn(x, ctx), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self._ffn(x, ctx)), residual
 
     def _ffn(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """The feed-forward block; an MoE layer's is a "moe" span of the timer."""
@@ -133,12 +155,17 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = self.rotary_emb(positions, x.dtype)
         local = self.rotary_emb_local(positions, x.dtype) if self.local_rope else rope
+        residual = None
         for i in self.own_layers:
-            x = self.layers[i](x, local if self.sliding[i] else rope, ctx)
-        return self.norm(x) if self.stage.last else x
+            x, residual = self.layers[i](x, residual, local if self.sliding[i] else rope, ctx)
+        if residual is None:  # a stage without layers
+            return self.norm(x) if self.stage.last else x
+        return self.norm(x, residual)[0] if self.stage.last else x + residual
 
 
 class CausalLM(nn.Module):
+    ops: LayerOps = EAGER
+
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard = NO_TP, stage: PPStage = WHOLE_MODEL):
         super().__init__()
         self.config, self.tp, self.stage = cfg, tp, stage  # a tp that divides the model (the engine validates it)
@@ -168,4 +195,14 @@ class CausalLM(nn.Module):
             return hidden
         logits = gather_vocab(self.lm_head(hidden[logits_indices]).float(), self.config.vocab_size, self.tp)
         cap = self.config.final_softcap
-        return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap
+        return logits if logits is None or cap is None else self.ops.softcap(logits, cap)
+
+    def use_ops(self, ops: LayerOps, merged: bool = True) -> "CausalLM":
+        """Every layer calls `ops` (eager or compiled, fused.py) and, with `merged`, one GEMM for
+        q/k/v and one for gate/up."""
+        for module in self.modules():
+            if hasattr(type(module), "ops"):
+                module.ops = ops
+            if hasattr(type(module), "merged"):
+                module.merged = merged
+        return self

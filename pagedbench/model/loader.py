@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedbench.model.config import ModelConfig
+from pagedbench.model.fused import ops_for
 from pagedbench.model.gguf import REAL_MODELS, gguf_model_dir, is_gguf
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, full_shape, local_part
@@ -58,10 +59,13 @@ def build_model(
     tp: TPShard = NO_TP,
     preset_init: str = "decisive",
     stage: PPStage = WHOLE_MODEL,
+    compile: bool = False,
 ) -> CausalLM:
     """The model (this rank's shard of it, of pipeline `stage`'s layers), from `path`'s
     safetensors, or with `path` None random weights (`preset_init`: "decisive", see
-    preset_init.py, or "plain" N(0, 0.02)): every shard and stage gets the whole model's values."""
+    preset_init.py, or "plain" N(0, 0.02)): every shard and stage gets the whole model's values.
+    `compile`: the layers' elementwise work under torch.compile (fused.py), with q/k/v and gate/up
+    as one GEMM each (merged_projections)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
     try:
@@ -78,7 +82,13 @@ def build_model(
         _init_random(model, seed)
     else:
         _load_safetensors(model, path)
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).use_ops(ops_for(compile), merged_projections(device, compile))
+
+
+def merged_projections(device: torch.device, compile: bool) -> bool:
+    """One GEMM for q/k/v and one for gate/up: on CUDA (fewer, larger kernels) and wherever the model
+    is compiled; on an eager CPU run apart, where the merged GEMM measured no faster (docs/benchmarks.md)."""
+    return device.type == "cuda" or compile
 
 
 def _whole_model_shapes(model: CausalLM) -> list[tuple[str, tuple]]:

@@ -15,20 +15,17 @@ from einops import rearrange
 from torch import nn
 
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.layers import AttentionContext, RMSNorm, apply_rope, column_parallel, row_parallel
+from pagedbench.model.fused import EAGER, LayerOps
+from pagedbench.model.layers import AttentionContext, RMSNorm, column_parallel, row_parallel
 from pagedbench.model.parallel import TPShard, all_reduce
 
 LORA_NORM_EPS = 1e-6  # transformers builds the q_a / kv_a norms with RMSNorm's default eps, not rms_norm_eps
 
 
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Rotary dims in (even, odd) pairs -> [evens, odds], the half-split layout apply_rope rotates:
-    the same rotation transformers applies to an interleaving checkpoint (rope_interleave)."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-
-
 class MLAAttention(nn.Module):
     """This rank's heads [h0, h0 + H) of a latent-attention layer; the latent is computed in full."""
+
+    ops: LayerOps = EAGER
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
         super().__init__()
@@ -58,9 +55,7 @@ class MLAAttention(nn.Module):
         )
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         k_rope = k_rope[:, None]  # [T, 1, rope]: one key part for every head
-        if m.rope_interleave:
-            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+        q_rope, k_rope = self.ops.latent_rope(q_rope, k_rope, *rope, m.rope_interleave)
         # kv_b_proj's rows per head: W_UK [H, nope, rank], then W_UV [H, v, rank] (views, no copy)
         w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, -1, m.kv_lora_rank).split(
             [m.qk_nope_head_dim, m.v_head_dim], dim=1

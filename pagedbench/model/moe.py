@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedbench.model.config import ModelConfig, MoEConfig
+from pagedbench.model.fused import EAGER, LayerOps
 from pagedbench.model.layers import MLP
 from pagedbench.model.parallel import TPShard, all_reduce, shard_param
 
@@ -89,6 +90,8 @@ class SparseMoE(nn.Module):
     """Router, stacked experts (this rank's part of each one's intermediate dimension) and, for
     DeepSeek, the shared experts: one MLP of n_shared x the expert size, added for every token."""
 
+    ops: LayerOps = EAGER  # the router's scores and top-k compiled with the model (fused.py)
+
     def __init__(self, cfg: ModelConfig, tp: TPShard):
         super().__init__()
         moe, h = cfg.moe, cfg.hidden_size
@@ -129,7 +132,7 @@ class SparseMoE(nn.Module):
             logits = F.linear(x.float(), router.weight.float())
         else:
             logits = router(x)
-        weights, experts = route(moe, logits, getattr(router, "e_score_correction_bias", None))
+        weights, experts = (self.ops.route or route)(moe, logits, getattr(router, "e_score_correction_bias", None))
         order = experts.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
         token, expert = order // moe.top_k, experts.flatten()[order]
         offsets = torch.bincount(experts.flatten(), minlength=moe.num_experts).cumsum(0).to(torch.int32)

@@ -95,8 +95,9 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             config.backend, cfg, config.block_size, device, dtype, tp, config.kv_cache_dtype
         )
         model = build_model(
-            cfg, weights_path(path, config), device, dtype, spec.rope_len, config.seed, tp, config.preset_init, stage
-        )
+            cfg, weights_path(path, config), device, dtype, spec.rope_len, config.seed, tp, config.preset_init, stage,
+            config.compiles(device),
+        )  # fmt: skip
         conn.send(("built",))
         _, (num_blocks, num_cpu_blocks) = conn.recv()
         init_group(device, rank, spec.size, spec.port)  # first: a failure after it cannot leave rank 0 waiting
