@@ -319,6 +319,7 @@ def teacher_forced_logits(
     block_size: int = 16,
     layout_seed: int = 0,
     resolved=None,
+    compile: bool | None = None,
 ) -> torch.Tensor:
     """fp32 logits [steps, B, vocab] of every sequence at the end of its prompt and after each
     forced continuation token: the prompt in two chunks (a chunked prefill), then one decode step
@@ -340,6 +341,7 @@ def teacher_forced_logits(
             block_size=block_size,
             num_blocks=sum(pages) + 8,
             seed=0,
+            compile=compile,
             preset_init="plain",  # soft attention everywhere: the whole model's numerics are compared
         ),
         model=resolved,
@@ -377,10 +379,13 @@ def engine_check(
     num_seqs: int = 4,
     prompt_len: int = 40,
     steps: int = 24,
+    compile: bool | None = None,
 ) -> list[dict]:
     """Each backend's teacher-forced logits against `reference`'s in the same dtype: max abs
     difference, held to ENGINE_FACTOR x that dtype's own noise (reference in the dtype vs in fp32),
-    and top-1 agreement where reference's top-2 gap exceeds the noise."""
+    and top-1 agreement where reference's top-2 gap exceeds the noise. `compile`: the backends'
+    engines run the model compiled (or not; None: the device's default); the reference never is."""
+    from pagedbench.config import EngineConfig
     from pagedbench.model.loader import resolve_model_config
 
     resolved = resolve_model_config(model)  # once for every backend and dtype
@@ -389,13 +394,15 @@ def engine_check(
     prompt_lens = [prompt_len - 7 * i for i in range(num_seqs)]  # ragged, on and off page boundaries
     tokens = [torch.randint(3, vocab, (n + steps,), generator=gen).tolist() for n in prompt_lens]
     rows = []
-    fp32 = teacher_forced_logits(model, "reference", device, torch.float32, tokens, prompt_lens, resolved=resolved)
+    oracle = dict(resolved=resolved, compile=False)
+    fp32 = teacher_forced_logits(model, "reference", device, torch.float32, tokens, prompt_lens, **oracle)
     for dtype in dtypes:
-        expected = teacher_forced_logits(model, "reference", device, dtype, tokens, prompt_lens, resolved=resolved)
+        expected = teacher_forced_logits(model, "reference", device, dtype, tokens, prompt_lens, **oracle)
         noise = max(float((expected - fp32).abs().max()), ENGINE_NOISE_FLOOR)
         top2 = expected.topk(2, dim=-1).values
         decisive = (top2[..., 0] - top2[..., 1]) > 2 * noise
-        case = f"engine {model} teacher-forced {dtype_name(dtype)}"
+        compiled = EngineConfig(model=model, compile=compile).compiles(device)
+        case = f"engine {model} teacher-forced {dtype_name(dtype)}" + (" compiled" if compiled else "")
         head = {
             "case": case,
             "batch": "engine",
@@ -410,7 +417,7 @@ def engine_check(
             row = {**head, "backend": name}
             try:
                 got = teacher_forced_logits(
-                    model, name, device, dtype, tokens, prompt_lens, layout_seed=1, resolved=resolved
+                    model, name, device, dtype, tokens, prompt_lens, layout_seed=1, resolved=resolved, compile=compile
                 )
             except ValueError as e:  # unavailable here: the engine says why
                 rows.append({**row, "status": "skipped", "reason": str(e)})

@@ -3,6 +3,7 @@ each with the same KV budget and engine limits; warmup, then measured runs."""
 
 import dataclasses
 import gc
+import logging
 import statistics
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.bench.peers import HFContinuousBatching, peer_provider, peer_unavailable_reason
 from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, model_requests
+from pagedbench.bench.step_profile import profile_decode
 from pagedbench.config import EngineConfig, speculation_label
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.engine.data_parallel import make_engine
@@ -27,6 +29,8 @@ from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.moe import experts_kernel
 from pagedbench.model.parallel import TPShard
 from pagedbench.worker.model_runner import kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -141,6 +145,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         **st.time_columns(),
         **device_columns(device, sum(st.time.values())),
         "time_backend_compile_s": counters.compile_seconds,  # 0 after a warmup run
+        "time_model_compile_s": counters.model_compile_seconds,  # torch.compile of the layers (fused.py)
         "cuda_graphs": engine.cuda_graphs,  # "on: sizes, capture time, MiB" or "off: why"
         "prefix_cache_queries": counters.prefix_queries,  # prompt tokens looked up
         "prefix_cache_hits": counters.prefix_hits,  # of which cached
@@ -248,13 +253,38 @@ def run_backend(
                 f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
                 f"of {engine.num_blocks} blocks x {scenario.block_size}); lower --scale"
             )
+        compile_seconds = 0.0
         if warmup:
+            engine.reset_counters()
             drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
-        return engine.max_model_len, [
-            measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)
-        ]
+            compile_seconds = engine.run_counters().model_compile_seconds
+        runs = [measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)]
+        launched = decode_launches(engine, max(m.row["peak_running_seqs"] for m in runs), scenario.block_size)
+        for i, m in enumerate(runs):
+            m.row.update(launched, compile=engine.config.compiles(engine.device))
+            if i == 0:  # the model's compile time lands in the first run it happened in
+                m.row["time_model_compile_s"] += compile_seconds
+        return engine.max_model_len, runs
     finally:
         engine.shutdown()
+
+
+def decode_launches(engine, batch: int, context: int) -> dict:
+    """kernels_per_step / kernels_per_layer: what one decode step of `batch` sequences launches,
+    device kernels on CUDA, dispatched operations on CPU (step_profile.py). Profiled after the
+    timed runs, on the same engine; NaN where the step cannot be profiled in this process (data,
+    pipeline or tensor parallelism: the other ranks' work is elsewhere) or does not fit."""
+    empty = {"kernels_per_step": np.nan, "kernels_per_layer": np.nan}
+    if not hasattr(engine, "executor") or engine.world_size > 1:
+        return empty
+    per_seq = -(-(context + 8) // engine.config.block_size)
+    batch = max(1, min(batch, engine.num_blocks // per_seq, engine.config.max_num_seqs))
+    try:
+        profile = profile_decode(engine, batch, context, steps=2, warmup=1)
+    except (RuntimeError, ValueError) as e:
+        logger.warning("kernels per step not profiled: %s", e)
+        return empty
+    return {"kernels_per_step": profile.per_step, "kernels_per_layer": profile.per_layer}
 
 
 def compare(

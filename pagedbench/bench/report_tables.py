@@ -19,6 +19,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
         "pipeline_parallel_size",
         "data_parallel_size",
         "enforce_eager",
+        "compile",
         "speculative",
         "structured",
         "moe_kernel",
@@ -62,6 +63,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "attention % of forward": _pct(med, "attention_share"),
             **_moe(med),
             "overhead %": _pct(med, "engine_overhead_share"),
+            **_launches(med),
             "identical tokens": med["identical_token_share"].round(4),
         }
     )
@@ -94,6 +96,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "attention % of forward": _pct(ok, "attention_share"),
             **_moe(ok),
             "overhead %": _pct(ok, "engine_overhead_share"),
+            **_launches(ok),
             **_graphs(ok),
         }
     )
@@ -202,6 +205,17 @@ def _kv_storage(df: pd.DataFrame) -> dict[str, pd.Series]:
 def spec_labels(df: pd.DataFrame) -> pd.Series:
     """The speculative setting of each row ("off" where none, or in a CSV from before it)."""
     return df["speculative"].astype(object).fillna("off").astype(str)
+
+
+def _launches(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Whether the model ran compiled and what one decode step launched (kernels on CUDA, operations
+    on CPU), where the CSV has them."""
+    if "kernels_per_step" not in df:
+        return {}
+    out = {"kernels/step": df["kernels_per_step"].round().astype("Int64")}
+    if "compile" in df:
+        out = {"compiled": df["compile"].map({True: "yes", False: "no"})} | out
+    return out
 
 
 def _graphs(df: pd.DataFrame) -> dict[str, pd.Series]:

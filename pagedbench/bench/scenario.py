@@ -36,6 +36,7 @@ ENGINE_FIELDS = (
     "pipeline_parallel_size",
     "data_parallel_size",
     "enforce_eager",
+    "compile",
     "distributed_executor_backend",
     "kv_cache_dtype",
     "speculative_config",
@@ -91,6 +92,7 @@ class Scenario:
     pipeline_parallel_size: int = 1  # stages the layers are split over (each keeps its layers' num_blocks pages)
     data_parallel_size: int = 1  # engine replicas, num_blocks pages each; requests go to the least loaded
     enforce_eager: bool = False  # no CUDA graphs (how the engine runs, not what: outside the hash)
+    compile: bool | None = None  # the model's layers under torch.compile (None: the device's default); outside too
     # mp (spawned tensor-parallel workers) or external_launcher (under torchrun): outside the hash too
     distributed_executor_backend: str = "mp"
     # "random" token ids (vLLM's random dataset); "python-source": held-out Python source as
@@ -231,10 +233,11 @@ class Scenario:
     def content_hash(self) -> str:
         """sha256 of the canonical form: every field but name and description, sorted keys,
         the KV budget in blocks however it was given (the tensor, pipeline and data parallel sizes
-        only when > 1, so hashes from before they existed still match; enforce_eager and
+        only when > 1, so hashes from before they existed still match; enforce_eager, compile and
         distributed_executor_backend never: the workload is the same)."""
         content = dataclasses.asdict(self) | {"num_blocks": self.kv_blocks, "kv_tokens": None}
-        del content["name"], content["description"], content["enforce_eager"], content["distributed_executor_backend"]
+        for how in ("name", "description", "enforce_eager", "compile", "distributed_executor_backend"):
+            del content[how]
         for size in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if content[size] == 1:
                 del content[size]

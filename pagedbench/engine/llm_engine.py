@@ -29,6 +29,7 @@ from pagedbench.engine.speculator import Speculator
 from pagedbench.engine.stats import EngineStats, RunCounters, wasted_slots
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.engine.token_picker import TokenPicker
+from pagedbench.model.fused import dynamo_seconds
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
 from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams
@@ -183,18 +184,21 @@ class LLMEngine:
         self.stats.reset()
         self.timer.reset()
         bm = self.block_manager
-        self._counted_from = (bm.prefix_queries, bm.prefix_hits, self.backend.compile_seconds)
+        self._counted_from = (bm.prefix_queries, bm.prefix_hits, self.backend.compile_seconds, dynamo_seconds())
 
     def run_counters(self) -> RunCounters:
         """The counters since reset_counters()."""
-        queries, hits, compiled = getattr(self, "_counted_from", (0, 0, 0.0))
+        queries, hits, compiled, dynamo = getattr(self, "_counted_from", (0, 0, 0.0, 0.0))
         bm = self.block_manager
+        backend = self.backend.compile_seconds - compiled
         return RunCounters(
             self.stats,
             self.timer.totals(),
             bm.prefix_queries - queries,
             bm.prefix_hits - hits,
-            self.backend.compile_seconds - compiled,
+            backend,
+            # torch.compile's time in this process, less a compiling backend's own (flex's kernels)
+            max(0.0, dynamo_seconds() - dynamo - backend) if self.executor.compiled else 0.0,
         )
 
     # ---- requests -------------------------------------------------------------------------
@@ -271,11 +275,12 @@ class LLMEngine:
         """Run, before the first real request, what a serving step can need: a full chunk of
         prefill (max_num_batched_tokens, as vLLM's profile run) beside a few short prompts, then
         their decodes together. Compiled backends (flex) build their graphs and lazy initialisation
-        happens here, not in the first requests' latency. It leaves no trace: its requests finish,
+        happens here, not in the first requests' latency
+        (the compiled model's too, fused.py). It leaves no trace: its requests finish,
         and the stats and the cached prefixes are reset. Returns (seconds, of which compiling)."""
         if self.has_unfinished_requests():
             raise ValueError("warm_up runs on an idle engine, before requests are added")
-        start, compiled = time.perf_counter(), self.backend.compile_seconds
+        start, compiled, dynamo = time.perf_counter(), self.backend.compile_seconds, dynamo_seconds()
         vocab = self.model_config.vocab_size
         long_len = max(1, min(self.config.max_num_batched_tokens, self.max_model_len - 4))
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, detokenize=False)
@@ -286,7 +291,9 @@ class LLMEngine:
             self.step()
         self.stats.reset()
         self.reset_prefix_cache()
-        return time.perf_counter() - start, self.backend.compile_seconds - compiled
+        backend = self.backend.compile_seconds - compiled
+        model = max(0.0, dynamo_seconds() - dynamo - backend) if self.executor.compiled else 0.0
+        return time.perf_counter() - start, backend + model
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

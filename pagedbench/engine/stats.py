@@ -132,6 +132,7 @@ class RunCounters:
     prefix_queries: int = 0
     prefix_hits: int = 0
     compile_seconds: float = 0.0
+    model_compile_seconds: float = 0.0  # torch.compile of the model's layers (fused.py), this process's
 
     @classmethod
     def merge(cls, parts: list["RunCounters"]) -> "RunCounters":
@@ -166,6 +167,7 @@ class RunCounters:
             sum(p.prefix_queries for p in parts),
             sum(p.prefix_hits for p in parts),
             sum(p.compile_seconds for p in parts),
+            sum(p.model_compile_seconds for p in parts),
         )
 
 

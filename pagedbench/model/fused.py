@@ -1,6 +1,6 @@
 """The elementwise work around a layer's GEMMs and its attention call, as plain functions that
 torch.compile fuses: a residual add with the RMSNorm after it, q/k norms with RoPE (and the split
-of a merged QKV), the activation times the gate, a router's scores, the logits' soft-cap.
+of a merged QKV), the activation times the gate, the latent's RoPE, the logits' soft-cap (and an MoE router, moe.py).
 
 Eager, each is the handful of ATen ops Hugging Face runs; compiled (inductor: Triton on CUDA, C++
 on CPU), each is one kernel or two. The attention backend is never inside a compiled function
@@ -99,7 +99,6 @@ class LayerOps:
     act_and_mul: Callable = act_and_mul
     softcap: Callable = softcap
     latent_rope: Callable = latent_rope
-    route: Callable | None = None  # the MoE router's scores and top-k (moe.route), set by moe.py's users
 
 
 EAGER = LayerOps(compiled=False)
@@ -114,14 +113,25 @@ def _compile(fn: Callable) -> Callable:
 @functools.cache
 def compiled_ops() -> LayerOps:
     """Every fusable function under torch.compile (compiled lazily, at its first call; inductor's
-    cache on disk, see cache_dir(), makes later processes' compiles a lookup)."""
-    from pagedbench.model.moe import route
-
+    cache on disk, see cache_dir(), makes later processes' compiles a lookup). An MoE layer compiles
+    its router alongside (moe.compiled_route)."""
     # A layer calls each function once per step; with 28+ layers and several dtypes/shapes the
     # default of 8 graphs per function is near, and hitting it would silently run eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     fns = {name: _compile(globals()[name]) for name in FUSABLE}
-    return LayerOps(compiled=True, route=torch.compile(route, dynamic=True), **fns)
+    return LayerOps(compiled=True, **fns)
+
+
+def compile_function(fn: Callable) -> Callable:
+    """`fn` compiled as the fused functions are (for a layer's own elementwise work, e.g. a router)."""
+    return _compile(fn)
+
+
+def dynamo_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process so far (every caller's)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", ()))
 
 
 def cache_dir() -> str:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedbench.model.config import ModelConfig, MoEConfig
-from pagedbench.model.fused import EAGER, LayerOps
+from pagedbench.model.fused import EAGER, LayerOps, compile_function
 from pagedbench.model.layers import MLP
 from pagedbench.model.parallel import TPShard, all_reduce, shard_param
 
@@ -57,6 +57,12 @@ def route(moe: MoEConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tu
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+@functools.cache
+def compiled_route():
+    """route() under torch.compile (the model's compiled layers call it): scores, group masks and top-k fused."""
+    return compile_function(route)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -132,7 +138,8 @@ class SparseMoE(nn.Module):
             logits = F.linear(x.float(), router.weight.float())
         else:
             logits = router(x)
-        weights, experts = (self.ops.route or route)(moe, logits, getattr(router, "e_score_correction_bias", None))
+        router_fn = compiled_route() if self.ops.compiled else route
+        weights, experts = router_fn(moe, logits, getattr(router, "e_score_correction_bias", None))
         order = experts.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
         token, expert = order // moe.top_k, experts.flatten()[order]
         offsets = torch.bincount(experts.flatten(), minlength=moe.num_experts).cumsum(0).to(torch.int32)

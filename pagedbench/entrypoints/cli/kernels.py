@@ -1,6 +1,7 @@
 """`pagedbench kernels`, `check` and `backends`: the attention backends on their own -- timed on a
 grid, held to a dense oracle, and what each runs here."""
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -86,7 +87,7 @@ def cmd_check(args) -> int:
         if not reporting_rank():  # under torchrun: rank 0 has every rank's rows (and runs the engine check)
             return 0
         if args.engine or args.full:
-            log += engine_check(backends, device, dtypes, model=args.model or "tiny-llama")
+            log += engine_check(backends, device, dtypes, model=args.model or "tiny-llama", compile=args.compile)
     rows = list(log)
     print(
         f"device {env['device_name']}, torch {torch.__version__}, {'full' if args.full else 'quick'} grid, "
@@ -213,6 +214,13 @@ def register(sub) -> None:
     )
     chk.add_argument(
         "--model", default=None, help="model of --engine (default tiny-llama) and --kv-cache-dtype (py-byte-target)"
+    )
+    chk.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--engine: each backend's model compiled (fused.py) or not, against the eager reference "
+        "(default: on for CUDA, off on CPU)",
     )
     chk.add_argument(
         "--kv-cache-dtype",

@@ -68,7 +68,15 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="no CUDA graphs: every step eager (default: graphs where the backend allows them, on CUDA)",
+        help="no CUDA graphs and no compiled model: every step eager (default: graphs where the backend allows "
+        "them, on CUDA)",
+    )
+    overrides.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the model's layers under torch.compile, attention opaque (default: on for CUDA, off on CPU; "
+        "--enforce-eager turns it off)",
     )
     helps = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineConfig)} | {
         "num_blocks": "KV pages, the same for every backend",
@@ -112,7 +120,8 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         '{"regex": "..."}, {"choice": [...]}, {"grammar": "..."}; "off" for none (default: the scenario\'s)',
     )
     for flag in SCENARIO_OVERRIDES:
-        special = ("model", "enable_prefix_caching", "enforce_eager", "distributed_executor_backend", "kv_cache_dtype")
+        special = ("model", "enable_prefix_caching", "enforce_eager", "compile", "distributed_executor_backend")
+        special += ("kv_cache_dtype",)
         special += ("speculative_config",)
         if flag not in (*special, "speculation_baseline", "structured_outputs"):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
