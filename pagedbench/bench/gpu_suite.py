@@ -59,7 +59,7 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
     pytest = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-n", "8", "--timeout", "150", "-p", "no:cacheprovider"]
     return [
         SuiteStep("environment", [sys.executable, "-m", "pagedbench.bench.gpu_suite", "environment"], 60, False),
-        SuiteStep("profile-graphs", pagedbench_cmd(*profile, "--out", f"{r}/profile-graphs"), 150),
+        SuiteStep("profile-graphs", pagedbench_cmd(*profile, "--compile", "--out", f"{r}/profile-graphs"), 150),
         SuiteStep("profile-eager", pagedbench_cmd(*profile, "--enforce-eager", "--out", f"{r}/profile-eager"), 120),
         SuiteStep(
             "kernels-decode",

@@ -12,6 +12,7 @@ Counting, so that the figure means the same before and after fusion:
 import contextlib
 import random
 import sys
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -19,6 +20,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
+from pagedbench.bench.environment import synchronize
 from pagedbench.sample.sampling_params import SamplingParams
 
 BACKEND_SPAN = "pagedbench::attention_backend"
@@ -50,6 +52,7 @@ class StepProfile:
     forward: float  # inside the model's forward
     attention: float | None  # inside the attention backend's calls (None: a replayed CUDA graph hides them)
     device_ms_per_step: float | None  # CUDA: the kernels' summed time
+    wall_ms_per_step: float | None = None  # the same steps unprofiled, synchronized before and after
     top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, count per step, ms per step)
 
     @property
@@ -57,11 +60,21 @@ class StepProfile:
         return None if self.attention is None else (self.forward - self.attention) / self.num_layers
 
     @property
+    def busy_share(self) -> float | None:
+        """Device time over wall time of a step (CUDA): under 1, the GPU waits on the host."""
+        if self.device_ms_per_step is None or not self.wall_ms_per_step:
+            return None
+        return self.device_ms_per_step / self.wall_ms_per_step
+
+    @property
     def per_layer(self) -> float:
         return self.forward / self.num_layers
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"outside_attention_per_layer": self.outside_attention_per_layer}
+        return asdict(self) | {
+            "outside_attention_per_layer": self.outside_attention_per_layer,
+            "busy_share": self.busy_share,
+        }
 
 
 def _is_aten(name: str) -> bool:
@@ -161,7 +174,7 @@ def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
         replayed_or_forward = [op.name == "cudaGraphLaunch" or _under(op, FORWARD_SPAN) for op in launched_by if op]
         forward = [True for f in replayed_or_forward if f]
         attention = None if graph else [op for op in launched_by if op is not None and _under(op, BACKEND_SPAN)]
-        device_ms = sum(e.device_time for e in counted) / 1e3 / steps
+        device_ms = sum(e.time_range.elapsed_us() for e in counted) / 1e3 / steps
     else:
         counted = [e for e in events if _is_aten(e.name) and _top_level_aten(e) and _computes(e)]
         forward = [e for e in counted if _under(e, FORWARD_SPAN)]
@@ -171,7 +184,7 @@ def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
     by_name: Counter = Counter(e.name for e in counted)
     times: Counter = Counter()
     for e in counted:
-        times[e.name] += (e.device_time if cuda else e.cpu_time_total) / 1e3
+        times[e.name] += (e.time_range.elapsed_us() if cuda else e.cpu_time_total) / 1e3
     if compiled:
         by_name["inductor C++ kernel"] += compiled
     return StepProfile(
@@ -211,14 +224,22 @@ def steady_decode(engine, batch: int, context: int, seed: int = 0) -> None:
 
 
 def profile_decode(engine, batch: int, context: int, steps: int = 3, warmup: int = 2, top: int = 15) -> StepProfile:
-    """Steady decode at `batch` x `context`, `warmup` unprofiled steps, then `steps` profiled ones;
-    the requests are aborted after."""
+    """Steady decode at `batch` x `context`, `warmup` unprofiled steps, `steps` timed ones, then
+    `steps` profiled ones; the requests are aborted after."""
     before = set(engine.requests)
     steady_decode(engine, batch, context)
     try:
         for _ in range(warmup):
             engine.step()
-        return profile_steps(engine, steps, top)
+        synchronize(engine.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        synchronize(engine.device)
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+        profile = profile_steps(engine, steps, top)
+        profile.wall_ms_per_step = wall_ms
+        return profile
     finally:
         engine.abort_request([r for r in list(engine.requests) if r not in before])
         while engine.has_unfinished_requests() and not before:

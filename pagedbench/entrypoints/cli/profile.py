@@ -1,6 +1,7 @@
 """`pagedbench profile`: what one steady decode step launches, per backend and batch size: kernels
 (CUDA) or operations (CPU) per step and per layer outside attention, device time, top kernels."""
 
+import argparse
 import json
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def cmd_profile(args) -> None:
             max_model_len=context + args.steps + args.warmup + 64,
             num_blocks=args.num_blocks,
             enforce_eager=args.enforce_eager,
+            compile=args.compile,
             enable_prefix_caching=False,
         )
         engine = make_engine(config)
@@ -49,7 +51,8 @@ def cmd_profile(args) -> None:
                         "provider": probe(type(primary), device, dtype, cfg.head_dim, config.block_size)[0],
                         "device": device_name(device),
                         "dtype": str(dtype).removeprefix("torch."),
-                        "cuda_graphs": cuda and not args.enforce_eager,
+                        "cuda_graphs": engine.cuda_graphs.split(":")[0] if cuda else "off",
+                        "compile": config.compiles(device),
                         "batch": batch,
                         "context": context,
                         "unit": p.unit,
@@ -58,6 +61,8 @@ def cmd_profile(args) -> None:
                         "attention_per_step": p.attention,
                         "outside_attention_per_layer": p.outside_attention_per_layer,
                         "device_ms_per_step": p.device_ms_per_step,
+                        "wall_ms_per_step": p.wall_ms_per_step,
+                        "busy_share": p.busy_share,
                         "git_sha": git_sha(),
                     }
                 )
@@ -96,7 +101,13 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=2, help="decode steps before the profiled ones")
     p.add_argument("--top", type=int, default=15, help="kernels listed per profile")
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs and no compiled model")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the model's layers compiled (default: on for CUDA, off on CPU)",
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", default=None, help="directory for profile.csv / profile.md (default: print only)")
