@@ -16,6 +16,7 @@ page table); forward() runs them through one compiled function (`flex_compile`: 
 PAGEDBENCH_FLEX_COMPILE, PAGEDBENCH_FLEX_KERNEL=flash).
 """
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,12 +36,22 @@ from pagedbench.backends.flex_compile import (
 )
 from pagedbench.backends.flex_masks import MIN_KV_BLOCK, MIN_TOKEN_CAPACITY, PagedBlockMasks
 from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, plan_calls, sequence_pages
+from pagedbench.backends.flex_tune import (
+    DecodeOptionsCache,
+    DecodeShape,
+    cuda_seconds,
+    current_gpu,
+    describe,
+    tune_enabled,
+    tuned_decode_options,
+)
 from torch.nn.attention.flex_attention import BlockMask
 
 from pagedbench.device.transfer import to_device
 
 __all__ = ["FlexBackend", "FlexCall", "FlexState", "MAX_DECODE_QUERY", "MIN_TOKEN_CAPACITY", "compile_stats"]
 
+logger = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
 RECOMPILE_LIMIT = 256  # graphs of the compiled function; one more raises instead of running flex unfused
 
@@ -102,6 +113,9 @@ class FlexBackend(AttentionBackend):
         # Triton's minimum tile, so small pages share a KV block; the mask_mod maps each slot to its page.
         self.kv_block_size = max(block_size, MIN_KV_BLOCK)
         self.kernel_options = kernel_options(self.device, self.q_block_size, self.kv_block_size)
+        # Decode options searched per static batch (flex_tune.py), on CUDA where flex is compiled.
+        self.tuned_decode = cuda and self.compiled and tune_enabled()
+        self.decode_options: dict[int, dict] = {}
         # flex's decoding kernel splits a row's KV blocks across thread blocks only when the mask has no
         # full blocks (with full blocks it splits the whole cache length), so on CUDA decodes are all masked.
         self.decode_full_blocks = not cuda
@@ -158,7 +172,17 @@ class FlexBackend(AttentionBackend):
             flash = kernel_choice() == "flash" and (device is None or torch.device(device).type == "cuda")
         except ValueError:
             flash = False
-        return f"torch {torch.__version__} flex {mode}" + (", FA4 prefill kernels (BACKEND=FLASH)" if flash else "")
+        text = f"torch {torch.__version__} flex {mode}" + (", FA4 prefill kernels (BACKEND=FLASH)" if flash else "")
+        if mode == "compiled" and not cpu:
+            text += ", decode options tuned per batch" if tune_enabled() else ", decode options untuned"
+        return text
+
+    @property
+    def decode_options_used(self) -> str:
+        """The decode kernel options each static batch ran with so far ("batch 64: stages 3, ...")."""
+        if not self.decode_options:
+            return describe(self.kernel_options["decode"]) if self.device.type == "cuda" else ""
+        return "; ".join(f"batch {b}: {describe(o)}" for b, o in sorted(self.decode_options.items()))
 
     # --- prepare: once per step ----------------------------------------------------------------
 
@@ -262,7 +286,7 @@ class FlexBackend(AttentionBackend):
 
     def _attend(self, x, k, v, call: FlexCall, state: FlexState, sinks) -> torch.Tensor:
         sinks = self._sinks(sinks, call)
-        args = (x, k, v, call.block_mask, self.scale, self.kernel_options[call.kind], self.score_mod, sinks)
+        args = (x, k, v, call.block_mask, self.scale, self._options(call, x, k, v, sinks), self.score_mod, sinks)
         if not self.compiled:
             return attend(*args)
         if state.shapes_seen:  # only the step's first layer can miss the compile cache
@@ -270,6 +294,36 @@ class FlexBackend(AttentionBackend):
         y, seconds = attend_compiling(call.kind, args, RECOMPILE_LIMIT)
         self.compile_seconds += seconds
         return y
+
+    def _options(self, call: FlexCall, x, k, v, sinks) -> dict | None:
+        """The call's kernel_options: on CUDA a decode's are searched once per static batch on its
+        own inputs (flex_tune.py; cached on disk, PAGEDBENCH_FLEX_TUNE=0 turns it off), never
+        inside a CUDA-graph capture (the engine's warm-up before capture has run the search)."""
+        base = self.kernel_options[call.kind]
+        if call.kind != "decode" or not self.tuned_decode:
+            return base
+        found = self.decode_options.get(call.batch)
+        if found is not None:
+            return found
+        if torch.cuda.is_current_stream_capturing():
+            return base
+        name, sms = current_gpu(self.device)
+        shape = DecodeShape(name, torch.__version__, self.num_heads, self.num_kv_heads, self.head_dim,
+                            self.block_size, str(self.dtype).removeprefix("torch."), call.batch)  # fmt: skip
+
+        def seconds(options: dict) -> float:
+            args = (x, k, v, call.block_mask, self.scale, options, self.score_mod, sinks)
+            try:
+                attend_compiling(call.kind, args, RECOMPILE_LIMIT)
+            except Exception as e:  # a candidate the template cannot build (shared memory, tile)
+                logger.debug("flex: decode candidate %s failed: %s", options, e)
+                return float("inf")
+            return cuda_seconds(lambda: attend_compiled(*args))
+
+        found, spent = tuned_decode_options(shape, base, self.kv_block_size, sms, seconds, DecodeOptionsCache())
+        self.compile_seconds += spent  # the search is compile time, never a step's
+        self.decode_options[call.batch] = found
+        return found
 
     # --- diagnostics ---------------------------------------------------------------------------
 

@@ -65,7 +65,14 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
             "kernels-decode",
             pagedbench_cmd("kernels", *decode, "--block-sizes", "16,64,128", "--backends", "sdpa,flex,triton")
             + ["--out", f"{r}/kernels-decode"],
-            180,
+            240,
+        ),
+        SuiteStep(
+            "kernels-flex-untuned",
+            pagedbench_cmd("kernels", *decode, "--block-sizes", "16,64,128", "--backends", "flex")
+            + ["--out", f"{r}/kernels-decode-flex-untuned"],
+            120,
+            env={"PAGEDBENCH_FLEX_TUNE": "0"},
         ),
         SuiteStep(
             "compare-mixed",

@@ -426,6 +426,8 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
         "prepare_median_ms": 1e3 * statistics.median(prepare),
         **_forward_columns(forward_times, point),
         "tile_efficiency": efficiency(state) if efficiency else float("nan"),
+        # flex on CUDA: the decode kernel options it ran with (searched per batch, or the defaults)
+        "kernel_options": getattr(backend, "decode_options_used", ""),
     }
 
 

@@ -143,6 +143,7 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "vs_dense",
     "tflops",
     "tile_efficiency",
+    "kernel_options",
 ]
 CHECK_COLUMNS = ENVIRONMENT + [
     "case",
