@@ -110,3 +110,10 @@ def test_profile_counts_a_decode_step_outside_and_inside_attention(tmp_path, cap
     assert 10 < row["outside_attention_per_layer"] < 80
     assert row["attention_per_step"] > 0 and row["per_step"] > row["attention_per_step"]
     assert "Top ops: sdpa batch 4" in (tmp_path / "profile.md").read_text()
+
+
+def test_kernels_cuda_graphs_is_refused_without_cuda(capsys):
+    rc = main(["kernels", "--cuda-graphs", "--backends", "sdpa", "--device", "cpu", "--batch-sizes", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "pagedbench: error: --cuda-graphs captures CUDA graphs: it needs a CUDA device (device is cpu)"

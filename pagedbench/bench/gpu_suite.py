@@ -68,6 +68,12 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
             240,
         ),
         SuiteStep(
+            "kernels-decode-graphs",
+            pagedbench_cmd("kernels", *decode, "--block-sizes", "16", "--backends", "sdpa,flex,triton")
+            + ["--cuda-graphs", "--out", f"{r}/kernels-decode-graphs"],
+            150,
+        ),
+        SuiteStep(
             "kernels-flex-untuned",
             pagedbench_cmd("kernels", *decode, "--block-sizes", "16,64,128", "--backends", "flex")
             + ["--out", f"{r}/kernels-decode-flex-untuned"],

@@ -73,6 +73,9 @@ class KernelGrid:
     query_lens: list[int] = field(default_factory=lambda: [1])
     # How pages are stored (kv_cache_dtype): each backend that reads quantized pages is timed on them too.
     kv_cache_dtypes: list[str] = field(default_factory=lambda: ["auto"])
+    # Time each backend's forward captured in a CUDA graph and replayed, as the engine's decode
+    # graphs run it: small batches then measure kernels, not a Python launch.
+    cuda_graphs: bool = False
 
     def validate(self) -> None:
         for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
@@ -266,6 +269,8 @@ def run_kernels(
     torchrun each rank times every world-th point and rank 0 appends every rank's, in grid order."""
     grid.validate()
     dev, dt = resolve_device_dtype(device, dtype)
+    if grid.cuda_graphs and dev.type != "cuda":
+        raise ValueError(f"--cuda-graphs captures CUDA graphs: it needs a CUDA device (device is {dev})")
     env = environment(dev, dt)
     copy_gbps = copy_bandwidth(dev)
     peak_gbps, peak_source = peak_bandwidth(dev, copy_gbps)
@@ -419,7 +424,10 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
         forward(state)  # a JIT-compiling first call is never timed
     prepare = time_call(lambda: backend.prepare(batch.metadata), device, grid.warmup, grid.repeats)
     state = backend.prepare(batch.metadata)
-    forward_times = time_kernel(lambda: forward(state), device, grid.warmup, grid.repeats)
+    timed, graphed = (lambda: forward(state)), ""
+    if grid.cuda_graphs:
+        timed, graphed = _graphed(forward, state, backend)
+    forward_times = time_kernel(timed, device, grid.warmup, grid.repeats)
     efficiency = getattr(backend, "tile_efficiency", None)  # flex: share of computed scores its mask keeps
     return {
         "prepare_min_ms": 1e3 * min(prepare),
@@ -428,7 +436,24 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
         "tile_efficiency": efficiency(state) if efficiency else float("nan"),
         # flex on CUDA: the decode kernel options it ran with (searched per batch, or the defaults)
         "kernel_options": getattr(backend, "decode_options_used", ""),
+        "cuda_graphs": graphed or ("replayed" if grid.cuda_graphs else "off"),
     }
+
+
+def _graphed(forward, state, backend) -> tuple:
+    """(a replay of `forward(state)` captured in a CUDA graph, "") or, where capture fails (a host
+    sync in the forward, say), (the eager call, "not graphed: why")."""
+    try:
+        forward(state)  # lazy initialisation and JIT compiles happen outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = forward(state)
+    except Exception as e:  # a backend that cannot be captured is timed eagerly, and says so
+        torch.cuda.synchronize()
+        return (lambda: forward(state)), f"not graphed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    backend._graph_keepalive = (graph, out, state)  # what the replays write must outlive the capture
+    return graph.replay, ""
 
 
 def _time_dense(spec, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:

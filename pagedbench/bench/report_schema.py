@@ -144,6 +144,7 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "tflops",
     "tile_efficiency",
     "kernel_options",
+    "cuda_graphs",
 ]
 CHECK_COLUMNS = ENVIRONMENT + [
     "case",

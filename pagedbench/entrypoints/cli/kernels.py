@@ -48,6 +48,7 @@ def cmd_kernels(args) -> None:
     for name in ("head_dim", "max_kv_tokens", "max_query_tokens", "warmup", "repeats"):
         if getattr(args, name) is not None:
             setattr(grid, name, getattr(args, name))
+    grid.cuda_graphs = args.cuda_graphs
     stem = report_stem(args.out, "kernels", args.overwrite)
     # Under torchrun, rank 0 alone writes the CSV (the others hand it their rows).
     log = CsvLog(args.out, stem, "kernels", "kernels") if reporting_rank() else []
@@ -191,6 +192,12 @@ def register(sub) -> None:
     kern.add_argument("--max-query-tokens", type=int, help="skip grid points with more query tokens than this")
     kern.add_argument("--warmup", type=int)
     kern.add_argument("--repeats", type=int)
+    kern.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="time each forward captured in a CUDA graph and replayed, as the engine's decode graphs run it "
+        "(rows say cuda_graphs; a backend that cannot be captured is timed eagerly and says why)",
+    )
     kern.add_argument("--device", default=None)
     kern.add_argument("--dtype", default=None)
     kern.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
