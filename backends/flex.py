@@ -173,7 +173,7 @@ class FlexBackend(AttentionBackend):
         except ValueError:
             flash = False
         text = f"torch {torch.__version__} flex {mode}" + (", FA4 prefill kernels (BACKEND=FLASH)" if flash else "")
-        if mode == "compiled" and not cpu:
+        if mode == "compiled" and device is not None and torch.device(device).type == "cuda":
             text += ", decode options tuned per batch" if tune_enabled() else ", decode options untuned"
         return text
 

@@ -83,7 +83,7 @@ class PagedBlockMasks:
         # variants) share their compiled graphs.
         self._window = torch.tensor(sliding_window or NO_WINDOW, dtype=torch.int32, device=device)
         self._buffers: dict[str, torch.Tensor] = {}
-        self._inv_written: tuple[torch.Tensor, ...] | None = None  # (inv, seq, page) entries of the last step
+        self._inv_written: tuple[torch.Tensor, ...] | None = None  # (inv, flat index) entries of the last step
 
     def _buffer(self, name: str, shape: tuple[int, ...], fill: int = 0) -> torch.Tensor:
         """A persistent int32 buffer of at least `shape`, reallocated (filled) only to grow."""
@@ -105,11 +105,14 @@ class PagedBlockMasks:
         inv = self._buffer(
             "inv", (capacity(num_seqs, MIN_ROW_CAPACITY), capacity(num_pages, MIN_PAGE_CAPACITY)), fill=-1
         )
+        # Flat indices into the table: one index_fill_ and one index_copy_ (2-D advanced indexing
+        # costs several times more on a CPU for the same entries).
+        flat = seq.long() * inv.shape[1] + block_table[seq, logical].long()
+        table = inv.view(-1)
         if self._inv_written is not None and self._inv_written[0] is inv:  # a regrown table starts all -1
-            inv[self._inv_written[1], self._inv_written[2]] = -1
-        pages = block_table[seq, logical].long()
-        inv[seq, pages] = logical.to(torch.int32)
-        self._inv_written = (inv, seq, pages)
+            table.index_fill_(0, self._inv_written[1], -1)
+        table.index_copy_(0, flat, logical.to(torch.int32))
+        self._inv_written = (inv, flat)
 
     def block_mask(
         self, plan: CallPlan, arrays: CallArrays[torch.Tensor], block_table: torch.Tensor, num_pages: int

@@ -321,7 +321,7 @@ def test_flash_kernel_choice(monkeypatch):
     assert FlexBackend.unavailable_reason("cuda", torch.bfloat16, 128, 16) == (
         "PAGEDBENCH_FLEX_KERNEL=flash: flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')"
     )
-    assert FlexBackend.provider(device="cuda").endswith("flex compiled, FA4 prefill kernels (BACKEND=FLASH)")
+    assert "flex compiled, FA4 prefill kernels (BACKEND=FLASH)" in FlexBackend.provider(device="cuda")
     assert FlexBackend.provider(device="cpu").endswith("flex compiled")
     monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "cutlass")
     assert FlexBackend.unavailable_reason("cpu", torch.float32, 64, 16) == (
