@@ -136,6 +136,8 @@ def test_server_with_two_replicas(tiny_models):
     try:
         import openai
 
+        idle = metrics(url)  # a scrape before the first request: zeros, not a 500
+        assert idle["vllm:num_requests_running"] == idle["vllm:generation_tokens_total"] == 0
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         answers = [client.completions.create(model=path, prompt=f"hello {i}", max_tokens=5) for i in range(3)]
         assert all(a.usage.completion_tokens == 5 for a in answers)

@@ -102,13 +102,22 @@ def test_samples_stop_on_their_own(tiny_models):
     [
         (dict(n=0), "n must be >= 1"),
         (dict(n=3, best_of=2), "best_of must be >= n"),
-        (dict(n=2, temperature=0), "needs temperature > 0"),
         (dict(n=1.5), "n must be an int"),
     ],
 )
 def test_bad_n_and_best_of(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         SamplingParams(**kwargs)
+
+
+def test_greedy_n_gives_n_identical_samples(tiny_models):
+    """As vLLM and OpenAI: greedy with n > 1 is accepted, every sample the one greedy answer."""
+    llm = LLM(tiny_models["llama"][0], dtype="float32", device="cpu")
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    one = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    three = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, n=3, ignore_eos=True), use_tqdm=False)
+    assert [c.index for c in three[0].outputs] == [0, 1, 2]
+    assert [c.token_ids for c in three[0].outputs] == [one[0].outputs[0].token_ids] * 3
 
 
 def test_bad_requests_are_refused_before_anything_runs(tiny_models):

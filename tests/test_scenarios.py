@@ -89,7 +89,6 @@ def test_valid_file_parses_with_defaults(tmp_path):
         ({"kv_tokens": None}, "num_blocks or kv_tokens is required"),
         ({"temperature": -1}, "sampling temperature must be >= 0"),
         ({"n": 0}, "sampling n must be >= 1"),
-        ({"n": 2}, "n/best_of > 1 needs temperature > 0"),
         ({"n": 300, "temperature": 1.0}, "n must be <= max_num_seqs (256), got 300"),
         ({"name": "x"}, "name is not a scenario field"),
         ({"prompts": "chat", "shared_prefix_len": 4}, "shared_prefix_len must be 0 with prompts 'chat'"),

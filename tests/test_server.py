@@ -70,8 +70,16 @@ def client(server):
 
 
 def metrics(url) -> dict[str, float]:
+    """Every vllm: series by name (and labels other than model_name, which every one must carry)."""
     text = urllib.request.urlopen(url + "/metrics").read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("vllm:")}
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            name, value = line.rsplit(" ", 1)
+            assert 'model_name="' in name, f"{name}: no model_name label"
+            name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "").replace(",}", "}")
+            series[name] = float(value)
+    return series
 
 
 def wait_idle(url, timeout=30.0) -> dict:
@@ -166,6 +174,10 @@ def test_openai_client_completes_streams_and_chats(client, chat_model, server):
             "(200 in the messages, 400 in the completion)",
         ),
         ({"prompt": "hi", "logprobs": "many"}, 400, "logprobs must be an integer"),
+        ({"prompt": "hi", "stream": "yes"}, 400, "stream must be a boolean"),
+        ({"prompt": "hi", "user": 5}, 400, "user must be a string"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "only allowed when stream is true"),
+        ({"prompt": "hi", "stream": True, "stream_options": 3}, 400, "stream_options must be an object"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, message):
@@ -551,10 +563,36 @@ def test_chat_top_logprobs_and_unstreamable_best_of(client, chat_model, server):
         model=str(chat_model), messages=messages, max_tokens=4, logprobs=True, top_logprobs=3, temperature=1.0
     )
     assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
+    for entry in chat.choices[0].logprobs.content:  # OpenAI's bytes: the token's UTF-8
+        assert entry.bytes == list(entry.token.encode()) and all(
+            t.bytes == list(t.token.encode()) for t in entry.top_logprobs
+        )
     status, body = post(
         server, "/v1/completions", json.dumps({"prompt": "hi", "n": 1, "best_of": 2, "stream": True}).encode()
     )
     assert status == 400 and "best_of != n" in body["error"]["message"]
+
+
+def test_version_and_model_cards_as_vllm_serves_them(server, chat_model):
+    """/version; /v1/models/{id} (404 in OpenAI's shape for another id); `root`, the directory an
+    offline client loads the tokenizer from."""
+    from importlib.metadata import version
+
+    assert json.loads(urllib.request.urlopen(server + "/version").read()) == {"version": version("pagedbench")}
+    headers = {"authorization": f"Bearer {KEY}"}
+    listed = json.loads(urllib.request.urlopen(urllib.request.Request(server + "/v1/models", headers=headers)).read())
+    card = listed["data"][0]
+    assert card["root"] == str(chat_model) and (chat_model / "tokenizer.json").exists()
+    one = urllib.request.Request(server + "/v1/models/" + card["id"].lstrip("/"), headers=headers)
+    assert json.loads(urllib.request.urlopen(one).read())["id"] == card["id"]
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(urllib.request.Request(server + "/v1/models/gpt-9", headers=headers))
+    assert missing.value.code == 404 and json.loads(missing.value.read())["error"]["param"] == "model"
+
+
+def test_greedy_n_is_accepted_as_vllm_does(client, chat_model):
+    out = client.completions.create(model=str(chat_model), prompt="hi", max_tokens=4, n=3, temperature=0)
+    assert len(out.choices) == 3 and len({c.text for c in out.choices}) == 1
 
 
 def test_a_non_streaming_client_that_leaves_aborts_its_requests(server):

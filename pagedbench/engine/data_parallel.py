@@ -35,6 +35,13 @@ from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
 from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError, stop_children
 
+# What every engine's gauges() holds (besides num_blocks and speculation's): a front reports zeros
+# for them until its replicas have sent theirs.
+GAUGE_NAMES = (
+    "running", "waiting", "swapped", "used_blocks", "prompt_tokens", "generation_tokens", "preemptions",
+    "prefix_queries", "prefix_hits",
+)  # fmt: skip
+
 
 def make_engine(config: EngineConfig, logits_processors: list | None = None, model: ResolvedModel | None = None):
     """An LLMEngine, or with data_parallel_size > 1 a DataParallelEngine over that many; `model`
@@ -120,6 +127,7 @@ class DataParallelEngine:
         self.config, self.size = config, config.data_parallel_size
         model = model or resolve_model_config(config.model, need_weights=config.load_format != "dummy")
         self.model_config, path = model
+        self.model_path = path  # the model's directory (weights, tokenizer); None for a preset
         cfg = self.model_config
         self.tokenizer = tokenizer_for(config.tokenizer, path, cfg.vocab_size, cfg.eos_token_ids)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
@@ -223,8 +231,9 @@ class DataParallelEngine:
         return len(self.requests)
 
     def gauges(self) -> dict[str, float]:
-        """The replicas' latest gauges (as each sent them with its last outputs), summed."""
-        summed = {"num_blocks": self.num_blocks}
+        """The replicas' latest gauges (as each sent them with its last outputs), summed; zeros for
+        the ones no replica has sent yet (a scrape before the first request)."""
+        summed = {"num_blocks": self.num_blocks, **dict.fromkeys(GAUGE_NAMES, 0)}
         for gauges in self._gauges:
             for name, value in gauges.items():
                 if name != "num_blocks":

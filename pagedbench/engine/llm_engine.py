@@ -59,6 +59,7 @@ class LLMEngine:
         self.model_config, path = model or resolve_model_config(
             config.model, need_weights=config.load_format != "dummy"
         )
+        self.model_path = path  # the model's directory (weights, tokenizer); None for a preset
         cfg = self.model_config
         self.tokenizer = tokenizer_for(config.tokenizer, path, cfg.vocab_size, cfg.eos_token_ids)
         self.executor = Executor(config, cfg, path)

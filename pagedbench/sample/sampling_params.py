@@ -194,10 +194,6 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.best_of < self.n:
             raise ValueError(f"best_of must be >= n, got best_of={self.best_of} n={self.n}")
-        if self.best_of > 1 and self.greedy:
-            raise ValueError(
-                f"n/best_of > 1 needs temperature > 0 (greedy samples are all the same), got best_of={self.best_of}"
-            )
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens is not None and self.max_tokens < 1:

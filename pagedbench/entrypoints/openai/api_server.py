@@ -34,7 +34,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import PlainTextResponse
 
-    serving = OpenAIServing(llm, model_name, limits or ServerLimits(), ServerMetrics(llm))
+    serving = OpenAIServing(llm, model_name, limits or ServerLimits(), ServerMetrics(llm, model_name))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -92,11 +92,37 @@ def _add_info_routes(app, serving: OpenAIServing, authorized) -> None:
             return JSONResponse(error_body(503, f"engine stopped: {llm.error}", "service_unavailable"), 503)
         return PlainTextResponse("ok")
 
+    def card() -> dict:
+        """vLLM's model card: `root` is where the weights and tokenizer are (a local directory, so an
+        offline client such as GuideLLM can load the tokenizer from it; a preset's name otherwise)."""
+        root = str(engine.model_path) if getattr(engine, "model_path", None) is not None else engine.config.model
+        return {
+            "id": serving.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pagedbench",
+            "root": root,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+            "backend": engine.config.backend,  # bench-serve's label for this server
+        }
+
     @app.get("/v1/models", dependencies=[authorized])
     async def models():
-        card = {"id": serving.model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedbench"}
-        card["backend"] = engine.config.backend  # bench-serve's label for this server
-        return {"object": "list", "data": [card | {"max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[authorized])
+    async def model(model_id: str):
+        if model_id not in (serving.model_name, serving.model_name.lstrip("/")):  # a path id's leading / folds
+            message = f"model {model_id!r} does not exist; this server has {serving.model_name!r}"
+            raise APIError(404, message, "not_found_error", "model")
+        return card()
+
+    @app.get("/version")
+    async def version():
+        from importlib.metadata import version as installed
+
+        return {"version": installed("pagedbench")}
 
 
 def _add_tokenizer_routes(app, serving: OpenAIServing, authorized) -> None:

@@ -1,4 +1,5 @@
-"""Prometheus /metrics with vLLM's metric names (prometheus_client is imported when the server starts)."""
+"""Prometheus /metrics with vLLM's metric names, every series labelled model_name as vLLM's dashboards
+select on it (prometheus_client is imported when the server starts)."""
 
 from pagedbench.engine.outputs import RequestOutput
 from pagedbench.entrypoints.async_llm import AsyncLLM
@@ -8,44 +9,52 @@ class EngineCounters:
     """Token counters read from the engine when scraped (they count what the engine ran, aborted
     requests included)."""
 
-    def __init__(self, llm: AsyncLLM):
-        self.llm = llm
+    def __init__(self, llm: AsyncLLM, model_name: str = ""):
+        self.llm, self.model_name = llm, model_name
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
         now = self.llm.engine.gauges()  # a data-parallel engine's: its replicas' latest, summed
-        yield CounterMetricFamily("vllm:prompt_tokens", "Prefill tokens processed", value=now["prompt_tokens"])
-        yield CounterMetricFamily(
-            "vllm:generation_tokens", "Generation tokens produced", value=now["generation_tokens"]
+        counters = (
+            ("vllm:prompt_tokens", "Prefill tokens processed", "prompt_tokens"),
+            ("vllm:generation_tokens", "Generation tokens produced", "generation_tokens"),
+            ("vllm:num_preemptions", "Cumulative preemptions", "preemptions"),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up", "prefix_queries"),
+            ("vllm:prefix_cache_hits", "Prompt tokens found cached", "prefix_hits"),
         )
-        yield CounterMetricFamily("vllm:num_preemptions", "Cumulative preemptions", value=now["preemptions"])
-        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up", value=now["prefix_queries"])
-        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found cached", value=now["prefix_hits"])
+        for name, doc, gauge in counters:
+            yield counter(name, doc, now[gauge], self.model_name)
         if "spec_drafts" in now:  # the engine (or its data-parallel replicas) speculates
-            yield from speculation_counters(now)
+            yield from speculation_counters(now, self.model_name)
 
 
-def speculation_counters(gauges: dict):
+def counter(name: str, doc: str, value: float, model_name: str):
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
+
+
+def speculation_counters(gauges: dict, model_name: str = ""):
     """vLLM v1's speculative-decoding counters (a draft: one sequence's proposal in one step),
     from the engine's gauges."""
     from prometheus_client.core import CounterMetricFamily
 
-    yield CounterMetricFamily("vllm:spec_decode_num_drafts", "Proposals verified", value=gauges["spec_drafts"])
-    yield CounterMetricFamily(
-        "vllm:spec_decode_num_draft_tokens", "Proposed tokens verified", value=gauges["spec_draft_tokens"]
+    yield counter("vllm:spec_decode_num_drafts", "Proposals verified", gauges["spec_drafts"], model_name)
+    yield counter(
+        "vllm:spec_decode_num_draft_tokens", "Proposed tokens verified", gauges["spec_draft_tokens"], model_name
     )
-    yield CounterMetricFamily(
-        "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", value=gauges["spec_accepted_tokens"]
+    yield counter(
+        "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", gauges["spec_accepted_tokens"], model_name
     )
     per_position = CounterMetricFamily(
         "vllm:spec_decode_num_accepted_tokens_per_pos",
         "Accepted tokens by position in the proposal",
-        labels=["position"],
+        labels=["model_name", "position"],
     )
     position = 0
     while f"spec_accepted_at_{position}" in gauges:
-        per_position.add_metric([str(position)], gauges[f"spec_accepted_at_{position}"])
+        per_position.add_metric([model_name, str(position)], gauges[f"spec_accepted_at_{position}"])
         position += 1
     yield per_position
 
@@ -53,30 +62,38 @@ def speculation_counters(gauges: dict):
 class ServerMetrics:
     """Prometheus metrics with vLLM's names where the meaning matches."""
 
-    def __init__(self, llm: AsyncLLM):
+    def __init__(self, llm: AsyncLLM, model_name: str = ""):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.registry = CollectorRegistry()
-        engine = llm.engine
-        running = Gauge("vllm:num_requests_running", "Requests running on the engine", registry=self.registry)
-        running.set_function(lambda: engine.gauges()["running"])
-        waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", registry=self.registry)
-        waiting.set_function(lambda: engine.gauges()["waiting"])
-        swapped = Gauge("vllm:num_requests_swapped", "Requests swapped out to CPU", registry=self.registry)
-        swapped.set_function(lambda: engine.gauges()["swapped"])
-        usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent", registry=self.registry)
-        usage.set_function(lambda: (now := engine.gauges())["used_blocks"] / now["num_blocks"])
-        self.registry.register(EngineCounters(llm))
-        self.success = Counter("vllm:request_success", "Finished requests", ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", registry=self.registry)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", registry=self.registry)
-        self.tpot = Histogram(
-            "vllm:time_per_output_token_seconds", "Mean time per output token", registry=self.registry
+        self.registry, self.model_name = CollectorRegistry(), model_name
+        engine, model = llm.engine, ["model_name"]
+
+        def gauge(name: str, doc: str, read) -> None:
+            Gauge(name, doc, model, registry=self.registry).labels(model_name).set_function(read)
+
+        gauge("vllm:num_requests_running", "Requests running on the engine", lambda: engine.gauges()["running"])
+        gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", lambda: engine.gauges()["waiting"])
+        gauge("vllm:num_requests_swapped", "Requests swapped out to CPU", lambda: engine.gauges()["swapped"])
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage: 1 means 100 percent",
+            lambda: (now := engine.gauges())["used_blocks"] / now["num_blocks"],
         )
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between token steps", registry=self.registry)
+        self.registry.register(EngineCounters(llm, model_name))
+        reasons = [*model, "finished_reason"]
+        self.success = Counter("vllm:request_success", "Finished requests", reasons, registry=self.registry)
+
+        def histogram(name: str, doc: str):
+            return Histogram(name, doc, model, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency")
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time per output token")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between token steps")
 
     def finished(self, out: RequestOutput) -> None:
-        self.success.labels(finished_reason=out.outputs[0].finish_reason if out.outputs else "unknown").inc()
+        reason = out.outputs[0].finish_reason if out.outputs else "unknown"
+        self.success.labels(model_name=self.model_name, finished_reason=reason).inc()
         m = out.metrics
         if m is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)

@@ -64,6 +64,21 @@ def check_fields(body: dict, model: type[BaseModel]) -> None:
         raise APIError(400, str(e).splitlines()[0]) from None
 
 
+def check_stream_and_user(body: dict) -> None:
+    """400s where OpenAI and vLLM refuse: stream not a boolean, user not a string, stream_options
+    not an object or given without stream."""
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise APIError(400, f"stream must be a boolean, got {body['stream']!r}", param="stream")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise APIError(400, f"user must be a string, got {body['user']!r}", param="user")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise APIError(400, "stream_options must be an object", param="stream_options")
+        if not body.get("stream"):
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
 def openapi_body(model: type[BaseModel]) -> dict:
     """A route's `openapi_extra`: its JSON body's schema (the routes read bodies themselves, to
     bound their size and see disconnects)."""

@@ -56,10 +56,21 @@ def _completion_logprobs(entries: list[dict], token_ids: list[int], offset: int 
     }
 
 
+def _chat_entry(entry: dict, token: int, logprob: float) -> dict:
+    """OpenAI's chat logprob entry: the token's text, its logprob and its UTF-8 bytes (None where it
+    was not decoded)."""
+    text = entry[token].decoded_token
+    return {
+        "token": _token_text(entry, token),
+        "logprob": logprob,
+        "bytes": None if text is None else list(text.encode()),
+    }
+
+
 def _chat_logprobs(entries: list[dict], token_ids: list[int], top_k: int) -> dict:
     content = []
     for entry, t in zip(entries, token_ids):
         ranked = sorted(entry.items(), key=lambda item: item[1].rank)
-        top = [{"token": _token_text(entry, i), "logprob": lp.logprob} for i, lp in ranked if lp.rank <= top_k]
-        content.append({"token": _token_text(entry, t), "logprob": entry[t].logprob, "top_logprobs": top})
+        top = [_chat_entry(entry, i, lp.logprob) for i, lp in ranked if lp.rank <= top_k]
+        content.append(_chat_entry(entry, t, entry[t].logprob) | {"top_logprobs": top})
     return {"content": content}

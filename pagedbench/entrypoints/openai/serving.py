@@ -16,6 +16,7 @@ from pagedbench.entrypoints.openai.protocol import (
     APIError,
     ServerLimits,
     check_fields,
+    check_stream_and_user,
 )
 from pagedbench.entrypoints.openai.streaming import achain, stream_events
 from pagedbench.entrypoints.openai.structured import structured_outputs_of
@@ -46,6 +47,7 @@ class OpenAIServing:
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         check_fields(body, REQUEST_MODELS[schema])
+        check_stream_and_user(body)
         if body.get("model") not in (None, self.model_name):
             message = f"model {body['model']!r} does not exist; this server has {self.model_name!r}"
             raise APIError(404, message, "not_found_error", "model")
