@@ -250,11 +250,15 @@ class EngineConfig:
                 )
             else:
                 kind = json_object if kind is dict else kind
-                parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"], **extra)
+                flags = [flag, *CLI_ALIASES.get(f.name, ())]
+                parser.add_argument(*flags, type=kind, default=f.default, help=f.metadata["help"], **extra)
 
     @classmethod
     def from_cli_args(cls, args, **overrides) -> "EngineConfig":
         return cls(**{name: getattr(args, name) for name in cls.names() if hasattr(args, name)} | overrides)
+
+
+CLI_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",)}
 
 
 def _kinds(annotation) -> tuple:

@@ -695,3 +695,28 @@ def test_schemathesis_finds_no_server_error(server):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
     assert " passed" in done.stdout and "failed" not in done.stdout.split("SUMMARY")[-1]
+
+
+@pytest.mark.slow
+def test_serve_takes_a_copied_vllm_command_line(tiny_models, tmp_path):
+    """vLLM's common flags: working (--model as a flag, -tp, --chat-template, --uvicorn-log-level) or
+    accepted with a one-line note; an access-log line per request unless --disable-log-requests."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    proc, url = start_server(
+        "--model=" + tiny_models["llama"][0], "--trust-remote-code", "--disable-log-stats", "--enable-chunked-prefill",
+        "-tp", "1", "--chat-template", str(template), "--uvicorn-log-level", "warning", "--generation-config", "auto",
+        "--enable-auto-tool-choice",
+    )  # fmt: skip
+    try:
+        tokens = post(url, "/tokenize", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), None)
+        assert tokens[0] == 200
+        status, _ = post(url, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), None)
+        assert status == 200
+    finally:
+        proc.terminate()
+        printed = proc.communicate(timeout=30)[0].decode()
+    assert "--trust-remote-code accepted, no effect here" in printed
+    assert '"POST /v1/completions HTTP/1.1" 200' in printed
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_models["llama"][0])
+    assert tokens[1]["tokens"] == tokenizer.encode("<user>hi<assistant>", add_special_tokens=False)

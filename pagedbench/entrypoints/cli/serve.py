@@ -31,7 +31,35 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+# `vllm serve` flags that change nothing here, accepted so a copied command line runs: flag -> why.
+VLLM_NO_OP_FLAGS = {
+    "trust_remote_code": "only the built-in model code runs, never a model's own",
+    "disable_log_stats": "the engine logs no periodic stats (/metrics has them)",
+    "enable_chunked_prefill": "prefills are always chunked",
+    "enable_auto_tool_choice": "tool calls are not supported; tools in a request are refused",
+    "tool_call_parser": "tool calls are not supported",
+    "generation_config": "sampling defaults are vLLM's (temperature 1, top_p 1), never the model's file",
+}
+
+
+def resolve_serve_model(args) -> str:
+    """The model, positional (`pagedbench serve MODEL`) or as vLLM's --model flag, not both apart."""
+    if args.model is None and args.model_flag is None:
+        raise ValueError("serve needs a model: pagedbench serve MODEL (or --model MODEL)")
+    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+    return args.model or args.model_flag
+
+
+def note_no_op_flags(args) -> None:
+    for name, why in VLLM_NO_OP_FLAGS.items():
+        if getattr(args, name) not in (None, False):
+            print(f"pagedbench: note: --{name.replace('_', '-')} accepted, no effect here: {why}")
+
+
 def cmd_serve(args) -> None:
+    args.model = resolve_serve_model(args)
+    note_no_op_flags(args)
     check_address(args.host, args.port)
     try:
         import uvicorn
@@ -44,6 +72,8 @@ def cmd_serve(args) -> None:
 
     config = EngineConfig.from_cli_args(args)
     engine = make_engine(config)
+    if args.chat_template is not None:
+        _set_chat_template(engine, args.chat_template)
     # Compile and capture before announcing: the first requests must not wait for it (vLLM does the same).
     seconds, compiling = engine.warm_up()
     warm = f"warmed up in {seconds:.1f} s ({compiling:.1f} s compiling); CUDA graphs {engine.cuda_graphs}"
@@ -52,7 +82,22 @@ def cmd_serve(args) -> None:
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit, max_n=args.max_n)
     app = build_app(llm, args.served_model_name or args.model, args.api_key, limits)
     print(f"pagedbench: serving {args.model} ({args.backend}) on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    if not args.disable_log_requests:  # an access line per request, as vLLM prints (whatever --log-level)
+        import logging
+
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    server.run()
+
+
+def _set_chat_template(engine, path: str) -> None:
+    """vLLM's --chat-template: a Jinja file (or the template itself) replaces the tokenizer's."""
+    text = Path(path).read_text() if Path(path).is_file() else path
+    if "{%" not in text and "{{" not in text:
+        raise ValueError(f"--chat-template {path!r} is neither a file nor a Jinja template")
+    if engine.tokenizer is None:
+        raise ValueError("--chat-template: this model has no tokenizer")
+    engine.tokenizer.chat_template = text
 
 
 def cmd_bench_serve(args) -> None:
@@ -175,7 +220,8 @@ def _write_bench_serve(rows: list[dict], stem: Path, url: str, model: str, scena
 
 def register(sub) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    serve.add_argument("model", help=f"HF model directory or preset ({', '.join(PRESETS)})")
+    serve.add_argument("model", nargs="?", help=f"HF model directory or preset ({', '.join(PRESETS)})")
+    serve.add_argument("--model", dest="model_flag", default=None, help="the model, as vLLM's flag (or positional)")
     serve.add_argument("--backend", default="sdpa")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you say otherwise)")
     serve.add_argument("--port", type=int, default=8000)
@@ -186,7 +232,20 @@ def register(sub) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (max-model-len)")
     serve.add_argument("--max-n", type=int, default=16)
-    serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--log-level", "--uvicorn-log-level", default="warning", help="the HTTP server's log level")
+    serve.add_argument(
+        "--disable-log-requests", action="store_true", help="no access-log line per request (vLLM's flag)"
+    )
+    serve.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template (file or text) replacing the tokenizer's"
+    )
+    vllm = serve.add_argument_group("vLLM flags accepted without effect (each prints a note)")
+    for name in ("trust_remote_code", "disable_log_stats", "enable_chunked_prefill", "enable_auto_tool_choice"):
+        vllm.add_argument("--" + name.replace("_", "-"), action="store_true", help=VLLM_NO_OP_FLAGS[name])
+    vllm.add_argument("--tool-call-parser", default=None, help=VLLM_NO_OP_FLAGS["tool_call_parser"])
+    vllm.add_argument(
+        "--generation-config", choices=["auto", "vllm"], default=None, help=VLLM_NO_OP_FLAGS["generation_config"]
+    )
     serve.set_defaults(func=cmd_serve)
 
     bs = sub.add_parser(
