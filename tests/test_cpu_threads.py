@@ -60,3 +60,25 @@ def test_usable_cores_and_proc_stat_on_this_machine():
     assert cores and all(isinstance(c, int) for c in cores)
     times = cpu_threads._cpu_times()
     assert set(cores) <= set(times) and all(0 <= busy <= total for busy, total in times.values())
+
+
+def test_the_python_api_chooses_threads_as_the_cli_does(monkeypatch, capsys):
+    """LLM() on a CPU: threads= wins; else OMP_NUM_THREADS; else the free cores, with a one-line note."""
+    import torch
+
+    from pagedbench import LLM
+    from pagedbench.device import cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        LLM("tiny-llama", device="cpu", threads=1, num_blocks=16)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="threads must be an int"):
+            LLM("tiny-llama", device="cpu", threads=0)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(cpu_threads, "default_threads", lambda: (2, "2 usable cores, 0 busy at start"))
+        LLM("tiny-llama", device="cpu", num_blocks=16)
+        assert torch.get_num_threads() == 2
+        assert "pagedbench: CPU threads: 2 (2 usable cores, 0 busy at start; OMP_NUM_THREADS" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)

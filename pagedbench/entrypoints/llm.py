@@ -19,12 +19,40 @@ NO_OP_ARGS = {
 }
 
 
+def _choose_threads(threads: int | None, device) -> None:
+    """CPU threads for torch, as the CLI chooses them: `threads` if given, else OMP_NUM_THREADS if
+    set, else the usable cores less those busy now (a thread on a busy core stalls the others at
+    every OpenMP barrier: 19-22 s per chat answer at load 3-5 with 2 threads, 3.2-3.6 s with 1)."""
+    import os
+    import sys
+
+    import torch
+
+    from pagedbench.device.cpu_threads import default_threads
+
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 4 * (os.cpu_count() or 1):
+            raise ValueError(f"threads must be an int in 1..{4 * (os.cpu_count() or 1)}, got {threads!r}")
+        torch.set_num_threads(threads)
+        return
+    on_cpu = device is None and not torch.cuda.is_available() or str(device).startswith("cpu")
+    if not on_cpu or os.environ.get("OMP_NUM_THREADS"):
+        return
+    chosen, why = default_threads()
+    if chosen != torch.get_num_threads():
+        torch.set_num_threads(chosen)
+        print(f"pagedbench: CPU threads: {chosen} ({why}; OMP_NUM_THREADS or threads= overrides)", file=sys.stderr)
+
+
 class LLM:
     def __init__(self, model: str, logits_processors: list | None = None, **engine_args):
         """`model`: an HF model directory or a preset. `engine_args`: any EngineConfig field
         (backend, device, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
         max_model_len, seed, tensor_parallel_size, enable_prefix_caching, scheduling_policy,
         preemption_mode, swap_space, gpu_memory_utilization, cpu_kv_cache_bytes).
+
+        `threads`: CPU threads for torch (default: OMP_NUM_THREADS, else the usable cores less those
+        busy now, as the CLI chooses; a one-line note says when it changes torch's count).
 
         `logits_processors`: engine-wide BatchLogitsProcessors (instances or subclasses), applied to
         every row each step after each request's own (SamplingParams.logits_processors).
@@ -39,6 +67,7 @@ class LLM:
         for name, allowed in NO_OP_ARGS.items():
             if name in engine_args and engine_args.pop(name) not in allowed:
                 raise ValueError(f"{name} may only be {' or '.join(map(repr, allowed))} here")
+        _choose_threads(engine_args.pop("threads", None), engine_args.get("device"))
         unknown = sorted(set(engine_args) - set(EngineConfig.names()))
         if unknown:
             raise TypeError(
