@@ -11,6 +11,7 @@ import torch
 from pagedbench.backends import registry
 from pagedbench.backends.sdpa import SDPABackend
 
+from pagedbench.bench.noise import NO_INTERVAL
 from pagedbench.bench.report_schema import KERNEL_COLUMNS, SERVING_COLUMNS
 from pagedbench.engine.stats import TIME_COLUMNS
 from pagedbench.entrypoints.cli.main import main
@@ -88,7 +89,9 @@ def test_compare_csv_has_exactly_the_schema(compared):
     assert list(ok["backend"]) == ["reference", "reference", "sdpa", "sdpa"] and list(ok["repeat"]) == [0, 1, 0, 1]
     spec = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_acceptance_per_position"}
     moe = {"num_experts", "experts_per_token", "moe_kernel", "time_moe_s", "moe_share"}
-    assert ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"} - spec - moe)].notna().all().all()
+    interval = {"output_throughput_ci_low", "output_throughput_ci_high"}  # 2 runs: none (noise.py)
+    assert ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"} - spec - moe - interval)].notna().all().all()
+    assert ok[sorted(interval)].isna().all().all() and (ok["ranking"] == NO_INTERVAL).all()
     assert (ok["speculative"] == "off").all() and ok[sorted(spec)].isna().all().all()  # empty without speculation
     assert ok[sorted(moe)].isna().all().all()  # a dense model
     assert ok["scenario_hash"].nunique() == 1 and ok["num_blocks"].nunique() == 1  # one KV budget for all

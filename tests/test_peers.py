@@ -36,7 +36,7 @@ def test_hf_peer_runs_the_identical_requests(tiny_models, monkeypatch):
 
 def test_peer_on_a_preset_reports_throughput_only(tmp_path, capsys):
     code = main(
-        ["compare", "--backends", "sdpa", "--peer", "hf", "--scenario", "mixed", "--scale", "0.02"]
+        ["compare", "--backends", "sdpa", "--peer", "hf", "--scenario", "mixed", "--scale", "0.02", "--repeats", "1"]
         + ["--model", "tiny-llama", "--device", "cpu", "--dtype", "fp32", "--no-warmup", "--out", str(tmp_path)]
     )
     assert code == 0

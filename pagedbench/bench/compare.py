@@ -4,7 +4,6 @@ each with the same KV budget and engine limits; warmup, then measured runs."""
 import dataclasses
 import gc
 import logging
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from tqdm.auto import tqdm
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
+from pagedbench.bench.noise import rankings, spread
 from pagedbench.bench.peers import HFContinuousBatching, peer_provider, peer_unavailable_reason
 from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, model_requests
 from pagedbench.bench.step_profile import profile_decode
@@ -426,19 +426,26 @@ def run_peer(
 def _add_cross_backend_columns(
     rows: list[dict], measured: dict[tuple[str, str], list[Measurement]], greedy: bool
 ) -> None:
-    """Output throughput relative to the best (backend, speculation) run (medians over runs) and,
-    for greedy scenarios, the share of tokens identical to the baseline (reference without
-    speculation if run, else the first). With one run there is nothing to compare: the columns
-    stay empty."""
-    if len(measured) < 2:
+    """Each (backend, speculation) run's spread: min, max and a bootstrap 95 % interval of the
+    median output throughput (noise.py; none under 3 runs), and, with two or more, the ranking
+    ("best", "tied" where the intervals overlap, else the ratio), throughput relative to the best
+    median and, for greedy scenarios, the share of tokens identical to the baseline (reference
+    without speculation if run, else the first)."""
+    if not measured:
         return
-    medians = {key: statistics.median(m.row["output_throughput"] for m in runs) for key, runs in measured.items()}
-    best = max(medians.values())
+    spreads = {key: spread([m.row["output_throughput"] for m in runs]) for key, runs in measured.items()}
+    ranked = rankings(spreads) if len(measured) > 1 else {}
+    best = max(s["median"] for s in spreads.values())
     baseline = measured.get(("reference", "off"), next(iter(measured.values())))[0].outputs
     runs = {key: iter(runs) for key, runs in measured.items()}
     for row in rows:
-        if row["status"] == "ok":
-            key = row["backend"], row.get("speculative", "off")
-            m = next(runs[key])
-            row["throughput_vs_best"] = medians[key] / best
-            row["identical_token_share"] = identical_token_share(m.outputs, baseline) if greedy else np.nan
+        if row["status"] != "ok":
+            continue
+        key = row["backend"], row.get("speculative", "off")
+        m, s = next(runs[key]), spreads[key]
+        row |= {f"output_throughput_{stat}": s[stat] for stat in ("min", "max", "ci_low", "ci_high")}
+        if len(measured) < 2:
+            continue
+        row["ranking"] = ranked[key]
+        row["throughput_vs_best"] = s["median"] / best
+        row["identical_token_share"] = identical_token_share(m.outputs, baseline) if greedy else np.nan

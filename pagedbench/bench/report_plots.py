@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from pagedbench.bench.noise import spread  # noqa: E402
 from pagedbench.bench.report_tables import spec_labels  # noqa: E402
 
 GROUP_KEYS = ["scenario", "scale", "model", "device_name", "dtype"]  # runs compared only within one of each
@@ -47,14 +48,24 @@ def _title(what: str, df: pd.DataFrame) -> str:
 
 
 def plot_throughput(serving: pd.DataFrame, path: Path) -> Path:
+    """Median output throughput per backend, with the median's bootstrap 95 % interval as an error
+    bar where there are runs enough for one (noise.py)."""
     ok = serving[serving["status"] == "ok"]
-    medians = ok.groupby(_labels(ok), sort=False)["output_throughput"].median()
-    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.4 * len(medians)))
-    ax.barh(medians.index[::-1], medians.values[::-1], color="tab:blue")
-    for y, value in enumerate(medians.values[::-1]):
-        ax.text(value, y, f" {value:.0f}", va="center")
-    ax.set_xlim(0, 1.15 * max(medians.max(), 1))  # room for the value beside the longest bar
-    ax.set_xlabel("output tokens/s (median over runs)")
+    groups = ok.groupby(_labels(ok), sort=False)["output_throughput"]
+    spreads = {label: spread(values) for label, values in groups}
+    labels = list(spreads)[::-1]
+    medians = np.array([spreads[k]["median"] for k in labels])
+    low = np.array([spreads[k]["ci_low"] for k in labels])
+    high = np.array([spreads[k]["ci_high"] for k in labels])
+    errors = np.nan_to_num(np.vstack([medians - low, high - medians]), nan=0.0)
+    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.4 * len(labels)))
+    ax.barh(labels, medians, color="tab:blue", xerr=errors, capsize=4, error_kw={"ecolor": "black"})
+    ends = np.where(np.isfinite(high), high, medians)
+    for y, (value, end) in enumerate(zip(medians, ends)):
+        ax.text(end, y, f" {value:.0f}" if value >= 10 else f" {value:.2g}", va="center")
+    ax.set_xlim(0, 1.2 * max(np.nanmax(ends), 1))  # room for the value beside the longest bar
+    with_ci = np.isfinite(low).any()
+    ax.set_xlabel("output tokens/s (median over runs" + (", bars: 95% interval of the median)" if with_ci else ")"))
     ax.set_title(_title("Output throughput by backend", ok), fontsize="medium")
     return _save(fig, path)
 

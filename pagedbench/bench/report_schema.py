@@ -85,6 +85,11 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "kernels_per_layer",
     "cuda_graphs",
     "throughput_vs_best",
+    "output_throughput_min",
+    "output_throughput_max",
+    "output_throughput_ci_low",
+    "output_throughput_ci_high",
+    "ranking",
     "identical_token_share",
 ]
 REQUEST_COLUMNS = [

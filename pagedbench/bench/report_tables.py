@@ -4,6 +4,7 @@ markdown they are written in."""
 import numpy as np
 import pandas as pd
 
+from pagedbench.bench.noise import MIN_RUNS_FOR_INTERVAL, interval_text, rankings, spread
 from pagedbench.bench.report_schema import SERVE_LATENCIES
 from pagedbench.engine.stats import TIME_COLUMNS
 
@@ -34,6 +35,15 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     med["throughput_vs_best"] = med["output_throughput"] / med.groupby(peers, dropna=False)[
         "output_throughput"
     ].transform("max")
+    # Each group's spread over its runs (noise.py), ranked among the rows it is compared with.
+    spreads = [spread(g["output_throughput"]) for _, g in groups]
+    med["ci"] = [interval_text(sp["ci_low"], sp["ci_high"]) for sp in spreads]
+    med["range"] = [interval_text(sp["min"], sp["max"]) for sp in spreads]
+    med["rank"] = ""
+    for _, idx in med.groupby(peers, dropna=False, sort=False).groups.items():
+        if len(idx) > 1:
+            for i, label in rankings({i: spreads[i] for i in idx}).items():
+                med.loc[i, "rank"] = label
     return pd.DataFrame(
         {
             "backend": med["backend"],
@@ -46,6 +56,9 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "runs": med["runs"],
             "requests": med["num_requests"].astype(int),
             "output tok/s": med["output_throughput"].round(1),
+            "95% CI": med["ci"],
+            "min–max": med["range"],
+            "rank": med["rank"],
             "total tok/s": med["total_token_throughput"].round(1),
             "vs best": med["throughput_vs_best"].round(3),
             "TTFT mean/p99 ms": _pair(med, "ttft"),
@@ -101,6 +114,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
         }
     )
     if cross_backend:
+        table["rank"] = ok["ranking"] if "ranking" in ok else ""
         table["vs best"] = ok["throughput_vs_best"].round(3)
         table["identical tokens"] = ok["identical_token_share"].round(4)
     return "\n".join([markdown(table), *not_run_lines(serving)])
@@ -264,7 +278,9 @@ def serving_section(serving: pd.DataFrame) -> str:
     scen = scen.assign(scenario_hash=scen["scenario_hash"].astype(str).str.slice(0, 12))
     parts.append(markdown(scen) + "\n")
     if (serving["status"] == "ok").any():
-        parts.append(markdown(serving_summary(serving)) + "\n")
+        summary = serving_summary(serving)
+        parts.append(markdown(summary) + "\n")
+        parts += _noise_notes(summary, serving)
         ok = serving[serving["status"] == "ok"]
         keys = ["device_name", "scenario", "scale", "model", "backend"]  # never pooled across workloads
         split = ok.groupby(keys, sort=False, dropna=False)[TIME_COLUMNS].sum()
@@ -273,6 +289,33 @@ def serving_section(serving: pd.DataFrame) -> str:
         parts.append("Share of engine step time:\n\n" + markdown(split.reset_index()) + "\n")
     parts += _unavailable_lines(serving)
     return "\n".join(parts)
+
+
+ATTENTION_TOO_SMALL = 0.05  # under this share of the forward, the backend cannot move end-to-end figures
+
+
+def _noise_notes(summary: pd.DataFrame, serving: pd.DataFrame) -> list[str]:
+    """What a reader must know before reading a ranking: the interval behind it, and whether the
+    backend can matter at all."""
+    notes = []
+    if (summary["runs"] < MIN_RUNS_FOR_INTERVAL).any():
+        notes.append(
+            f"Rows with fewer than {MIN_RUNS_FOR_INTERVAL} runs have no interval: their ranking says so rather "
+            f"than present run-to-run noise as a gap (`--repeats {MIN_RUNS_FOR_INTERVAL}` or more gives one).\n"
+        )
+    else:
+        notes.append(
+            "95% CI: a bootstrap interval of the median over the runs; backends whose interval overlaps the "
+            'best\'s rank "tied".\n'
+        )
+    ok = serving[serving["status"] == "ok"]
+    share = _column(ok, "attention_share")
+    if share.notna().any() and share.max() < ATTENTION_TOO_SMALL:
+        notes.append(
+            f"Attention was at most {100 * share.max():.1f} % of the forward here: the end-to-end ranking cannot "
+            "reflect the attention backend. Compare backends on attention alone with `pagedbench kernels`.\n"
+        )
+    return notes
 
 
 def _column(df: pd.DataFrame, name: str) -> pd.Series:

@@ -49,7 +49,13 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="request counts, lengths and max_num_seqs times F, the KV budget times F^2",
     )
-    p.add_argument("--repeats", type=int, default=1, help="measured runs after the warmup")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="measured runs after the warmup (default: 1 for run; 3 for compare, the fewest that give each "
+        "backend's median a 95%% interval and its ranking a 'tied')",
+    )
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
     p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
     add_overwrite_flag(p)
@@ -177,7 +183,7 @@ def serving_report(args, backends: list[str], command: str) -> None:
             args.scale,
             args.device,
             args.dtype,
-            args.repeats,
+            args.repeats if args.repeats is not None else (3 if command == "compare" else 1),
             args.warmup,
             rows=log,
             peers=getattr(args, "peer", None) or [],

@@ -1,0 +1,88 @@
+"""Noise-aware results: intervals of the median, "tied" rankings, the notes a table carries."""
+
+import numpy as np
+import pandas as pd
+
+from pagedbench.bench import compare as compare_module
+from pagedbench.bench.noise import NO_INTERVAL, median_interval, rankings, spread
+from pagedbench.bench.report_schema import SERVING_COLUMNS
+from pagedbench.bench.report_tables import serving_section
+
+
+def test_the_interval_holds_the_median_and_needs_three_runs():
+    low, high = median_interval([100.0, 104.0, 98.0, 101.0, 99.0])
+    assert low <= 100.0 <= high and 98.0 <= low and high <= 104.0
+    assert median_interval([100.0, 104.0, 98.0, 101.0, 99.0]) == (low, high), "seeded: the same runs, the same interval"
+    assert all(np.isnan(median_interval([100.0, 90.0])))
+
+
+def test_overlapping_intervals_tie_and_separated_ones_give_a_ratio():
+    """Timings from a fake source: a backend 3 % behind within the noise ties; one 30 % behind does not."""
+    best = spread([100.0, 110.0, 95.0, 105.0])
+    close = spread([97.0, 107.0, 92.0, 102.0])
+    far = spread([70.0, 72.0, 69.0, 71.0])
+    ranked = rankings({"flex": best, "sdpa": close, "triton": far})
+    assert ranked == {"flex": "best", "sdpa": "tied", "triton": f"{far['median'] / best['median']:.2f}x"}
+    one_run = rankings({"flex": spread([100.0]), "sdpa": spread([50.0])})
+    assert set(one_run.values()) == {NO_INTERVAL}, "one run: no ranking presents noise as a 2x gap"
+
+
+class FakeMeasurement:
+    def __init__(self, throughput):
+        self.row, self.outputs = {"output_throughput": throughput}, [[1, 2, 3]]
+
+
+def test_compare_rows_carry_the_spread_and_the_ranking():
+    measured = {
+        ("flex", "off"): [FakeMeasurement(t) for t in (100.0, 104.0, 98.0)],
+        ("sdpa", "off"): [FakeMeasurement(t) for t in (99.0, 103.0, 97.0)],
+        ("reference", "off"): [FakeMeasurement(t) for t in (50.0, 52.0, 51.0)],
+    }
+    rows = [{"status": "ok", "backend": b, "speculative": "off"} for (b, _), runs in measured.items() for _ in runs]
+    compare_module._add_cross_backend_columns(rows, measured, greedy=True)
+    by = {r["backend"]: r for r in rows}
+    assert by["flex"]["ranking"] == "best" and by["sdpa"]["ranking"] == "tied"
+    assert by["reference"]["ranking"] == "0.51x"  # median 51 of 100
+    assert by["flex"]["output_throughput_min"] == 98.0 and by["flex"]["output_throughput_max"] == 104.0
+    assert by["flex"]["output_throughput_ci_low"] <= 100.0 <= by["flex"]["output_throughput_ci_high"]
+
+
+def _serving(throughputs: dict, attention_share: float) -> pd.DataFrame:
+    rows = []
+    for backend, values in throughputs.items():
+        for i, t in enumerate(values):
+            rows.append(
+                {
+                    "kind": "serving",
+                    "status": "ok",
+                    "backend": backend,
+                    "device_name": "cpu",
+                    "dtype": "float32",
+                    "model": "m",
+                    "scenario": "s",
+                    "scale": 1.0,
+                    "scenario_hash": "h",
+                    "num_blocks": 8,
+                    "block_size": 16,
+                    "max_num_seqs": 4,
+                    "max_num_batched_tokens": 64,
+                    "arrival": "batch",
+                    "request_rate": None,
+                    "repeat": i,
+                    "num_requests": 4,
+                    "output_throughput": t,
+                    "total_token_throughput": 2 * t,
+                    "attention_share": attention_share,
+                    "peak_kv_utilization": 0.5,
+                }  # fmt: skip
+            )
+    return pd.DataFrame(rows).reindex(columns=SERVING_COLUMNS)
+
+
+def test_the_markdown_gives_intervals_and_says_when_attention_cannot_matter():
+    text = serving_section(_serving({"flex": [100.0, 104.0, 98.0], "sdpa": [60.0, 61.0, 59.0]}, 0.006))
+    assert "95% CI" in text and "98.0–104.0" in text and "0.60x" in text
+    assert "the end-to-end ranking cannot reflect the attention backend" in text and "pagedbench kernels" in text
+    single = serving_section(_serving({"flex": [100.0], "sdpa": [46.5]}, 0.3))
+    assert NO_INTERVAL in single and "have no interval" in single
+    assert "cannot reflect" not in single
