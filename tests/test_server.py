@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -36,9 +37,13 @@ def free_port() -> int:
 
 
 def start_server(model_dir, *extra):
+    """A `pagedbench serve` process and its URL. Its output goes to a file (`server_output`), never
+    to a pipe nobody reads: the access log's line per request would fill it and stall the server."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedbench", "serve", str(model_dir), "--port", str(port), "--device", "cpu"]
-    proc = subprocess.Popen([*cmd, "--dtype", "fp32", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tempfile.NamedTemporaryFile(prefix="pagedbench-serve-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen([*cmd, "--dtype", "fp32", *extra], stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log.name
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -46,10 +51,18 @@ def start_server(model_dir, *extra):
             return proc, url
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read().decode()) from None
+                raise RuntimeError(server_output(proc)) from None
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError("server did not come up")
+
+
+def server_output(proc, timeout: float = 30) -> str:
+    """What the server printed, once it has exited (terminated here if it still runs)."""
+    if proc.poll() is None:
+        proc.terminate()
+    proc.wait(timeout=timeout)
+    return open(proc.log_path).read()
 
 
 @pytest.fixture(scope="module")
@@ -454,8 +467,7 @@ def test_bench_serve_warm_ups_are_sent_and_kept_out_of_the_metrics(server, tmp_p
 def test_serve_warms_up_before_it_announces(chat_model):
     """The server compiles and runs a step of each kind before it binds, and says how long it took."""
     proc, url = start_server(chat_model, "--num-blocks", "64")
-    proc.terminate()
-    out = proc.communicate(timeout=30)[0].decode()
+    out = server_output(proc)
     warmed, serving = out.index("pagedbench: warmed up in "), out.index("pagedbench: serving ")
     assert warmed < serving and "s compiling)" in out[warmed:serving]
 
@@ -714,8 +726,7 @@ def test_serve_takes_a_copied_vllm_command_line(tiny_models, tmp_path):
         status, _ = post(url, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), None)
         assert status == 200
     finally:
-        proc.terminate()
-        printed = proc.communicate(timeout=30)[0].decode()
+        printed = server_output(proc)
     assert "--trust-remote-code accepted, no effect here" in printed
     assert '"POST /v1/completions HTTP/1.1" 200' in printed
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_models["llama"][0])

@@ -353,6 +353,8 @@ def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype, model
         "scenario_hash": scenario.content_hash(),
         "scale": scale,
         "prompts": scenario.prompts,
+        "dataset_name": scenario.dataset_name or "",
+        "dataset_path": scenario.dataset_path or "",
         **settings,
         "arrival": scenario.arrival,
         "request_rate": scenario.request_rate,

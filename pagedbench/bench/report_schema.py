@@ -27,6 +27,8 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "scenario_hash",
     "scale",
     "prompts",
+    "dataset_name",
+    "dataset_path",
     *[f for f in ENGINE_FIELDS if f != "speculative_config"],
     "speculative",
     "structured",

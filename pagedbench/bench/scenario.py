@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedbench.backends.base import KV_CACHE_DTYPES
+from pagedbench.bench.datasets import DATASET_NAMES, load_dataset
 from pagedbench.config import SpeculativeConfig
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.sample.sampling_params import SamplingParams, is_int, structured_outputs_params
@@ -105,6 +106,10 @@ class Scenario:
     speculation_baseline: bool = False  # also run each backend without speculation, to compare
     # Every request's structured-output constraint: StructuredOutputsParams' fields, e.g. {json = {...}}.
     structured_outputs: dict | None = None
+    # A user's own workload (datasets.py, vLLM's names): sharegpt or custom prompts, or a trace's
+    # arrivals and lengths, from dataset_path; num_prompts caps the requests taken.
+    dataset_name: str | None = None
+    dataset_path: str | None = None
 
     def validate(self) -> None:
         positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
@@ -133,6 +138,10 @@ class Scenario:
             self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.prompts not in PROMPT_SOURCES:
             self._fail("prompts", f"must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
+        if self.dataset_name is not None and self.dataset_name not in DATASET_NAMES:
+            self._fail("dataset_name", f"must be one of {', '.join(DATASET_NAMES)}, got {self.dataset_name!r}")
+        if (self.dataset_name is None) != (self.dataset_path is None):
+            self._fail("dataset_name", "and dataset_path go together (--dataset-name NAME --dataset-path FILE)")
         if self.prompts == "chat" and self.shared_prefix_len:
             self._fail("shared_prefix_len", "must be 0 with prompts 'chat' (turns of a conversation share theirs)")
         try:
@@ -241,7 +250,11 @@ class Scenario:
         for size in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if content[size] == 1:
                 del content[size]
+        if self.dataset_path is not None:  # the file's content is the workload, wherever it lies
+            content["dataset_path"] = _file_sha256(self.dataset_path)
         defaults = {
+            "dataset_name": None,
+            "dataset_path": None,
             "prompts": "random",
             "kv_cache_dtype": "auto",
             "speculative_config": None,
@@ -262,9 +275,18 @@ class Request:
     arrival_time: float  # seconds after the run starts
 
 
+def _file_sha256(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return path  # a missing file fails where it is read, naming it
+
+
 def build_requests(scenario: Scenario, vocab_size: int, tokenizer=None) -> list[Request]:
     """The scenario's request set; the same in every process for the same seed and vocabulary
     (and, for prompts "chat", the model's tokenizer, whose chat template formats them)."""
+    if scenario.dataset_name is not None:
+        return _dataset_requests(scenario, vocab_size, tokenizer)
     rng = np.random.default_rng(scenario.seed)
     n = scenario.num_prompts
     prefix = rng.integers(0, vocab_size, size=scenario.shared_prefix_len).tolist()
@@ -288,6 +310,21 @@ def build_requests(scenario: Scenario, vocab_size: int, tokenizer=None) -> list[
     ]
 
 
+def _dataset_requests(scenario: Scenario, vocab_size: int, tokenizer) -> list[Request]:
+    """A dataset's prompts and output lengths; a trace's own arrivals, else the scenario's."""
+    loaded = load_dataset(
+        scenario.dataset_name, scenario.dataset_path, scenario.num_prompts, vocab_size, tokenizer, scenario.seed
+    )
+    if scenario.arrival == "poisson" and loaded[0].arrival_time is None:
+        gaps = np.random.default_rng(scenario.seed).exponential(1.0 / scenario.request_rate, size=len(loaded))
+        arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    else:
+        arrivals = [r.arrival_time or 0.0 for r in loaded]
+    return [
+        Request(r.prompt_token_ids, scenario.sampling_params(r.output_len), float(t)) for r, t in zip(loaded, arrivals)
+    ]
+
+
 def model_requests(scenario: Scenario, config, path) -> list[Request]:
     """build_requests for the resolved model (`config`, its directory `path` or None for a
     preset), loading its tokenizer only for prompts that need it."""
@@ -297,7 +334,8 @@ def model_requests(scenario: Scenario, config, path) -> list[Request]:
     # Python source is bytes for the byte-level pair and presets, a real model's own tokens for it.
     real_tokens = scenario.prompts == "python-source" and path is not None and config.vocab_size > VOCAB
     tokenizer = None
-    if scenario.prompts == "chat" or real_tokens:
+    text_dataset = scenario.dataset_name in ("sharegpt", "custom")
+    if scenario.prompts == "chat" or real_tokens or text_dataset:
         tokenizer = tokenizer_for(None, path, config.vocab_size, config.eos_token_ids)
     return build_requests(scenario, config.vocab_size, tokenizer)
 

@@ -24,6 +24,8 @@ from pagedbench.model.presets import PRESETS
 
 SCENARIO_OVERRIDES = (
     *ENGINE_FIELDS,
+    "dataset_name",
+    "dataset_path",
     "num_prompts",
     "input_len",
     "output_len",
@@ -125,12 +127,27 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         help="every request's constraint, as JSON (vLLM's StructuredOutputsParams): {\"json\": {...schema...}}, "
         '{"regex": "..."}, {"choice": [...]}, {"grammar": "..."}; "off" for none (default: the scenario\'s)',
     )
+    add_dataset_args(overrides)
     for flag in SCENARIO_OVERRIDES:
         special = ("model", "enable_prefix_caching", "enforce_eager", "compile", "distributed_executor_backend")
-        special += ("kv_cache_dtype",)
+        special += ("kv_cache_dtype", "dataset_name", "dataset_path")
         special += ("speculative_config",)
         if flag not in (*special, "speculation_baseline", "structured_outputs"):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
+
+
+def add_dataset_args(group) -> None:
+    """vLLM's --dataset-name / --dataset-path: a user's own workload (bench/datasets.py)."""
+    from pagedbench.bench.datasets import DATASET_NAMES
+
+    group.add_argument(
+        "--dataset-name",
+        choices=DATASET_NAMES,
+        default=None,
+        help="your own workload: sharegpt (JSON/JSONL conversations), custom (JSONL prompt + output_tokens) or "
+        "trace (CSV/JSONL arrivals and lengths: BurstGPT's, Azure's or timestamp,input_len,output_len)",
+    )
+    group.add_argument("--dataset-path", default=None, help="the dataset's file (with --dataset-name)")
 
 
 CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model says otherwise

@@ -9,6 +9,7 @@ from pathlib import Path
 from pagedbench.bench.scenario import build_requests, load_scenario, model_requests
 from pagedbench.config import EngineConfig
 from pagedbench.entrypoints.cli.common import NothingMeasured, add_overwrite_flag, prepare_out_dir, report_stem
+from pagedbench.entrypoints.cli.run import add_dataset_args
 from pagedbench.model.presets import PRESETS
 
 
@@ -110,6 +111,9 @@ def cmd_bench_serve(args) -> None:
     rates, slos = parse_rates(args.request_rate or default_rate), parse_slos(args.goodput)
     if args.num_prompts is not None:
         scenario = dataclasses.replace(scenario, num_prompts=args.num_prompts)
+    if args.dataset_name is not None or args.dataset_path is not None:
+        scenario = dataclasses.replace(scenario, dataset_name=args.dataset_name, dataset_path=args.dataset_path)
+        scenario.validate()
     url = args.base_url.rstrip("/")
     card = _server_card(url, args.api_key, args.model)
     model = args.model or card["id"]
@@ -255,6 +259,7 @@ def register(sub) -> None:
     bs.add_argument("--scenario", default="online", help="built-in name or TOML file (its requests and lengths)")
     bs.add_argument("--scale", type=float, default=1.0)
     bs.add_argument("--num-prompts", type=int, default=None)
+    add_dataset_args(bs)
     bs.add_argument(
         "--request-rate",
         default=None,
