@@ -97,6 +97,7 @@ def test_a_trace_scenario_keeps_its_arrivals_in_the_requests():
     assert [r.params.max_tokens for r in requests] == [r.output_len for r in loaded][: scenario.num_prompts]
 
 
+@pytest.mark.slow
 def test_run_takes_a_dataset_and_a_bad_one_is_a_one_line_error(tiny_models, tmp_path, capsys):
     model = tiny_models["llama"][0]
     args = ["run", "--model", model, "--dataset-name", "custom", "--num-blocks", "64", "--out", str(tmp_path)]

@@ -99,6 +99,7 @@ def test_cli_rejects_an_unknown_step(capsys):
     assert "unknown suite step 'warp-drive'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_profile_counts_a_decode_step_outside_and_inside_attention(tmp_path, capsys):
     """`pagedbench profile` on CPU: a tiny-llama decode step's operations, attention's apart."""
     assert main(["profile", "--backends", "sdpa", "--batch-sizes", "4", "--context", "20", "--out", str(tmp_path)]) == 0
