@@ -304,6 +304,12 @@ class AttentionBackend(ABC):
         None. Benchmarks time such a backend only when it is named, once, with this as the reason."""
         return None
 
+    @classmethod
+    def compiles_on_first_use(cls, device: torch.device | str) -> bool:
+        """Whether this backend JIT-compiles kernels at its first calls on `device` (what a server's
+        warm-up is for: the first requests must not wait for it)."""
+        return False
+
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> Any:
         """Per-step state derived from `meta`; called once per step, shared by all layers."""

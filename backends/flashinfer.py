@@ -127,6 +127,10 @@ class FlashInferBackend(AttentionBackend):
         return super().kv_cache_reason(kv_cache_dtype, **settings)
 
     @classmethod
+    def compiles_on_first_use(cls, device) -> bool:
+        return True  # JIT-compiled with nvcc on first use
+
+    @classmethod
     def provider(cls, **settings) -> str:
         fi = _flashinfer()
         if isinstance(fi, str):

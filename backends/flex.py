@@ -162,6 +162,10 @@ class FlexBackend(AttentionBackend):
         return None
 
     @classmethod
+    def compiles_on_first_use(cls, device) -> bool:
+        return compile_enabled()
+
+    @classmethod
     def provider(cls, **settings) -> str:
         device = settings.get("device")
         cpu = device is not None and torch.device(device).type == "cpu"

@@ -236,6 +236,10 @@ class TritonBackend(AttentionBackend):
         return None
 
     @classmethod
+    def compiles_on_first_use(cls, device) -> bool:
+        return torch.device(device).type == "cuda"  # Triton JITs each kernel; the CPU interpreter does not
+
+    @classmethod
     def provider(cls, **settings) -> str:
         triton = _triton()
         if isinstance(triton, str):

@@ -19,6 +19,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
+import torch
 
 from pagedbench import LLM, SamplingParams
 
@@ -464,12 +465,21 @@ def test_bench_serve_warm_ups_are_sent_and_kept_out_of_the_metrics(server, tmp_p
     assert "--num-warmups must be >= 0, got -1" in capsys.readouterr().err
 
 
-def test_serve_warms_up_before_it_announces(chat_model):
-    """The server compiles and runs a step of each kind before it binds, and says how long it took."""
+def test_serve_warms_up_only_what_compiles(chat_model):
+    """An eager model on an sdpa CPU server compiles nothing: no warm-up (a full prefill chunk of
+    time for nothing); a compiling backend or model warms up before the server announces itself."""
+    from pagedbench.config import EngineConfig
+    from pagedbench.entrypoints.cli.serve import warm_up_reason
+
     proc, url = start_server(chat_model, "--num-blocks", "64")
     out = server_output(proc)
-    warmed, serving = out.index("pagedbench: warmed up in "), out.index("pagedbench: serving ")
-    assert warmed < serving and "s compiling)" in out[warmed:serving]
+    skipped, serving = out.index("pagedbench: no warm-up: nothing compiles"), out.index("pagedbench: serving ")
+    assert skipped < serving and "warmed up" not in out
+    cpu = torch.device("cpu")
+    assert warm_up_reason(EngineConfig(model="m", backend="sdpa"), cpu) is None
+    assert warm_up_reason(EngineConfig(model="m", backend="flex"), cpu) == "flex's kernels"
+    assert warm_up_reason(EngineConfig(model="m", backend="sdpa", compile=True), cpu) == "the compiled model"
+    assert warm_up_reason(EngineConfig(model="m", backend="sdpa"), torch.device("cuda")) is not None
 
 
 def test_bench_serve_against_our_server(server, tmp_path, capsys):

@@ -70,11 +70,8 @@ def busy_warning(device: torch.device) -> str | None:
     load, cores = load_average(), os.cpu_count() or 1
     if device.type == "cpu" and load > BUSY_LOAD_PER_CORE * cores:
         return (
-            f"the machine is busy (load average {load:.2f} on {cores} cores): CPU timings will be slower and "
-            f"noisier. torch runs {torch.get_num_threads()} thread(s); a thread on a busy core stalls the others "
-            f"at every OpenMP barrier (one of 2 cores busy: 400-490 output tok/s with 2 threads, 990-1020 with 1, "
-            f"docs/benchmarks.md). Without OMP_NUM_THREADS or --threads, commands take the cores free at start; "
-            f"rerun when idle for figures to compare"
+            f"busy machine (load {load:.2f} on {cores} cores, {torch.get_num_threads()} torch threads): CPU timings "
+            "will be slower and noisier; rerun when idle to compare (docs/benchmarks.md)"
         )
     return None
 

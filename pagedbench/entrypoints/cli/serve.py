@@ -58,6 +58,21 @@ def note_no_op_flags(args) -> None:
             print(f"pagedbench: note: --{name.replace('_', '-')} accepted, no effect here: {why}")
 
 
+def warm_up_reason(config: EngineConfig, device) -> str | None:
+    """What a server's warm-up would compile before the first request, or None when nothing does
+    (an eager model and a backend without JIT on a CPU: a warm-up there only costs a full prefill
+    chunk of time, 98 s for a large model)."""
+    from pagedbench.backends.registry import get_backend
+
+    if device.type == "cuda":
+        return "CUDA kernels and libraries initialise on first use"
+    if config.compiles(device):
+        return "the compiled model"
+    if get_backend(config.backend).compiles_on_first_use(device):
+        return f"{config.backend}'s kernels"
+    return None
+
+
 def cmd_serve(args) -> None:
     args.model = resolve_serve_model(args)
     note_no_op_flags(args)
@@ -75,10 +90,16 @@ def cmd_serve(args) -> None:
     engine = make_engine(config)
     if args.chat_template is not None:
         _set_chat_template(engine, args.chat_template)
-    # Compile and capture before announcing: the first requests must not wait for it (vLLM does the same).
-    seconds, compiling = engine.warm_up()
-    warm = f"warmed up in {seconds:.1f} s ({compiling:.1f} s compiling); CUDA graphs {engine.cuda_graphs}"
-    print(f"pagedbench: {warm}", flush=True)
+    # Compile before announcing: the first requests must not wait for it (vLLM does the same).
+    why = warm_up_reason(config, engine.device)
+    if why is None:
+        print(
+            f"pagedbench: no warm-up: nothing compiles on first use here; CUDA graphs {engine.cuda_graphs}", flush=True
+        )
+    else:
+        seconds, compiling = engine.warm_up()
+        warm = f"warmed up in {seconds:.1f} s ({compiling:.1f} s compiling: {why}); CUDA graphs {engine.cuda_graphs}"
+        print(f"pagedbench: {warm}", flush=True)
     llm = AsyncLLM(engine, max_pending=args.max_pending)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit, max_n=args.max_n)
     app = build_app(llm, args.served_model_name or args.model, args.api_key, limits)
