@@ -29,15 +29,21 @@ def test_qwen3_and_llama_figures_by_hand():
 
 
 def test_kv_calc_command(capsys):
-    assert main(["kv-calc", "qwen3-0.6b", "--memory", "40", "--block-size", "16,32", "--seq-len", "1000"]) == 0
+    args = ["--memory", "40", "--block-size", "16,32", "--seq-len", "1000", "--dtype", "bf16"]
+    assert main(["kv-calc", "qwen3-0.6b", *args]) == 0
     out = capsys.readouterr().out
     assert "114,688 B (112 KiB) per token" in out and "23405" in out and "11702" in out
     assert main(["kv-calc", "qwen3-0.6b", "--block-size", "0"]) == 2
     assert "--block-size takes positive integers" in capsys.readouterr().err
     # DeepSeek-V3: one latent plane per token and layer, 2 x (512 + 64) x 2 bytes, no separate V.
-    assert main(["kv-calc", "deepseek-v3", "--memory", "1"]) == 0
+    assert main(["kv-calc", "deepseek-v3", "--memory", "1", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
     latent = "2 layers x one latent of 512 + 64 rope dims (no separate V) x 2 B (bf16) = 2,304 B"
-    assert latent in capsys.readouterr().out
+    assert latent in out
+    # The cut preset says what it answers for, and what the real 61-layer model needs.
+    assert "keeps 2 of the real model's 61 layers" in out and "(70,272 B)" in out
+    assert main(["kv-calc", "qwen3-0.6b", "--memory", "1"]) == 0  # on a CPU: fp32, as run uses
+    assert "x 4 B (fp32)" in capsys.readouterr().out
 
 
 def test_wasted_slots_are_the_empty_part_of_last_pages(tiny_models):

@@ -219,3 +219,6 @@ PRESETS: dict[str, dict] = {
         "eos_token_id": [200002, 199999],
     },
 }
+
+# Presets cut to a few of the real model's layers (to fit a CPU): name -> the real model's layer count.
+CUT_PRESETS = {"deepseek-v3": 61, "qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "gpt-oss-20b": 24}

@@ -1,7 +1,7 @@
 """`pagedbench report` and `kv-calc`: re-render reports from CSVs, KV-cache memory arithmetic."""
 
 from pagedbench.entrypoints.cli.common import positive_ints
-from pagedbench.model.presets import PRESETS
+from pagedbench.model.presets import CUT_PRESETS, PRESETS
 
 MAX_MEMORY_GIB = 2**20  # 1 PiB: far past any machine, short of numbers that print as nonsense
 
@@ -17,12 +17,15 @@ def cmd_report(args) -> None:
 
 
 def cmd_kv_calc(args) -> None:
+    import torch
+
     from pagedbench.backends.base import kv_storage_dtype
     from pagedbench.bench.kv_calc import GIB, kv_bytes_per_token, kv_table
     from pagedbench.bench.report_tables import markdown
     from pagedbench.device.dtypes import DTYPES
     from pagedbench.model.loader import resolve_model_config
 
+    args.dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")  # the device's default, as run's
     if args.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
     if not 0 < args.memory <= MAX_MEMORY_GIB:
@@ -43,6 +46,13 @@ def cmd_kv_calc(args) -> None:
         f"{args.model}: {cfg.num_layers} layers x {shape} x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B "
         f"({per_token / 1024:g} KiB) per token unquantized; {args.memory:g} GiB of KV cache"
     )
+    if args.model in CUT_PRESETS:  # say plainly what the figures answer for
+        real = CUT_PRESETS[args.model]
+        print(
+            f"note: preset {args.model} keeps {cfg.num_layers} of the real model's {real} layers, and the figures "
+            f"below are for that cut model; the real model caches {real / cfg.num_layers:g}x as much per token "
+            f"({per_token * real // cfg.num_layers:,} B), so it fits {cfg.num_layers / real:.3g}x the blocks and sequences"
+        )
     print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens, kv_dtypes)))
 
 
@@ -59,7 +69,12 @@ def register_kv_calc(sub) -> None:
     kv.add_argument("model", help=f"HF model directory or preset ({', '.join(PRESETS)})")
     kv.add_argument("--block-size", default="16", help="one or more, comma-separated (a sweep)")
     kv.add_argument("--memory", type=float, default=40.0, help="GiB given to the KV cache")
-    kv.add_argument("--dtype", default="bf16", help="the model's dtype (the cache's under kv_cache_dtype auto)")
+    kv.add_argument(
+        "--dtype",
+        default=None,
+        help="the model's dtype, the cache's under kv_cache_dtype auto (default: the device's, as run's: bf16 on "
+        "cuda, fp32 on cpu)",
+    )
     kv.add_argument(
         "--kv-cache-dtype",
         default="auto",
