@@ -51,7 +51,8 @@ def cmd_kv_calc(args) -> None:
         print(
             f"note: preset {args.model} keeps {cfg.num_layers} of the real model's {real} layers, and the figures "
             f"below are for that cut model; the real model caches {real / cfg.num_layers:g}x as much per token "
-            f"({per_token * real // cfg.num_layers:,} B), so it fits {cfg.num_layers / real:.3g}x the blocks and sequences"
+            f"({per_token * real // cfg.num_layers:,} B), so it fits {cfg.num_layers / real:.3g}x the blocks and "
+            "sequences"
         )
     print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens, kv_dtypes)))
 
