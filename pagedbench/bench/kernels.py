@@ -26,6 +26,7 @@ from pagedbench.backends.base import (
 )
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment, synchronize
+from pagedbench.bench.noise import median_interval
 from pagedbench.bench.problems import causal_mask, random_attention_batch
 from pagedbench.bench.ranks import gather_rows, grid_world
 from pagedbench.device.dtypes import resolve_device_dtype
@@ -463,11 +464,17 @@ def _time_dense(spec, point: dict, grid: KernelGrid, device: torch.device, dtype
 
 
 def _forward_columns(forward: list[float], point: dict) -> dict:
+    """The forward's timing columns: min, median, max and the median's bootstrap 95 % interval
+    (noise.py; none under 3 repeats), and the bandwidth and TFLOP/s of the median."""
     median = statistics.median(forward)
     bandwidth = point["kv_bytes"] / median / 1e9
+    low, high = median_interval(forward)
     return {
         "forward_min_ms": 1e3 * min(forward),
         "forward_median_ms": 1e3 * median,
+        "forward_max_ms": 1e3 * max(forward),
+        "forward_ci_low_ms": 1e3 * low,
+        "forward_ci_high_ms": 1e3 * high,
         "bandwidth_gbps": bandwidth,
         "pct_of_peak_bandwidth": 100 * bandwidth / point["peak_bandwidth_gbps"],
         "pct_of_copy_bandwidth": 100 * bandwidth / point["copy_bandwidth_gbps"],

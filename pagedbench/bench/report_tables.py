@@ -340,6 +340,10 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
             "head_dim": ok["head_dim"],
             "prepare ms": ok["prepare_median_ms"].round(3),
             "forward ms (median)": ok["forward_median_ms"].round(3),
+            "95% CI ms": [
+                interval_text(lo, hi, 3)
+                for lo, hi in zip(_column(ok, "forward_ci_low_ms"), _column(ok, "forward_ci_high_ms"))
+            ],
             "forward ms (min)": ok["forward_min_ms"].round(3),
             "GB/s": ok["bandwidth_gbps"].round(1),
             "% peak": ok["pct_of_peak_bandwidth"].round(1),
