@@ -112,3 +112,29 @@ def test_run_takes_a_dataset_and_a_bad_one_is_a_one_line_error(tiny_models, tmp_
     assert main([*args, "--dataset-path", str(bad), "--overwrite"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pagedbench: error: dataset") and "line 1: output_tokens" in err and "\n" not in err
+
+
+def test_a_trace_drives_bench_serve_arrivals_within_5_percent(monkeypatch):
+    """bench-serve sends each request of a trace at its own timestamp (rate None): launch times
+    measured against the schedule, with the HTTP call replaced by one that records when it ran."""
+    import asyncio
+    import time
+
+    from pagedbench.bench import serve_client
+    from pagedbench.bench.scenario import Request
+    from pagedbench.sample.sampling_params import SamplingParams
+
+    stamps = [0.0, 0.2, 0.25, 0.6, 1.0, 1.5]
+    requests = [Request([1, 2, 3], SamplingParams(max_tokens=2), t) for t in stamps]
+    launched = []
+
+    async def record(session, url, model, request, api_key):
+        launched.append(time.perf_counter())
+        return None
+
+    monkeypatch.setattr(serve_client, "send", record)
+    results, duration = asyncio.run(serve_client.replay("http://x", "m", requests, None, None, None, 0))
+    offsets = [t - launched[0] for t in launched]
+    assert len(results) == len(stamps) and duration >= stamps[-1]
+    for want, got in zip(stamps, offsets):
+        assert abs(got - want) <= max(0.05 * want, 0.02), (want, got)

@@ -100,17 +100,22 @@ async def replay(
     url: str,
     model: str,
     requests: list[Request],
-    rate: float,
+    rate: float | None,
     max_concurrency: int | None,
     api_key: str | None,
     seed: int,
 ) -> tuple[list[ClientResult], float]:
-    """Send `requests` with Poisson arrivals at `rate` per second (inf: all at once), at most
-    `max_concurrency` in flight; returns the results in request order and the wall time."""
+    """Send `requests` with Poisson arrivals at `rate` per second (inf: all at once; None: at each
+    request's own arrival_time, a trace's), at most `max_concurrency` in flight; returns the results
+    in request order and the wall time."""
     import aiohttp
 
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, size=len(requests)) if np.isfinite(rate) else np.zeros(len(requests))
+    if rate is None:  # a trace: the gaps between its timestamps
+        times = [r.arrival_time for r in requests]
+        gaps = np.diff(times + [times[-1]]) if times else np.zeros(0)
+    else:
+        gaps = rng.exponential(1.0 / rate, size=len(requests)) if np.isfinite(rate) else np.zeros(len(requests))
     limit = asyncio.Semaphore(max_concurrency or len(requests))
 
     async def one(request):
@@ -121,10 +126,11 @@ async def replay(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
     ) as session:
         start = time.perf_counter()
-        tasks = []
+        tasks, due = [], 0.0
         for request, gap in zip(requests, gaps):
             tasks.append(asyncio.ensure_future(one(request)))
-            await asyncio.sleep(gap)
+            due += gap  # sleep to each arrival's due time, so the schedule does not drift
+            await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
 

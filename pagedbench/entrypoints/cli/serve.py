@@ -135,6 +135,8 @@ def cmd_bench_serve(args) -> None:
     if args.dataset_name is not None or args.dataset_path is not None:
         scenario = dataclasses.replace(scenario, dataset_name=args.dataset_name, dataset_path=args.dataset_path)
         scenario.validate()
+    if scenario.dataset_name == "trace" and args.request_rate is None:
+        rates = [None]  # the trace's own arrivals
     url = args.base_url.rstrip("/")
     card = _server_card(url, args.api_key, args.model)
     model = args.model or card["id"]
@@ -218,12 +220,13 @@ def _load_at(rate: float, url: str, requests, seed: int, slos, args, head: dict)
         "timestamp": pd.Timestamp.now(tz="UTC").isoformat(timespec="seconds"),
         **head,
         "num_prompts": len(requests),
-        "request_rate": rate if math.isfinite(rate) else "inf",
+        "request_rate": "trace" if rate is None else rate if math.isfinite(rate) else "inf",
         "max_concurrency": args.max_concurrency,
         "slos_ms": args.goodput or "",
         **summarize(results, duration, slos),
     }
-    print(f"rate {rate:g}/s: {row['output_throughput']:.1f} output tok/s, median TTFT {row['median_ttft_ms']:.1f} ms")
+    label = "trace arrivals" if rate is None else f"rate {rate:g}/s"
+    print(f"{label}: {row['output_throughput']:.1f} output tok/s, median TTFT {row['median_ttft_ms']:.1f} ms")
     return row
 
 
