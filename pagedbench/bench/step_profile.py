@@ -14,7 +14,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.profiler import record_function
@@ -69,12 +69,6 @@ class StepProfile:
     @property
     def per_layer(self) -> float:
         return self.forward / self.num_layers
-
-    def as_dict(self) -> dict:
-        return asdict(self) | {
-            "outside_attention_per_layer": self.outside_attention_per_layer,
-            "busy_share": self.busy_share,
-        }
 
 
 def _is_aten(name: str) -> bool:

@@ -10,15 +10,12 @@ these through `LayerOps`: `EAGER` or `compiled_ops()`, chosen once per engine (E
 """
 
 import functools
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
