@@ -162,8 +162,9 @@ def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
     events = prof.events()
     if cuda:
         counted = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        launches = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
-        launched_by = [launches.get(e.linked_correlation_id) for e in counted]
+        # The op that launched each kernel: the profiler lists a kernel under it (`kernels`), the
+        # same link on every torch version (FunctionEvent.linked_correlation_id is not in 2.11).
+        launched_by = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU for _ in e.kernels]
         graph = any(op is not None and op.name == "cudaGraphLaunch" for op in launched_by)
         replayed_or_forward = [op.name == "cudaGraphLaunch" or _under(op, FORWARD_SPAN) for op in launched_by if op]
         forward = [True for f in replayed_or_forward if f]
