@@ -71,21 +71,32 @@ class _Interpreted:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             from triton.language import standard
-            from triton.runtime.interpreter import _patch_lang, interpreter_builder
+            from triton.runtime import interpreter
             from triton.runtime.jit import JITFunction
 
-            compiled_only, options = JITFunction.__call__, interpreter_builder.options
+            compiled_only, options = JITFunction.__call__, interpreter.interpreter_builder.options
+            patch_tensor = interpreter._patch_lang_tensor
             JITFunction.__call__ = lambda helper, *a, **k: _interpreted_body(helper.fn)(*a, **k)
-            interpreter_builder.options = replace(options, sanitize_overflow=False)
-            helpers_scope = _patch_lang(standard.zeros.fn)  # what the helpers' module sees (tl.core), once
+            interpreter.interpreter_builder.options = replace(options, sanitize_overflow=False)
+            interpreter._patch_lang_tensor = functools.partial(_patch_scalar_index, patch_tensor)
+            helpers_scope = interpreter._patch_lang(standard.zeros.fn)  # the helpers' module (tl.core), once
             try:
                 self.kernel[grid](*args, **kwargs)
             finally:
                 helpers_scope.restore()
-                interpreter_builder.options = options
+                interpreter._patch_lang_tensor = patch_tensor
+                interpreter.interpreter_builder.options = options
                 JITFunction.__call__ = compiled_only
 
         return launch
+
+
+def _patch_scalar_index(patch_tensor, tensor, scope) -> None:
+    """The interpreter's tensor patches, with `__index__` reading a one-element array as a scalar:
+    triton 3.6's `int(data)` fails on NumPy >= 2.4 for the shape-(1,) scalars a loop bound can be
+    (`range(step_lo, step_hi)`); later triton squeezes first, as this does."""
+    patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
 
 @functools.cache

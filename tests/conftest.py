@@ -22,6 +22,17 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
 
 
+def pytest_runtest_logreport(report):
+    """A failure's report printed as it happens (controller side under xdist), not only in the
+    summary at the end: a run cut at its time limit (the GPU suite's) still names why each failed."""
+    if (
+        report.failed
+        and os.environ.get("PAGEDBENCH_EARLY_FAILURES") == "1"
+        and not os.environ.get("PYTEST_XDIST_WORKER")
+    ):
+        print(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n", flush=True)
+
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "paged attention stores keys and values in fixed size blocks",

@@ -22,6 +22,7 @@ STASH = Path(os.environ.get("PAGEDBENCH_GPU_STASH", "/tmp/pagedbench-gpu"))  # s
 MIN_STEP_SECONDS = 20  # a step with less time than this left is skipped, not started
 KILL_GRACE_SECONDS = 5  # between SIGTERM to a step's process group and SIGKILL
 TARBALL = "gpu-suite.tar.gz"
+EARLY_FAILURES = {"PAGEDBENCH_EARLY_FAILURES": "1"}  # tests/conftest.py prints each failure as it happens
 
 
 @dataclass(slots=True)
@@ -75,7 +76,7 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
             200,
         ),
         SuiteStep("profile-eager", pagedbench_cmd(*profile, "--enforce-eager", "--out", f"{r}/profile-eager"), 90),
-        SuiteStep("pytest-cuda", [*pytest, "-k", "cuda and not flash", "tests"], 240),
+        SuiteStep("pytest-cuda", [*pytest, "-k", "cuda and not flash", "tests"], 240, env=EARLY_FAILURES),
         SuiteStep(
             "kernels-decode-graphs",
             pagedbench_cmd("kernels", *decode, "--block-sizes", "16", "--backends", "sdpa,flex,triton")
@@ -113,7 +114,7 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
             150,
             needs_fa4=True,
         ),
-        SuiteStep("fa4-pytest", [*pytest, "-k", "cuda and flash", "tests"], 150, needs_fa4=True),
+        SuiteStep("fa4-pytest", [*pytest, "-k", "cuda and flash", "tests"], 150, needs_fa4=True, env=EARLY_FAILURES),
     ]
 
 
