@@ -34,8 +34,8 @@ from pagedbench.backends.flex_compile import (
     kernel_options,
     softcap_score_mod,
 )
-from pagedbench.backends.flex_masks import MIN_KV_BLOCK, MIN_TOKEN_CAPACITY, PagedBlockMasks
-from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, plan_calls, sequence_pages
+from pagedbench.backends.flex_masks import MIN_KV_BLOCK, MIN_TOKEN_CAPACITY, PagedBlockMasks, RowPages
+from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, plan_calls
 from pagedbench.backends.flex_tune import (
     DecodeOptionsCache,
     DecodeShape,
@@ -207,16 +207,17 @@ class FlexBackend(AttentionBackend):
             static_decode_batch=self.static_decode_batch,
             sliding_window=self.variant.sliding_window,
         )
-        # One host-to-device copy carries every index array of the step.
-        arrays = [*sequence_pages(seq_lens, self.block_size), *(a for plan in plans for a in plan.host)]
+        # One host-to-device copy carries every index array of the step (O(rows and tokens), no page lists);
+        # the device expands each row's page span over the block table.
+        arrays = [a for plan in plans for a in plan.host]
         dev = to_device(np.concatenate(arrays), self.device).split([len(a) for a in arrays])
-        self._masks.fill_inverse(meta.block_table, dev[0], dev[1], len(seq_lens), num_pages)
-        calls, offset = [], 2
+        calls, offset = [], 0
         for plan in plans:
-            plan_dev = CallArrays(*dev[offset : offset + len(plan.host)])
+            calls.append(CallArrays(*dev[offset : offset + len(plan.host)]))
             offset += len(plan.host)
-            calls.append(self._call(plan, plan_dev, meta.block_table, num_pages))
-        return FlexState(calls, meta.num_tokens)
+        listings = [self._masks.row_pages(plan, arrays, meta.block_table) for plan, arrays in zip(plans, calls)]
+        self._masks.fill_inverse(listings, len(seq_lens), num_pages, full_too=not self.compiled)
+        return FlexState([self._call(*call, num_pages) for call in zip(plans, calls, listings)], meta.num_tokens)
 
     def _check_int32_offsets(self, num_pages: int) -> None:
         slots = num_pages * self.block_size
@@ -225,9 +226,7 @@ class FlexBackend(AttentionBackend):
         if self.device.type == "cuda" and slots * self.num_kv_heads * self.head_dim > _INT32_MAX:
             raise ValueError(f"a layer's cache of {num_pages} pages overflows Triton flex's int32 element offsets")
 
-    def _call(
-        self, plan: CallPlan, arrays: CallArrays[torch.Tensor], block_table: torch.Tensor, num_pages: int
-    ) -> FlexCall:
+    def _call(self, plan: CallPlan, arrays: CallArrays[torch.Tensor], listing: RowPages, num_pages: int) -> FlexCall:
         routed = not plan.identity  # query rows gathered from, and answers scattered to, the flat tokens
         return FlexCall(
             plan.kind,
@@ -237,7 +236,7 @@ class FlexBackend(AttentionBackend):
             arrays.real if routed else None,
             arrays.dest if routed else None,
             plan.real_rows * (self.packed_heads if plan.kind == "decode" else 1),  # packed query rows
-            self._masks.block_mask(plan, arrays, block_table, num_pages),
+            self._masks.block_mask(plan, arrays, listing, num_pages),
         )
 
     # --- forward: once per layer ---------------------------------------------------------------

@@ -13,6 +13,7 @@ codegen).
 """
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +46,23 @@ def visible_slot(
     logical = inv[seq, kv_idx // bs]
     key_pos = logical * bs + kv_idx % bs
     return (logical >= 0) & (key_pos <= pos) & (key_pos > pos - window)
+
+
+class PageList(NamedTuple):
+    """[rows, columns]: column c's logical and physical page in its row's listing, and whether the
+    row lists that many."""
+
+    logical: torch.Tensor
+    pages: torch.Tensor
+    listed: torch.Tensor
+
+
+class RowPages(NamedTuple):
+    """What a call's BlockMask rows list: masked blocks, and full ones where the plan has them."""
+
+    seq: torch.Tensor  # [rows, 1] sequence of each row
+    masked: PageList
+    full: PageList | None
 
 
 def _as_mask_rows(t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -96,29 +114,50 @@ class PagedBlockMasks:
             self._buffers[name] = buf
         return buf
 
-    def fill_inverse(
-        self, block_table: torch.Tensor, seq: torch.Tensor, logical: torch.Tensor, num_seqs: int, num_pages: int
-    ) -> None:
-        """inv[s, page] = logical page of `page` in sequence s, -1 elsewhere, from the (sequence,
-        logical page) pairs [P] the step's sequences hold. Only the last step's entries are reset,
-        so the cost follows the block tables, not the cache size."""
+    def row_pages(self, plan: CallPlan, arrays: CallArrays[torch.Tensor], block_table: torch.Tensor) -> RowPages:
+        """The pages the call's BlockMask rows list, gathered from the block table on the device
+        ([rows, columns] entries; no host work per page). Masked pages lie before and after the
+        full run, so those after skip its columns."""
+        seq, start = arrays.row_seq.long()[:, None], arrays.row_start[:, None]
+        full_start = arrays.row_full_start[:, None]
+        num_masked, num_full = arrays.num_masked[:, None], arrays.num_full[:, None]
+
+        def listing(first: torch.Tensor, count: torch.Tensor, columns: int, skip=None) -> PageList:
+            c = torch.arange(columns, device=self.device)
+            logical = first + c if skip is None else first + c + (c >= full_start - start) * skip
+            pages = block_table[seq, logical.clamp(max=block_table.shape[1] - 1)]
+            return PageList(logical, pages, c < count)
+
+        masked = listing(start, num_masked, int(plan.host.num_masked.max()), skip=num_full)
+        full = listing(full_start, num_full, int(plan.host.num_full.max())) if plan.full_blocks else None
+        return RowPages(seq, masked, full)
+
+    def fill_inverse(self, calls: list[RowPages], num_seqs: int, num_pages: int, full_too: bool) -> None:
+        """inv[s, page] = logical page of `page` in sequence s for every page a call lists as a
+        masked block (the only ones a compiled kernel's mask_mod sees; `full_too`: and as a full
+        one, for eager flex, which applies the mask_mod everywhere), -1 elsewhere; unlisted columns
+        write to a spare last column no page reads. Only the last step's entries are reset, so the
+        cost follows the listings, not the cache size."""
         inv = self._buffer(
-            "inv", (capacity(num_seqs, MIN_ROW_CAPACITY), capacity(num_pages, MIN_PAGE_CAPACITY)), fill=-1
+            "inv", (capacity(num_seqs, MIN_ROW_CAPACITY), capacity(num_pages + 1, MIN_PAGE_CAPACITY)), fill=-1
         )
         # Flat indices into the table: one index_fill_ and one index_copy_ (2-D advanced indexing
         # costs several times more on a CPU for the same entries).
-        flat = seq.long() * inv.shape[1] + block_table[seq, logical].long()
+        spare = inv.shape[1] - 1
+        lists = [(c.seq, p) for c in calls for p in (c.masked, c.full if full_too else None) if p is not None]
+        flat = torch.cat([(seq * inv.shape[1] + torch.where(p.listed, p.pages, spare)).view(-1) for seq, p in lists])
+        logical = torch.cat([p.logical.reshape(-1) for _, p in lists]).to(torch.int32)
         table = inv.view(-1)
         if self._inv_written is not None and self._inv_written[0] is inv:  # a regrown table starts all -1
             table.index_fill_(0, self._inv_written[1], -1)
-        table.index_copy_(0, flat, logical.to(torch.int32))
+        table.index_copy_(0, flat, logical)
         self._inv_written = (inv, flat)
 
     def block_mask(
-        self, plan: CallPlan, arrays: CallArrays[torch.Tensor], block_table: torch.Tensor, num_pages: int
+        self, plan: CallPlan, arrays: CallArrays[torch.Tensor], listing: RowPages, num_pages: int
     ) -> BlockMask:
         """The call's BlockMask (after fill_inverse): row r, a decode row or a prefill query block,
-        lists its sequence's pages, as full blocks where `plan.full_blocks` allows, else masked."""
+        lists its sequence's pages (`listing`), as full blocks where `plan.full_blocks` allows, else masked."""
         rows, kv_block = plan.rows, self.kv_block_size
         # kv_indices at least as wide as the cache's KV-block count (flex takes the count from the last dim).
         kv_blocks = -(-num_pages * self.block_size // kv_block)
@@ -126,13 +165,14 @@ class PagedBlockMasks:
         cap_rows = capacity(rows, MIN_ROW_CAPACITY)
         counts = self._buffer(f"{plan.kind}_counts", (2, cap_rows))  # [masked, full]
         tables = self._buffer(f"{plan.kind}_tables", (2, cap_rows, width))
-        pages = block_table[arrays.entry_seq, arrays.entry_logical]  # [E]
-        if kv_block == self.block_size:  # a sequence's pages are distinct: scatter them into their columns
-            counts[0, :rows].copy_(arrays.num_masked)
-            counts[1, :rows].copy_(arrays.num_full)
-            tables[arrays.entry_full, arrays.entry_row, arrays.entry_col] = pages
+        counts[0, :rows].copy_(arrays.num_masked)
+        counts[1, :rows].copy_(arrays.num_full)
+        if kv_block == self.block_size:  # a sequence's pages are distinct: they are the blocks
+            for kind, pages in enumerate((listing.masked, listing.full)):
+                if pages is not None:
+                    tables[kind, :rows, : pages.listed.shape[1]] = torch.where(pages.listed, pages.pages, 0)
         else:
-            self._list_shared_blocks(counts[0, :rows], tables[0, :rows], arrays.entry_row, pages)
+            self._list_shared_blocks(counts[0, :rows], tables[0, :rows], listing.masked.pages, listing.masked.listed)
         if plan.kind == "prefill" and self.exact_prefill_width:  # one page per KV block here: columns < kv_blocks
             tables = tables[..., :kv_blocks]
         full = [_as_mask_rows(t[1, :rows], plan.kind) for t in (counts, tables)] if plan.full_blocks else [None, None]
@@ -148,13 +188,14 @@ class PagedBlockMasks:
         )
 
     def _list_shared_blocks(
-        self, count: torch.Tensor, table: torch.Tensor, entry_row: torch.Tensor, pages: torch.Tensor
+        self, count: torch.Tensor, table: torch.Tensor, pages: torch.Tensor, listed_pages: torch.Tensor
     ) -> None:
-        """Pages of one row may share a KV block: list each block once in count [rows] and
-        table [rows, width], without a device sync."""
+        """Pages of one row may share a KV block: list each block of the row's listed `pages`
+        [rows, columns] once in count [rows] and table [rows, width], without a device sync."""
         rows, width = table.shape
-        listed = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
-        listed[entry_row, pages.long() // (self.kv_block_size // self.block_size)] = True
+        blocks = torch.where(listed_pages, pages.long() // (self.kv_block_size // self.block_size), width)
+        listed = torch.zeros(rows, width + 1, dtype=torch.bool, device=self.device)  # the last column: unlisted
+        listed = listed.scatter_(1, blocks, True)[:, :width]
         count.copy_(listed.sum(-1, dtype=torch.int32))
         column = torch.where(listed, listed.cumsum(-1) - 1, width - 1)
         blocks = torch.arange(width, dtype=torch.int32, device=self.device).expand(rows, -1)

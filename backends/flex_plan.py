@@ -1,5 +1,7 @@
-"""Host side of a flex step: the query rows of each flex call and the (mask row, logical page)
-entries its BlockMask lists, as numpy index arrays that prepare() copies to the device in one go.
+"""Host side of a flex step: the query rows of each flex call and, per BlockMask row, the span
+of logical pages it lists (its sequence, first page, first full page, full and masked counts), as
+numpy index arrays that prepare() copies to the device in one go. Everything here is O(rows and
+tokens), never O(pages): the device expands the spans over the block table (flex_masks.py).
 
 Two call kinds. `decode`: one BlockMask row per sequence with at most MAX_DECODE_QUERY new tokens,
 queries `[batch, q_len]` (short rows repeat their last token). `prefill`: the other chunks as one
@@ -24,19 +26,18 @@ def index_in_group(counts: np.ndarray) -> np.ndarray:
 
 class CallArrays(NamedTuple, Generic[Array]):
     """A call's index arrays: numpy on the host, then views of the step's single device copy.
-    Query rows are the call's `[batch * q_len]` flattened rows; entries are the E (mask row,
-    logical page) pairs its BlockMask lists."""
+    Query rows are the call's `[batch * q_len]` flattened rows. Mask row r lists the logical pages
+    [row_start, row_start + num_masked + num_full) of sequence row_seq: the full run
+    [row_full_start, + num_full) as full blocks, the pages before and after it as masked ones."""
 
     token: Array  # [batch * q_len] flat token each query row reads
     real: Array  # [K] query rows that are real tokens (the rest repeat one)
     dest: Array  # [K] flat token each real row answers
     mask_seq: Array  # sequence the mask_mod looks up: decode [batch] per row, prefill [q_len] per query row
     mask_pos: Array  # [batch * q_len] position of each query row in its sequence
-    entry_row: Array  # [E] mask row
-    entry_seq: Array  # [E] its sequence
-    entry_logical: Array  # [E] logical page in that sequence
-    entry_full: Array  # [E] 1: a full block (no mask_mod), 0: a masked one
-    entry_col: Array  # [E] column among the row's full or masked blocks
+    row_seq: Array  # [rows] sequence of each mask row
+    row_start: Array  # [rows] its first listed logical page
+    row_full_start: Array  # [rows] its first full page
     num_full: Array  # [rows] full blocks of each mask row
     num_masked: Array  # [rows] masked blocks of each mask row
 
@@ -53,12 +54,6 @@ class CallPlan:
     full_blocks: bool  # the BlockMask lists full blocks; else every listed block is masked
     real_rows: np.ndarray  # [rows] real query rows in each BlockMask row (tile efficiency)
     host: CallArrays[np.ndarray]
-
-
-def sequence_pages(seq_lens: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sequence, logical page), each [P], of every page the step's sequences hold."""
-    pages = -(-seq_lens // block_size)
-    return np.repeat(np.arange(len(seq_lens)), pages), index_in_group(pages)
 
 
 def plan_calls(
@@ -112,10 +107,10 @@ def plan_decode(
     spare = q_lens == 0  # spare rows read no page
     first_pos = np.where(spare, -1, ctx[row_seq])
     last_pos = np.where(spare, -1, ctx[row_seq] + q_lens - 1)
-    entries = _page_entries(row_seq, first_pos, last_pos, block_size, full_blocks, sliding_window)
+    spans = _row_spans(row_seq, first_pos, last_pos, block_size, full_blocks, sliding_window)
     identity = q_len == 1 and len(seqs) == batch and np.array_equal(seqs, np.arange(batch)) and qsl[batch] == batch
     real = (np.arange(q_len)[None, :] < q_lens[:, None]).reshape(-1)
-    host = _call_arrays(token.reshape(-1), real, row_seq, pos.reshape(-1), entries)
+    host = _call_arrays(token.reshape(-1), real, row_seq, pos.reshape(-1), spans)
     return CallPlan("decode", batch, q_len, identity, batch, full_blocks, q_lens, host)
 
 
@@ -142,18 +137,18 @@ def plan_prefill(
     first_pos = np.append(ctx[block_seq] + block_q0, -1)
     last_pos = np.append(ctx[block_seq] + block_q0 + block_real - 1, -1)
     row_seq = np.append(block_seq, seqs[0])
-    entries = _page_entries(row_seq, first_pos, last_pos, block_size, full_blocks, sliding_window)
+    spans = _row_spans(row_seq, first_pos, last_pos, block_size, full_blocks, sliding_window)
     # Query rows: block r's rows are offsets block_q0[r] + 0..qb-1, past the chunk repeating its last token.
     offset = block_q0[:, None] + np.arange(qb)[None, :]
     real = (offset < block_q_len[:, None]).reshape(-1)
     offset = np.minimum(offset, block_q_len[:, None] - 1)
     token = (qsl[block_seq][:, None] + offset).reshape(-1)
     pos = (ctx[block_seq][:, None] + offset).reshape(-1)
-    host = _call_arrays(token, real, np.repeat(block_seq, qb), pos, entries)
+    host = _call_arrays(token, real, np.repeat(block_seq, qb), pos, spans)
     return CallPlan("prefill", 1, len(token), False, len(row_seq), full_blocks, np.append(block_real, 0), host)
 
 
-def _page_entries(
+def _row_spans(
     row_seq: np.ndarray,
     first_pos: np.ndarray,
     last_pos: np.ndarray,
@@ -162,10 +157,10 @@ def _page_entries(
     sliding_window: int | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Each mask row's pages from its first query's window start (page 0 without a window) up to
-    its last query position (-1: none), the entry_* and num_* of `CallArrays`. With `full_blocks`,
+    its last query position (-1: none), as the row_* and num_* of `CallArrays`. With `full_blocks`,
     pages every query of the row sees whole are full blocks: at or before the first query, and
     (with a window) inside the last query's window."""
-    bs, rows = block_size, np.arange(len(row_seq))
+    bs = block_size
     end = np.where(last_pos >= 0, last_pos // bs + 1, 0)  # one past the row's last page
     start = np.zeros_like(end)
     full_start = np.zeros_like(end)
@@ -174,18 +169,11 @@ def _page_entries(
         full_start = -(-np.maximum(last_pos - sliding_window + 1, 0) // bs)
     full_end = np.minimum((first_pos + 1) // bs, end) if full_blocks else full_start
     num_full = np.maximum(full_end - full_start, 0)
-    row = np.repeat(rows, end - start)
-    logical = start[row] + index_in_group(end - start)
-    full = (logical >= full_start[row]) & (logical < full_end[row])
-    # Masked pages lie before and after the full run: those after skip the run's columns.
-    col = np.where(
-        full, logical - full_start[row], logical - start[row] - np.where(logical >= full_end[row], num_full[row], 0)
-    )
-    return row, row_seq[row], logical, full.astype(np.int64), col, num_full, end - start - num_full
+    return row_seq, start, np.minimum(full_start, end), num_full, end - start - num_full
 
 
 def _call_arrays(
-    token: np.ndarray, real: np.ndarray, mask_seq: np.ndarray, mask_pos: np.ndarray, entries: tuple[np.ndarray, ...]
+    token: np.ndarray, real: np.ndarray, mask_seq: np.ndarray, mask_pos: np.ndarray, spans: tuple[np.ndarray, ...]
 ) -> CallArrays[np.ndarray]:
     """`real`: [batch * q_len] bool, whether each query row is a real token."""
-    return CallArrays(token, np.flatnonzero(real), token[real], mask_seq, mask_pos, *entries)
+    return CallArrays(token, np.flatnonzero(real), token[real], mask_seq, mask_pos, *spans)
