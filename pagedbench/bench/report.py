@@ -8,6 +8,7 @@ import pandas as pd
 
 from pagedbench.bench.report_plots import (
     plot_kernel_bandwidth,
+    plot_kernel_page_sizes,
     plot_kv_timeline,
     plot_latency_cdfs,
     plot_rate_sweep,
@@ -116,6 +117,8 @@ def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
         sections.append(kernel_section(kinds["kernels"]))
     if "kernels" in kinds and (kinds["kernels"]["status"] == "ok").any():
         paths.append(plot_kernel_bandwidth(kinds["kernels"], out_dir / f"{stem}-bandwidth.png"))
+        if kinds["kernels"].loc[kinds["kernels"]["status"] == "ok", "block_size"].nunique() > 1:
+            paths.append(plot_kernel_page_sizes(kinds["kernels"], out_dir / f"{stem}-page-size.png"))
     if "check" in kinds:
         sections.append(check_section(kinds["check"]))
     if "bench-serve" in kinds:

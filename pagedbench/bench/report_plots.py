@@ -120,33 +120,82 @@ def plot_rate_sweep(df: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _kernel_measure(rows: pd.DataFrame) -> tuple[str, str]:
+    """(column, axis label): % of the device's copy bandwidth where every row has it, else GB/s."""
+    if "pct_of_copy_bandwidth" in rows and rows["pct_of_copy_bandwidth"].notna().all():
+        return "pct_of_copy_bandwidth", "% of copy bandwidth (KV read)"
+    return "bandwidth_gbps", "KV bytes read / time (GB/s)"
+
+
+def _kernel_labels(rows: pd.DataFrame, *, pages: bool = True) -> pd.Series:
+    """backend (and CUDA graphs, page size, heads where they vary among `rows`)."""
+    label = _labels(rows)
+    if "cuda_graphs" in rows and rows["cuda_graphs"].nunique(dropna=False) > 1:
+        label = label + rows["cuda_graphs"].map({True: " · graphed"}).fillna("")
+    if pages and rows["block_size"].nunique() > 1:
+        label = label + " · page " + rows["block_size"].astype("Int64").astype(str)
+    heads = rows["num_heads"].astype("Int64").astype(str) + "/" + rows["num_kv_heads"].astype("Int64").astype(str)
+    if heads.nunique() > 1:
+        label = label + " · heads " + heads
+    return label
+
+
+def _panels(rows: pd.DataFrame) -> list[tuple[str, int]]:
+    return list(dict.fromkeys(zip(rows["phase"], rows["batch_size"].astype(int))))
+
+
+def _panel_grid(count: int, width: float = 4.3, height: float = 3.4):
+    cols = min(count, 3)
+    nrows = -(-count // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(width * cols, height * nrows), squeeze=False)
+    for ax in axes.flat[count:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)
+
+
 def plot_kernel_bandwidth(kernels: pd.DataFrame, path: Path) -> Path:
-    """Achieved KV bandwidth vs context length per phase, at each phase's largest batch."""
+    """Achieved bandwidth against context length: a panel per phase and batch, a line per backend
+    (and page size, graphs, heads where they vary); % of copy bandwidth where measured."""
     ok = kernels[kernels["status"] == "ok"]
-    phases = list(dict.fromkeys(ok["phase"]))
-    fig, axes = plt.subplots(1, max(len(phases), 1), figsize=(4.5 * max(len(phases), 1), 3.8), squeeze=False)
-    for ax, phase in zip(axes[0], phases):
-        rows = ok[ok["phase"] == phase]
-        rows = rows[rows["batch_size"] == rows["batch_size"].max()]
-        label = (
-            _labels(rows)
-            + " bs"
-            + rows["block_size"].astype("Int64").astype(str)
-            + " h"
-            + rows["num_heads"].astype("Int64").astype(str)
-            + "/"
-            + rows["num_kv_heads"].astype("Int64").astype(str)
-        )
-        for name, group in rows.groupby(label, sort=False):
+    measure, axis = _kernel_measure(ok)
+    panels = _panels(ok)
+    fig, axes = _panel_grid(len(panels))
+    for ax, (phase, batch) in zip(axes, panels):
+        rows = ok[(ok["phase"] == phase) & (ok["batch_size"] == batch)]
+        for name, group in rows.groupby(_kernel_labels(rows), sort=False):
             group = group.sort_values("context_len")
-            ax.plot(group["context_len"], group["bandwidth_gbps"], marker="o", label=name)
+            ax.plot(group["context_len"], group[measure], marker="o", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{phase} (batch {int(rows['batch_size'].max())})")
+        ax.set_title(f"{phase}, batch {batch}")
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("KV bytes read / time (GB/s)")
+        ax.set_ylabel(axis)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small")
-    fig.suptitle("Attention kernel bandwidth")
+    fig.suptitle(_title("Attention kernel bandwidth", ok))
+    return _save(fig, path)
+
+
+def plot_kernel_page_sizes(kernels: pd.DataFrame, path: Path) -> Path:
+    """Achieved bandwidth against page size, at each phase and batch's longest context: a panel per
+    phase and batch, a line per backend. What page size each backend needs."""
+    ok = kernels[kernels["status"] == "ok"]
+    ok = ok[ok["context_len"] == ok.groupby(["phase", "batch_size"])["context_len"].transform("max")]
+    measure, axis = _kernel_measure(ok)
+    panels = _panels(ok)
+    fig, axes = _panel_grid(len(panels))
+    for ax, (phase, batch) in zip(axes, panels):
+        rows = ok[(ok["phase"] == phase) & (ok["batch_size"] == batch)]
+        for name, group in rows.groupby(_kernel_labels(rows, pages=False), sort=False):
+            group = group.sort_values("block_size")
+            ax.plot(group["block_size"], group[measure], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(rows["block_size"].unique()), [str(int(b)) for b in sorted(rows["block_size"].unique())])
+        ax.set_title(f"{phase}, batch {batch} x {int(rows['context_len'].max())} tokens")
+        ax.set_xlabel("page size (tokens)")
+        ax.set_ylabel(axis)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    fig.suptitle(_title("Attention kernel bandwidth by page size", ok))
     return _save(fig, path)
 
 
