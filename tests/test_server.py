@@ -179,7 +179,8 @@ def test_openai_client_completes_streams_and_chats(client, chat_model, server):
         ({"prompt": [1, "x"]}, 400, "prompt must be"),
         ({"prompt": [999999]}, 400, "outside the vocabulary"),
         ({"prompt": "hi", "model": "other"}, 404, "does not exist"),
-        ({"prompt": "hi", "echo": True}, 400, "echo is not supported"),
+        ({"prompt": "hi", "echo": True, "stream": True}, 400, "echo is not supported with stream"),
+        ({"prompt": "hi", "echo": "yes"}, 400, "echo must be true or false"),
         ({"prompt": "hi", "max_token": 100}, 400, "unknown field(s) max_token; known: "),  # OpenAI refuses it
         (
             {"prompt": list(range(3, 203)), "max_tokens": 400},
@@ -546,6 +547,36 @@ def test_prompt_logprobs_in_a_completion(server):
     positions = out["choices"][0]["prompt_logprobs"]
     assert status == 200 and positions[0] is None and len(positions) == 4
     assert all(str(t) in p and p[str(t)]["logprob"] <= 0 for t, p in zip([6, 7, 8], positions[1:]))
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs_lm_eval_reads(client, chat_model, server):
+    """lm-eval-harness's loglikelihood request (token ids of context + continuation, echo, logprobs 1,
+    max_tokens 1): each prompt token after the first carries the log-probability Hugging Face gives
+    it, and the same as the engine's prompt_logprobs; the text is the prompt's, then the completion's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chat_model))
+    ids = tok.encode("the quick brown fox jumps over the lazy dog")
+    out = client.completions.create(
+        model=str(chat_model), prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0
+    ).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert out.text.startswith(tok.decode(ids)) and lp.tokens[: len(ids)] == [tok.decode([t]) for t in ids]
+    hf = AutoModelForCausalLM.from_pretrained(str(chat_model), dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = [logits[i, t].item() for i, t in enumerate(ids[1:])]
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=1e-4)
+    for entry, row in zip(lp.top_logprobs[1 : len(ids)], logits[:-1]):  # top-1 and the prompt token
+        assert max(entry.values()) == pytest.approx(row.max().item(), abs=1e-4)
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    positions = post(server, "/v1/completions", json.dumps(body).encode())[1]["choices"][0]["prompt_logprobs"]
+    engine = [p[str(t)]["logprob"] for t, p in zip(ids[1:], positions[1:])]
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(engine, abs=1e-6)
+    plain = client.completions.create(model=str(chat_model), prompt="the lazy dog", max_tokens=3, echo=True)
+    assert plain.choices[0].text.startswith("the lazy dog") and plain.choices[0].logprobs is None
 
 
 def test_tokenize_and_detokenize(server, chat_model):

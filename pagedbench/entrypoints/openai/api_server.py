@@ -162,8 +162,17 @@ def _add_completion_routes(app, serving: OpenAIServing, authorized) -> None:
     async def completions(request: Request):
         body = await serving.body_of(request, "CompletionRequest")
         prompts = completion_prompts(body.get("prompt"))
-        params = serving.sampling_params(body, int_or_none(body.get("logprobs"), "logprobs"))
-        return await serving.respond(request, body, prompts, params, chat=False)
+        logprobs = int_or_none(body.get("logprobs"), "logprobs")
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise APIError(400, "echo must be true or false", param="echo")
+        if echo and body.get("stream"):
+            raise APIError(400, "echo is not supported with stream", param="echo")
+        extra = {}
+        if echo and logprobs is not None:  # the prompt's logprobs lead the choice's (lm-eval's loglikelihood)
+            extra["prompt_logprobs"] = max(logprobs, body.get("prompt_logprobs") or 0)
+        params = serving.sampling_params(body | extra, logprobs)
+        return await serving.respond(request, body, prompts, params, chat=False, echo=echo)
 
     chat_body = openapi_body(REQUEST_MODELS["ChatCompletionRequest"])
 

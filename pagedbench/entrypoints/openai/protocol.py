@@ -25,13 +25,13 @@ STRUCTURED_FIELDS = (
     "guided_decoding_backend",
     "guided_whitespace_pattern",
 )
-UNSUPPORTED = {"suffix": None, "echo": False, "tools": None, "functions": None, "use_beam_search": False}
+UNSUPPORTED = {"suffix": None, "tools": None, "functions": None, "use_beam_search": False}
 # The fields of each endpoint's body besides the sampling ones. Values are checked where they are
 # used (SamplingParams, the prompt forms); the models name the fields, refuse unknown ones as
 # OpenAI does (a misspelt "max_token" is a 400, not 16 tokens) and give /openapi.json its schema.
 COMMON = ("model", "stream", "stream_options", "user", "priority", *UNSUPPORTED, *STRUCTURED_FIELDS)
 ENDPOINT_FIELDS = {
-    "CompletionRequest": (*COMMON, *SAMPLING_FIELDS, "prompt", "logprobs"),
+    "CompletionRequest": (*COMMON, *SAMPLING_FIELDS, "prompt", "logprobs", "echo"),
     "ChatCompletionRequest": (
         *COMMON,
         *SAMPLING_FIELDS,

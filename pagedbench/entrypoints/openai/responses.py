@@ -18,6 +18,28 @@ def choice(index: int, c, chat: bool, top_k: int) -> dict:
     return common | {"text": c.text, "logprobs": logprobs}
 
 
+def echoed(out, c, decode) -> dict:
+    """A completion choice's `text` and `logprobs` with the prompt in front, as vLLM echoes it: the
+    first prompt token has no logprob (nothing predicts it), the others the engine's prompt logprobs.
+    `decode(ids)`: text of token ids."""
+    prompt_text = out.prompt if out.prompt is not None else decode(out.prompt_token_ids)
+    fields = {"text": prompt_text + c.text}
+    if c.logprobs is None or out.prompt_logprobs is None:
+        return fields
+    ids = out.prompt_token_ids
+    head = _completion_logprobs(out.prompt_logprobs[1:], ids[1:], len(first := decode(ids[:1])))
+    offset = len(first) + sum(map(len, head["tokens"]))
+    tail = _completion_logprobs(c.logprobs, c.token_ids, offset)
+    return fields | {
+        "logprobs": {
+            "tokens": [first, *head["tokens"], *tail["tokens"]],
+            "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
+            "text_offset": [0, *head["text_offset"], *tail["text_offset"]],
+        }
+    }
+
+
 def prompt_position(entry: dict | None) -> dict | None:
     """vLLM's prompt_logprobs entry: token id -> {logprob, rank, decoded_token}."""
     if entry is None:

@@ -134,6 +134,10 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
+    def _decode(self, ids: list[int]) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(ids) if tokenizer is not None else "".join(f"token_id:{t}" for t in ids)
+
     async def compile_grammar(self, body: dict, params: SamplingParams) -> None:
         """The request's structured-output grammar compiled (or found in the cache) in a worker
         thread, off the event loop and the step loop; a 400 naming the field when it is refused."""
@@ -144,8 +148,9 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param=structured_outputs_of(body)[1]) from None
 
-    async def respond(self, request, body: dict, prompts: list, params: SamplingParams, chat: bool):
-        """The completion (or chat completion) of `prompts`: one JSON body, or an SSE stream."""
+    async def respond(self, request, body: dict, prompts: list, params: SamplingParams, chat: bool, echo=False):
+        """The completion (or chat completion) of `prompts`: one JSON body, or an SSE stream.
+        `echo`: each completion's text and logprobs start with its prompt's (a completion only)."""
         created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.get("stream") and params.best_of != params.n:
             raise APIError(400, "best_of != n cannot be streamed (the best samples are known only at the end)")
@@ -164,6 +169,8 @@ class OpenAIServing:
         for i in sorted(finals):
             for c in finals[i].outputs:
                 choice = responses.choice(len(choices), c, chat, params.logprobs or 0)
+                if echo:
+                    choice |= responses.echoed(finals[i], c, self._decode)
                 if finals[i].prompt_logprobs is not None:  # vLLM's extra: per prompt token, None first
                     choice["prompt_logprobs"] = [responses.prompt_position(p) for p in finals[i].prompt_logprobs]
                 choices.append(choice)
