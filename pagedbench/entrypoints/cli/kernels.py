@@ -74,6 +74,8 @@ def cmd_check(args) -> int:
     from pagedbench.bench.report import EnvCsvLog, tidy, write_reports
 
     prepare_out_dir(args.out)
+    if args.loglikelihood:
+        return check_loglikelihood(args)
     if args.kv_cache_dtype:
         return check_kv_quality(args)
     device, _ = resolve_device_dtype(args.device, None)
@@ -108,6 +110,38 @@ def cmd_check(args) -> int:
     if failed:
         print(f"pagedbench: check failed: {failed} case(s)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def check_loglikelihood(args) -> int:
+    """`check --loglikelihood`: multiple-choice log-likelihoods (lm-eval's scoring) per backend and
+    page dtype against `reference` with unquantized pages."""
+    from pagedbench.backends.base import kv_storage_dtype
+    from pagedbench.bench.loglikelihood import loglikelihood_check
+
+    kv_dtypes = [k.strip() for k in (args.kv_cache_dtype or "auto").split(",") if k.strip()]
+    for kv in kv_dtypes:
+        if kv != "auto":
+            kv_storage_dtype(kv, torch.float32)  # an unknown name fails here, naming the known ones
+    model = args.model or "py-byte-target"
+    dtype = (args.dtypes or "fp32").split(",")[0]
+    table = pd.DataFrame(loglikelihood_check(backend_names(args.backends), kv_dtypes, model, args.device, dtype))
+    print(
+        f"log-likelihood of multiple-choice continuations, {model} over held-out text, {dtype}: each backend and "
+        "page dtype against reference with unquantized pages (mean |delta logprob| per choice token, chosen-answer "
+        "agreement)"
+    )
+    ok = table[table["status"] == "ok"].drop(columns=["model", "status", "reason"], errors="ignore")
+    print(ok.round(6).to_markdown(index=False))
+    for row in table[table["status"] != "ok"].itertuples():
+        print(f"not run: {row.backend} {row.kv_cache_dtype}: {row.reason}")
+    stem = report_stem(args.out, "check-loglikelihood", args.overwrite)
+    path = Path(args.out) / f"{stem}.csv"
+    table.to_csv(path, index=False)
+    print(f"reports: {path}")
+    if not (table["status"] == "ok").any():
+        unavailable = dict.fromkeys(f"{row.backend} {row.kv_cache_dtype}: {row.reason}" for row in table.itertuples())
+        raise NothingMeasured(f"check measured no log-likelihood: {'; '.join(unavailable)}")
+    return 0
 
 
 def check_kv_quality(args) -> int:
@@ -220,7 +254,9 @@ def register(sub) -> None:
         help="also teacher-force the whole model through each backend and compare logits (in --full)",
     )
     chk.add_argument(
-        "--model", default=None, help="model of --engine (default tiny-llama) and --kv-cache-dtype (py-byte-target)"
+        "--model",
+        default=None,
+        help="model of --engine (default tiny-llama), --kv-cache-dtype and --loglikelihood (py-byte-target)",
     )
     chk.add_argument(
         "--compile",
@@ -234,6 +270,12 @@ def register(sub) -> None:
         default=None,
         help="instead of the grid: KV quality of these page dtypes (e.g. fp8,int8) per backend, teacher-forced: "
         "KL, top-1 agreement and perplexity against the unquantized cache",
+    )
+    chk.add_argument(
+        "--loglikelihood",
+        action="store_true",
+        help="instead of the grid: multiple-choice log-likelihoods (lm-eval's scoring) over held-out text per "
+        "backend and --kv-cache-dtype (default auto), against reference: mean |delta logprob|, answer agreement",
     )
     chk.add_argument("--out", default="reports", help="directory for check.csv and check.md")
     add_overwrite_flag(chk)
