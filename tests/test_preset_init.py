@@ -82,3 +82,12 @@ def test_plain_init_is_still_there():
     q = plain.model.layers[0].self_attn.q_proj.weight
     assert abs(q.std().item() - 0.02) < 1e-3 and q[:, 1:].abs().sum() > 0
     assert generate(dtype="float32", preset_init="plain") != generate(dtype="float32")
+
+
+@pytest.mark.parametrize("model", ["gemma-2-2b", "deepseek-v3", "qwen3-30b-a3b"])
+def test_decisive_weights_refuse_the_models_they_cannot_build(model):
+    from pagedbench.model.preset_init import decisive_weights
+
+    cfg = resolve_model_config(model)[0]
+    with pytest.raises(ValueError, match="decisive weights: .* outside the decisive construction"):
+        next(decisive_weights(cfg, [("model.norm.weight", (8,))], seed=0, max_len=64))

@@ -4,6 +4,7 @@ that is the same in every process."""
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -43,9 +44,13 @@ def test_builtin_scenarios_load_and_are_listed(capsys):
     for name in builtin_scenarios():
         assert load_scenario(name).name == name
     assert main(["scenarios"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     for name in builtin_scenarios():
-        assert f"| {name} " in out
+        assert f"| {name} " in out and f"{name}: " in out  # a row, and its description below the table
+    assert max(map(len, out.splitlines())) <= 120  # a 120-column terminal
+    assert re.search(r"\| mixed +\|.*\| tiny-llama \(qwen3-0\.6b\) +\|", out)  # what runs on this CPU
+    assert "CPU threads" not in captured.err  # nothing here computes
     mixed = load_scenario("mixed")
     assert (mixed.num_prompts, mixed.input_len, mixed.output_len, mixed.ignore_eos) == (
         256,

@@ -79,7 +79,6 @@ class BlockManager:
         self.prefix_cache = PrefixCache()  # registered blocks; the unreferenced ones are free but evictable
         self._num_shared = 0  # blocks with a reference count above 1
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks, for the engine
-        self.num_copies = 0  # copy-on-write page copies so far
 
     @property
     def free_blocks(self) -> list[int]:
@@ -145,7 +144,6 @@ class BlockManager:
             self._unref(shared)
             seq.block_table[index] = self._take()
             self.pending_copies.append((shared, seq.block_table[index]))
-            self.num_copies += 1
         while len(seq.block_table) < blocks_needed(num_tokens, self.block_size):
             seq.block_table.append(self._take())
 

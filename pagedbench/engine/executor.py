@@ -306,13 +306,9 @@ class Executor:
         """Steps that may be in flight at once: one per pipeline stage."""
         return self.stage.size
 
-    def execute(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[StepInputs, torch.Tensor, tuple]:
-        """`seqs[i]` runs its next `num_tokens[i]` tokens: (inputs, fp32 logits, the wall times
-        (t_metadata, t_backend_prepare, t_forward) at which each part ended)."""
-        return self.collect(self.launch(seqs, num_tokens))
-
     def launch(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
-        """Start a step (a pipeline's first stage; the whole step otherwise); `collect` finishes it."""
+        """Start a step where `seqs[i]` runs its next `num_tokens[i]` tokens (a pipeline's first
+        stage; the whole step otherwise); `collect` finishes it."""
         inputs = self.runner.prepare(seqs, num_tokens)
         t_metadata = time.perf_counter()
         state = self.backend.prepare(inputs.metadata)

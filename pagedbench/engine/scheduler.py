@@ -64,7 +64,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
-        self.num_preemptions = 0
         # Speculative decoding: tokens a decoding sequence may verify beyond its next one (their
         # pages are allocated with it); None without speculation.
         self.lookahead: Callable[[Sequence], int] | None = None
@@ -230,7 +229,6 @@ class Scheduler:
             self.block_manager.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
             seq.num_preemptions += 1
-            self.num_preemptions += 1
             self.num_swap_outs += 1
             self.swapped.append(seq)
             return
@@ -238,7 +236,6 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def fork(self, parent: Sequence, index: int) -> Sequence:

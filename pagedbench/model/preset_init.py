@@ -84,13 +84,7 @@ def qk_columns(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tens
     for h in range(cfg.num_heads):  # k's pairs rotated back by lag x theta: q.k peaks `lag` tokens back
         angle = lag_of_head(h) * theta
         q[h, :half], q[h, half:] = angle.cos(), -angle.sin()
-    if cfg.gemma:
-        return "Gemma's (1 + weight) norms, soft-caps and windowed layers are outside the decisive construction"
-    if cfg.mla is not None:
-        return "latent attention's compressed, absorbed keys are outside the decisive construction"
-    if cfg.moe is not None:
-        return "mixture-of-experts layers are outside the decisive construction"
-    margin = score_margin_per_unit(cfg, max_len)
+    margin = score_margin_per_unit(cfg, max_len)  # decisive_reason() has refused the models this cannot build
     # score = (pair amplitude)^2 x sum of cosines / sqrt(D); q/k-norm makes each pair's amplitude
     # sqrt(2) x its weight, without it the amplitude is the column entry x the normed dimension 0.
     amplitude_sq = SCORE_MARGIN * math.sqrt(d) / margin
@@ -99,6 +93,8 @@ def qk_columns(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tens
 
 def decisive_weights(cfg: ModelConfig, names_shapes: list[tuple[str, tuple]], seed: int, max_len: int):
     """Yield (name, full tensor in float32) for every parameter, drawn in `names_shapes` order."""
+    if why := decisive_reason(cfg, max_len):
+        raise ValueError(f"decisive weights: {why}")
     gen = torch.Generator().manual_seed(seed)
     q_col, k_col, amplitude_sq = qk_columns(cfg, max_len)
     hidden = cfg.hidden_size

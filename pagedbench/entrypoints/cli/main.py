@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     _launched_rank_quiet(args)
     _log_to_stderr()
     try:
-        apply_threads(getattr(args, "threads", None))
+        if hasattr(args, "threads"):  # the commands that compute here (serve's LLM chooses its own)
+            apply_threads(args.threads)
         return args.func(args) or 0
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedbench: error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@ backend or several (same requests, same KV budget), reported as CSV, markdown an
 
 import argparse
 import dataclasses
+import textwrap
 
 import pandas as pd
 
@@ -226,6 +227,8 @@ def serving_report(args, backends: list[str], command: str) -> None:
 
 
 def cmd_scenarios(args) -> None:
+    """The built-in scenarios, with the model `run` takes here (a real-shape preset becomes CPU_MODEL on a CPU)."""
+    cpu = resolve_device_dtype(None, None)[0].type == "cpu"
     rows = []
     for name in sorted(builtin_scenarios()):
         s = load_scenario(name)
@@ -233,16 +236,20 @@ def cmd_scenarios(args) -> None:
         rows.append(
             {
                 "scenario": name,
-                "description": s.description,
                 "requests": s.num_prompts,
                 "input": str(s.input_len),
                 "output": str(s.output_len),
                 "arrival": arrival,
                 "KV blocks": s.kv_blocks,
-                "model": s.model,
+                "model": f"{CPU_MODEL} ({s.model})" if cpu and s.model in PRESETS and s.model != CPU_MODEL else s.model,
             }
         )
     print(pd.DataFrame(rows).to_markdown(index=False))
+    if cpu:
+        print(f"model: what runs on this CPU ({CPU_MODEL}), the scenario's real-shape preset in parentheses")
+    print()  # the descriptions below the table, wrapped: the table fits a 120-column terminal
+    for name in sorted(builtin_scenarios()):
+        print(textwrap.fill(f"{name}: {load_scenario(name).description}", 120, subsequent_indent="    "))
 
 
 def register(sub) -> None:
