@@ -20,7 +20,17 @@ DTYPES = {"cpu": [torch.float32, torch.bfloat16], "cuda": [torch.bfloat16, torch
 QUICK = [(case, device) for device in DEVICES for case in check.build_cases(DTYPES[device], full=False)]
 
 
-@pytest.mark.parametrize("case,device", [pytest.param(c, d, id=f"{c.name}-{d}") for c, d in QUICK])
+# The heaviest quick cases on a CPU (latent heads of 576 dims, one 2k-token sequence) run in the full
+# tier; the fast tier keeps every other case, and tests/test_mla.py the latent kernels on small shapes.
+HEAVY_ON_CPU = ("MLA", "one long sequence")
+
+
+def quick_param(case, device):
+    heavy = device == "cpu" and any(word in case.name for word in HEAVY_ON_CPU)
+    return pytest.param(case, device, id=f"{case.name}-{device}", marks=[pytest.mark.slow] if heavy else [])
+
+
+@pytest.mark.parametrize("case,device", [quick_param(c, d) for c, d in QUICK])
 def test_quick_matrix(case, device):
     rows = check.run_case(case, registry.list_backends(), torch.device(device))
     failures = [f"{r['backend']}: {r['reason']}" for r in rows if r["status"] == "fail"]

@@ -116,7 +116,7 @@ PROMPTS = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 1
 PRESSURE = dict(block_size=4, num_blocks=14, max_model_len=52, max_num_batched_tokens=12)
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv", [pytest.param("int8", marks=pytest.mark.slow), "fp8"])
 def test_page_features_are_unchanged_by_quantization(tiny_models, kv):
     """Greedy outputs with quantized pages are the same with and without memory pressure: swapped
     pages carry their scales, recomputed ones quantize the same way, cached prefixes and forked

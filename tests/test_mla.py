@@ -147,6 +147,7 @@ def test_backends_without_latent_values_say_why():
     assert probe(get_backend("flash-attn"), torch.device("cpu"), torch.float32, 40, 16, value_dim=32)[1]
 
 
+@pytest.mark.slow
 def test_swap_preemption_and_tensor_parallelism_keep_the_tokens(mla_models, prompts):
     """Preemption by swap moves latent pages out and back; tensor parallelism shards the heads and
     replicates the latent (as vLLM does): both give Hugging Face's greedy tokens."""

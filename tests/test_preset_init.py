@@ -25,7 +25,7 @@ def generate(backend="sdpa", dtype="bfloat16", patch=None, **kwargs):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "qwen3-0.6b"])
+@pytest.mark.parametrize("model", ["tiny-llama", pytest.param("qwen3-0.6b", marks=pytest.mark.slow)])
 def test_every_head_attends_one_hot_to_its_lag(model):
     """Layer 0's softmax, in fp32: probability exactly 1.0 on the key `lag` tokens back (the
     first token while fewer precede), 0.0 on every other."""

@@ -101,7 +101,12 @@ PRESSURE = {
 METHODS = {"ngram": NGRAM, "draft": DRAFT}
 FULL = next(iter(PRESSURE))  # the setup that has it all (preemption, chunks, 4-token pages, cache hits)
 PRESSURE_CASES = [
-    *(pytest.param(setup, "sdpa", m, id=f"{name}-{setup}-sdpa") for setup in PRESSURE for name, m in METHODS.items()),
+    # swap preemption (~9 s a method) in the full tier; the fast tier keeps recompute, chunks and caching
+    *(
+        pytest.param(setup, "sdpa", m, id=f"{name}-{setup}-sdpa", marks=[pytest.mark.slow] if "swap" in setup else [])
+        for setup in PRESSURE
+        for name, m in METHODS.items()
+    ),
     # reference under the full setup with both methods, triton (interpreted, ~25 s a run) with n-gram; flex
     # verifies in test_every_cpu_backend_verifies_multi_token_queries (its compiles cost a minute here).
     *(pytest.param(FULL, "reference", m, id=f"{n}-reference", marks=pytest.mark.slow) for n, m in METHODS.items()),
