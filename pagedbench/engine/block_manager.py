@@ -64,8 +64,14 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
         sliding_window: int | None = None,
+        num_state_slots: int = 0,
     ):
         self.num_blocks = num_blocks
+        # Hybrid models: a sequence holding pages also holds one linear-attention state slot (a
+        # swapped-out one keeps it: its state stays on the device); a fork's slot starts as a copy.
+        self.num_state_slots = num_state_slots
+        self._free_slots: deque[int] = deque(range(num_state_slots))
+        self.pending_state_copies: list[tuple[int, int]] = []  # (parent slot, child slot), for the engine
         self.sliding_window = sliding_window  # set only when every layer is windowed
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
@@ -125,7 +131,24 @@ class BlockManager:
         return grow + len(self._shared_writes(seq, num_tokens))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        if self.num_state_slots and seq.state_slot < 0 and not self._free_slots:
+            return False
         return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)
+
+    def _take_slot(self, seq: Sequence) -> None:
+        if self.num_state_slots and seq.state_slot < 0:
+            if not self._free_slots:
+                raise RuntimeError("out of linear-attention state slots")
+            seq.state_slot = self._free_slots.popleft()
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The (parent slot, child slot) state copies forks queued since the last call."""
+        copies, self.pending_state_copies = self.pending_state_copies, []
+        return copies
 
     def _take(self) -> int:
         block = self._fresh.popleft() if self._fresh else self.prefix_cache.evict()
@@ -139,6 +162,7 @@ class BlockManager:
         n = self.num_new_blocks(seq, num_tokens)
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
+        self._take_slot(seq)
         for index in self._shared_writes(seq, num_tokens):
             shared = seq.block_table[index]
             self._unref(shared)
@@ -154,6 +178,9 @@ class BlockManager:
             self.ref_counts[block] += 1
             self._num_shared += self.ref_counts[block] == 2
         child.block_table = list(parent.block_table)
+        if self.num_state_slots:  # the child continues from the parent's state: a copy of its slot
+            self._take_slot(child)
+            self.pending_state_copies.append((parent.state_slot, child.state_slot))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs queued since the last call; the engine copies
@@ -169,6 +196,9 @@ class BlockManager:
         self._cpu_free.extend(_held(seq.cpu_block_table))
         seq.block_table, seq.cpu_block_table = [], []
         seq.block_keys = []
+        if seq.state_slot >= 0:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = -1
 
     # ---- swap space ---------------------------------------------------------------------------
 

@@ -238,7 +238,7 @@ class Executor:
             self.num_cpu_blocks = int(config.swap_space * 2**30) // per_block
         runner = ModelRunner(
             self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks,
-            config.kv_cache_dtype, config.calculate_kv_scales,
+            config.kv_cache_dtype, config.calculate_kv_scales, self.num_state_slots,
         )  # fmt: skip
         if self.workers is None:
             return runner
@@ -250,9 +250,16 @@ class Executor:
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
+    @property
+    def num_state_slots(self) -> int:
+        """Hybrid models: one linear-attention state slot per sequence that can run at once."""
+        return self.config.max_num_seqs if self.model_config.linear is not None else 0
+
     def _graph_off_reason(self, backend: LayerAttention) -> str | None:
         if self.config.enforce_eager:
             return "enforce_eager"
+        if self.model_config.linear is not None:
+            return "hybrid models' DeltaNet layers run each sequence's state on its own (host loop)"
         if self.device.type != "cuda":
             return f"no CUDA device (device is {self.device.type})"
         if self.world > 1:
@@ -288,10 +295,12 @@ class Executor:
 
     # ---- a step -------------------------------------------------------------------------------
 
-    def move_pages(self, swap_out: list, copies: list, swap_in: list) -> None:
+    def move_pages(self, swap_out: list, copies: list, swap_in: list, state_copies: list = ()) -> None:
         """Before the step writes anything: pages leaving for swap space, copy-on-write of shared
         pages it writes into, pages coming back from swap space (that order: each may reuse a
-        block the one before read)."""
+        block the one before read); hybrid models' forked samples take their parent's state."""
+        if state_copies:
+            self.runner.copy_states(state_copies)
         if swap_out:
             self.runner.swap_out(swap_out)
         if copies:

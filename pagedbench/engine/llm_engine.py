@@ -30,6 +30,7 @@ from pagedbench.engine.stats import EngineStats, RunCounters, wasted_slots
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.engine.token_picker import TokenPicker
 from pagedbench.model.fused import dynamo_seconds
+from pagedbench.model.hybrid import hybrid_engine_config
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
 from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams
@@ -61,14 +62,17 @@ class LLMEngine:
         )
         self.model_path = path  # the model's directory (weights, tokenizer); None for a preset
         cfg = self.model_config
+        if cfg.linear is not None:
+            config = self.config = hybrid_engine_config(config)
         self.tokenizer = tokenizer_for(config.tokenizer, path, cfg.vocab_size, cfg.eos_token_ids)
         self.executor = Executor(config, cfg, path)
         ex = self.executor
         self.device, self.dtype = ex.device, ex.dtype
         self.max_model_len, self.num_blocks = ex.max_model_len, ex.num_blocks  # the executor sized the cache
         self.block_manager = BlockManager(
-            ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks, cfg.window_of_every_layer
-        )
+            ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks,
+            cfg.window_of_every_layer, ex.num_state_slots,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -397,7 +401,7 @@ class LLMEngine:
         """The page moves the block manager queued for this step: swaps and copy-on-write copies."""
         swap_out, swap_in = self.block_manager.take_swaps()
         copies = self.block_manager.take_copies()
-        self.executor.move_pages(swap_out, copies, swap_in)
+        self.executor.move_pages(swap_out, copies, swap_in, self.block_manager.take_state_copies())
         self.stats.swap_outs += bool(swap_out)
         self.stats.block_copies += len(copies)
 

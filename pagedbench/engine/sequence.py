@@ -43,6 +43,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_preemptions: int = 0
+    state_slot: int = -1  # hybrid models: its linear-attention state slot while it holds pages (-1: none)
     priority: int = 0  # lower runs first under the "priority" scheduling policy
     index: int = 0  # which of its request's samples or beams this is
     cumulative_logprob: float = 0.0  # sum of the model's log-probabilities of its output tokens

@@ -24,7 +24,10 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": (False, False, False),  # MoE layers (MoEConfig)
     "Qwen3MoeForCausalLM": (False, True, False),
     "GptOssForCausalLM": (True, False, False),  # sinks, alternating windows, MoE with a clamped SwiGLU
+    "Qwen3_5ForCausalLM": (False, True, False),  # hybrid: gated DeltaNet layers beside gated attention (hybrid.py)
 }
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM",)  # (1 + weight) norms, gated attention, linear-attention layers
+LINEAR = "linear_attention"
 LATENT_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING = "sliding_attention"
@@ -52,6 +55,34 @@ class LatentAttention:
     @property
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """Gated DeltaNet layers (Qwen3.5, Qwen3-Next): per token a causal depthwise conv over q/k/v
+    (a window of conv_kernel), then the gated delta rule over a recurrent state [value heads,
+    key dim, value dim] per sequence; `layers[i]` says which layers are linear (the others are
+    gated full attention)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[bool, ...]
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +150,20 @@ class ModelConfig:
     moe: MoEConfig | None = None
     o_proj_bias: bool = False  # attention_bias also on o_proj (Llama-style; Qwen2 biases q/k/v only)
     attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
+    linear: LinearAttention | None = None  # hybrid models: which layers are gated DeltaNet, and their dims
+    attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output (Qwen3.5)
+    partial_rotary_factor: float = 1.0  # RoPE rotates this share of each head's dims (the first ones)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return self.linear is not None and self.linear.layers[layer]
+
+    @property
+    def norm_offset(self) -> bool:
+        """RMSNorms scale by (1 + weight): Gemma's and the Qwen3.5 hybrids'."""
+        return self.gemma or self.architecture in HYBRID_ARCHITECTURES
 
     @property
     def attention_scale(self) -> float:
@@ -136,8 +178,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The dims RoPE rotates: every head dim, or latent attention's qk_rope_head_dim."""
-        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+        """The dims RoPE rotates: every head dim (or the partial share), or latent attention's qk_rope_head_dim."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_planes(self) -> int:
@@ -202,6 +246,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         mla = _latent_attention(arch, cfg, get)
         moe = _experts(arch, cfg, get)
+        linear = _linear_attention(arch, cfg, get)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -231,6 +276,9 @@ class ModelConfig:
             moe=moe,
             o_proj_bias=bool(get("attention_bias")) and arch != "Qwen2ForCausalLM",
             attention_sinks=arch == "GptOssForCausalLM",
+            linear=linear,
+            attn_output_gate=arch in HYBRID_ARCHITECTURES,
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor") or 1.0)),
         )
 
     @classmethod
@@ -277,6 +325,25 @@ def _latent_attention(arch: str, cfg: dict, get) -> LatentAttention | None:
         v_head_dim=get("v_head_dim"),
         # DeepSeek-V2 rotates (even, odd) pairs as complex numbers: V3's rope_interleave.
         rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(get("rope_interleave")),
+    )
+
+
+def _linear_attention(arch: str, cfg: dict, get) -> LinearAttention | None:
+    """The gated DeltaNet layers of a hybrid config (None: no linear layers)."""
+    if arch not in HYBRID_ARCHITECTURES:
+        return None
+    types = list(get("layer_types") or [])
+    if len(types) != cfg["num_hidden_layers"]:
+        raise ValueError(f"layer_types names {len(types)} layers, the model has {cfg['num_hidden_layers']}")
+    if get("hidden_act") != "silu":
+        raise ValueError(f"gated DeltaNet layers with hidden_act {get('hidden_act')!r}: only silu is supported")
+    return LinearAttention(
+        num_key_heads=get("linear_num_key_heads"),
+        num_value_heads=get("linear_num_value_heads"),
+        key_head_dim=get("linear_key_head_dim"),
+        value_head_dim=get("linear_value_head_dim"),
+        conv_kernel=get("linear_conv_kernel_dim"),
+        layers=tuple(t == LINEAR for t in types),
     )
 
 

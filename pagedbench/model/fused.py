@@ -37,7 +37,11 @@ def add_rms_norm(
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the half-split (rotate_half) layout Hugging Face uses: x [T, H, D], cos/sin [T, 1, D]."""
+    """RoPE in the half-split (rotate_half) layout Hugging Face uses: x [T, H, D], cos/sin [T, 1, R]
+    (R < D: partial rotary, the first R dims rotate and the rest pass, as Qwen3.5's)."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat((rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

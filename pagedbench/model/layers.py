@@ -27,6 +27,7 @@ class AttentionContext:
     timer: Any = None  # a DeviceTimer: each layer's attention call becomes an "attention" span
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, when the pages are quantized
     calibrate_kv: bool = False  # set each layer's fp8 scales from this step's K/V (calculate_kv_scales)
+    linear: Any = None  # hybrid models: the step's LinearStep (worker/linear_state.py) for DeltaNet layers
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, sinks: torch.Tensor | None = None

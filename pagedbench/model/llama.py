@@ -55,9 +55,9 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(self.num_heads))
             shard_param(self.sinks, 0, h0, self.num_heads, cfg.num_heads)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
-        self.qk_norm, self.norm_eps, self.gemma = cfg.qk_norm, cfg.rms_norm_eps, cfg.gemma
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset)
+        self.qk_norm, self.norm_eps, self.gemma = cfg.qk_norm, cfg.rms_norm_eps, cfg.norm_offset
         self.heads = (self.num_heads, self.num_kv_heads, d)
         self.qkv_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_weight, self.qkv_bias = merge_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -76,14 +76,23 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
         super().__init__()
-        self.self_attn = (Attention if cfg.mla is None else MLAAttention)(cfg, layer_idx, tp)
+        # The token mixer, under the checkpoint's name: attention (plain, latent or gated) or, in a
+        # hybrid model's linear layers, gated DeltaNet (hybrid.py).
+        self.mixer_name = "linear_attn" if cfg.is_linear_layer(layer_idx) else "self_attn"
+        if cfg.linear is not None or cfg.attn_output_gate:
+            from pagedbench.model.hybrid import GatedAttention, GatedDeltaNet  # hybrid.py builds on Attention
+        if cfg.is_linear_layer(layer_idx):
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            attention = MLAAttention if cfg.mla is not None else GatedAttention if cfg.attn_output_gate else Attention
+            self.self_attn = attention(cfg, layer_idx, tp)
         # The feed-forward block, under the checkpoint's name: a dense MLP or an MoE layer (moe.py).
         self.ffn_name = cfg.moe.block_name if cfg.is_moe_layer(layer_idx) else "mlp"
         setattr(self, self.ffn_name, SparseMoE(cfg, tp) if cfg.is_moe_layer(layer_idx) else MLP(cfg, tp))
         self.gemma = cfg.gemma
 
         def norm():
-            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
         self.input_layernorm = norm()
         # Llama: the norm before the MLP. Gemma: the norm after attention, with two around the MLP.
@@ -104,7 +113,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, ctx)
+        x = self.linear_attn(x, ctx) if self.mixer_name == "linear_attn" else self.self_attn(x, rope, ctx)
         if not self.gemma:
             x, residual = self.post_attention_layernorm(x, residual)
             return self._ffn(x, ctx), residual
@@ -143,7 +152,7 @@ class DecoderModel(nn.Module):
         )
         self.own_layers = list(stage.layers(cfg.num_layers))
         if stage.last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, hidden: torch.Tensor | None

@@ -20,6 +20,7 @@ from pagedbench.model.layers import AttentionContext
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.parallel import NO_TP, TPShard
 from pagedbench.worker.layer_attention import LayerAttention, LayerStates
+from pagedbench.worker.linear_state import LinearStateCache, LinearStep
 from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan, plan_step
 
 
@@ -63,6 +64,7 @@ class ModelRunner(RunsWhole):
         num_cpu_blocks: int = 0,
         kv_cache_dtype: str = "auto",
         calculate_kv_scales: bool = False,
+        num_state_slots: int = 0,
     ):
         cfg = model.config
         self.model, self.backend = model, backend
@@ -73,6 +75,10 @@ class ModelRunner(RunsWhole):
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
         layers = model.stage.layers(cfg.num_layers)  # a pipeline stage caches its own layers' K/V
+        # Hybrid models: a state slot per sequence the block manager can admit (engine: num_state_slots).
+        self.linear_states = (
+            LinearStateCache.allocate(cfg, list(layers), num_state_slots, device, dtype) if cfg.linear else None
+        )
         shape = (len(layers), cfg.kv_planes, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(kv_cache_dtype, dtype)
         try:
@@ -159,9 +165,20 @@ class ModelRunner(RunsWhole):
             timer,
             self.kv_scales,
             self.calibrate_kv,
+            self._linear_step(inputs.plan),
         )
         self.calibrate_kv = False  # the first step's K/V set the fp8 scales
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices, hidden)
+
+    def _linear_step(self, plan) -> LinearStep | None:
+        if self.linear_states is None:
+            return None
+        qsl, ctx = plan.query_start_loc.tolist(), plan.context_lens.tolist()
+        return LinearStep(self.linear_states, plan.state_slots, qsl, ctx)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Linear-attention state of slot src -> slot dst (a fork's sample continues its parent's)."""
+        self.linear_states.copy(pairs)
 
     @property
     def backend(self) -> LayerAttention:

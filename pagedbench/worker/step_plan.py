@@ -59,6 +59,7 @@ class StepPlan:
     num_cache_blocks: int
     # per sampling row: proposed tokens it verifies (its logits rows are 1 + that many, in order)
     num_spec: list[int] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)  # [S] hybrid models: each sequence's state slot
 
     @property
     def num_sampling_logits(self) -> int:
@@ -164,6 +165,7 @@ def plan_step(seqs: list[ScheduledSequence], num_new: list[int], block_size: int
         logits_indices=np.concatenate(logits_indices).astype(np.int64),
         sampling_rows=sampling_rows,
         num_spec=num_spec,
+        state_slots=[getattr(s, "state_slot", -1) for s in seqs],
         prompt_logprob_rows=prompt_logprob_rows,
         block_size=block_size,
         num_cache_blocks=num_cache_blocks,

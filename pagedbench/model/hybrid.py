@@ -1,0 +1,139 @@
+"""The layers of hybrid models (Qwen3.5): gated DeltaNet linear attention, which keeps a fixed-size
+state per sequence instead of pages, and gated full attention over the paged cache.
+
+A DeltaNet layer reads and writes each sequence's state in its slot of the step's
+`LinearStateCache` (worker/linear_state.py): the conv window (the last conv_kernel - 1 inputs) and
+the recurrent state [value heads, key dim, value dim]. A sequence's first chunk starts from zeros;
+a later chunk (chunked prefill) or a decode continues from its slot. The recurrences are the torch
+forms transformers ships (chunked for several tokens, recurrent for one), so the tokens are
+Hugging Face's; each sequence of the step runs on its own (a loop over the batch, host indices).
+"""
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.layers import AttentionContext
+from pagedbench.model.llama import Attention
+from pagedbench.model.parallel import all_reduce
+
+
+def delta_rule_kernels():
+    """(chunked, recurrent) gated delta rule: the torch implementations transformers ships."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    return torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head's output, times SiLU of its gate z (weight * norm(x) in x's dtype)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * x.to(dtype)) * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer, under Hugging Face's parameter names."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        lin = cfg.linear
+        self.layer_idx, self.lin = layer_idx, lin
+        h = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(h, lin.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, lin.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, lin.num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, lin.num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
+        self.norm = GatedRMSNorm(lin.value_head_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(lin.value_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x [T, hidden] (the step's flat tokens) -> [T, hidden]; each sequence's slot updated."""
+        lin, step = self.lin, ctx.linear
+        conv_states, states = step.cache.conv[self.layer_idx], step.cache.recurrent[self.layer_idx]
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = rearrange(self.in_proj_z(x), "t (h d) -> t h d", d=lin.value_head_dim)
+        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv], log decay
+        chunked, recurrent = delta_rule_kernels()
+        out = x.new_empty(x.shape[0], lin.num_value_heads, lin.value_head_dim)
+        weight = self.conv1d.weight  # [C, 1, K]
+        for _, slot, start, end, continues in step.sequences():
+            # The conv over this chunk, its window starting with the previous chunk's last inputs.
+            window = conv_states[slot] if continues else mixed.new_zeros(lin.conv_dim, lin.conv_kernel - 1)
+            inputs = torch.cat((window, mixed[start:end].T), dim=-1)  # [C, K-1+L]
+            conv_states[slot] = inputs[:, inputs.shape[1] - (lin.conv_kernel - 1) :]
+            y = F.silu(F.conv1d(inputs[None], weight, groups=lin.conv_dim))[0].T  # [L, C]
+            q, k, v = y.split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
+            q = rearrange(q, "l (h d) -> 1 l h d", d=lin.key_head_dim)
+            k = rearrange(k, "l (h d) -> 1 l h d", d=lin.key_head_dim)
+            v = rearrange(v, "l (h d) -> 1 l h d", d=lin.value_head_dim)
+            rule = recurrent if end - start == 1 and continues else chunked
+            o, final = rule(
+                q, k, v, g=g[None, start:end], beta=beta[None, start:end],
+                initial_state=states[slot][None] if continues else None,
+                output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            states[slot] = final[0]
+            out[start:end] = o[0]
+        out = self.norm(out.reshape(-1, lin.value_head_dim), z.reshape(-1, lin.value_head_dim))
+        return self.out_proj(out.reshape(x.shape[0], lin.value_dim))
+
+
+class GatedAttention(Attention):
+    """Qwen3.5's full attention: q_proj yields each head's query and an output gate side by side
+    ([q | gate] per head), the attention output is multiplied by sigmoid(gate) before o_proj; q/k
+    norms scale by (1 + weight) and RoPE rotates the first partial_rotary_factor of each head."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp):
+        super().__init__(cfg, layer_idx, tp)
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, 2 * self.num_heads * d, bias=cfg.qkv_bias)
+        self.qkv_sizes[0] = 2 * self.num_heads * d
+        self.merged = False  # q_proj is twice as wide as the merged weight built for plain attention
+        del self.qkv_weight, self.qkv_bias
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        d = self.head_dim
+        q_gate = self.q_proj(x).view(x.shape[0], self.num_heads, 2 * d)
+        q, gate = q_gate[..., :d].reshape(x.shape[0], -1), q_gate[..., d:].reshape(x.shape[0], -1)
+        norms = (self.q_norm.weight, self.k_norm.weight)
+        q, k, v = self.ops.qkv_rope(q, self.k_proj(x), self.v_proj(x), *rope, self.heads, *norms, self.norm_eps, True)
+        out = ctx.attend(self.layer_idx, q, k, v)
+        out = rearrange(out, "t h d -> t (h d)") * torch.sigmoid(gate)
+        return all_reduce(self.o_proj(out), self.tp)
+
+
+def hybrid_engine_config(config):
+    """The engine settings a hybrid model runs with so far: one device (the DeltaNet layers are not
+    sharded), no speculative decoding (a rejected token would have to roll the state back), and no
+    prefix caching (a cached prefix's pages come without the linear layers' state at that point)."""
+    import dataclasses
+    import logging
+
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        raise ValueError("hybrid (gated DeltaNet) models run on one device so far: no tensor or pipeline parallelism")
+    if config.speculative_config is not None:
+        raise ValueError("speculative decoding on a hybrid model would have to roll its DeltaNet state back: refused")
+    if config.enable_prefix_caching:
+        logging.getLogger(__name__).warning(
+            "prefix caching off: a hybrid model's cached prefix has no DeltaNet state to resume from yet"
+        )
+        config = dataclasses.replace(config, enable_prefix_caching=False)
+    return config

@@ -1,0 +1,63 @@
+"""The linear-attention state of hybrid models, beside the paged KV cache: per linear layer and
+state slot, the conv window (the last conv_kernel - 1 inputs of q/k/v, in the model's dtype) and
+the recurrent state [value heads, key dim, value dim] (fp32, as the recurrence computes it). A
+sequence holds one slot while it holds pages (the block manager hands them out); the step tells
+each DeltaNet layer which slot each of its sequences reads and whether it continues a state."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pagedbench.model.config import ModelConfig
+
+
+@dataclass(slots=True)
+class LinearStateCache:
+    conv: dict[int, torch.Tensor]  # layer -> [slots, conv_dim, conv_kernel - 1]
+    recurrent: dict[int, torch.Tensor]  # layer -> [slots, value heads, key dim, value dim] fp32
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, layers: list[int], num_slots: int, device, dtype) -> "LinearStateCache":
+        lin = cfg.linear
+        conv = (num_slots, lin.conv_dim, lin.conv_kernel - 1)
+        rec = (num_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
+        linear = [i for i in layers if cfg.is_linear_layer(i)]
+        return cls(
+            {i: torch.zeros(conv, device=device, dtype=dtype) for i in linear},
+            {i: torch.zeros(rec, device=device, dtype=torch.float32) for i in linear},
+        )
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """State of slot src -> slot dst in every layer (a forked sample continues its parent's)."""
+        src, dst = (torch.tensor(x, device=next(iter(self.conv.values())).device) for x in zip(*pairs))
+        for tensors in (self.conv, self.recurrent):
+            for t in tensors.values():
+                t[dst] = t[src]
+
+
+def state_bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """What one sequence's slot holds across the linear layers (conv windows and fp32 recurrent states)."""
+    lin = cfg.linear
+    if lin is None:
+        return 0
+    per_layer = lin.conv_dim * (lin.conv_kernel - 1) * dtype.itemsize
+    per_layer += lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * 4
+    return per_layer * sum(lin.layers)
+
+
+@dataclass(slots=True)
+class LinearStep:
+    """One step's view of the state cache: each scheduled sequence's slot, its rows in the flat
+    batch, and whether it continues its state (it has computed tokens) or starts from zeros."""
+
+    cache: LinearStateCache
+    slots: list[int]  # [S]
+    query_start_loc: list[int]  # [S + 1]
+    context_lens: list[int]  # [S]
+
+    def sequences(self) -> Iterator[tuple[int, int, int, int, bool]]:
+        """(sequence, slot, first row, end row, continues) for each scheduled sequence."""
+        qsl = self.query_start_loc
+        for i, slot in enumerate(self.slots):
+            yield i, slot, qsl[i], qsl[i + 1], self.context_lens[i] > 0
