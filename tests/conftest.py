@@ -114,6 +114,26 @@ VARIANT_MODELS = {
     ),
 }
 
+# Hybrid models: three gated DeltaNet layers before each gated full-attention layer (Qwen3.5's 3:1),
+# grouped value heads (4 over 2 key heads), partial rotary (a quarter of each head).
+HYBRID_MODELS = {
+    "qwen3.5": (
+        "Qwen3_5TextConfig",
+        dict(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+        ),
+    ),
+}
+
 
 def train_tokenizer(path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -166,6 +186,13 @@ def variant_models(tmp_path_factory):
     """name -> (model directory, HF model in fp32) of VARIANT_MODELS."""
     root = tmp_path_factory.mktemp("variant-models")
     return {name: (str(root / name), build_hf_model(name, root / name, VARIANT_MODELS)) for name in VARIANT_MODELS}
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory):
+    """name -> (model directory, HF model in fp32) of HYBRID_MODELS."""
+    root = tmp_path_factory.mktemp("hybrid-models")
+    return {name: (str(root / name), build_hf_model(name, root / name, HYBRID_MODELS)) for name in HYBRID_MODELS}
 
 
 CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"

@@ -1,0 +1,102 @@
+"""Hybrid models (Qwen3.5: gated DeltaNet layers beside gated attention): greedy tokens equal
+Hugging Face's through the engine, with chunked prefill, preemption (recompute and swap) and
+forked samples, and every state slot comes back after a run."""
+
+import logging
+
+import pytest
+import torch
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.model.config import ModelConfig
+from tests.conftest import hf_greedy
+
+PROMPTS = [[5, 17, 33, 42, 8, 9, 100, 7], [3, 4, 5], list(range(10, 90)), list(range(200, 140, -1))]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SETTINGS = {
+    "roomy": dict(num_blocks=64),
+    # 16-token chunks: the long prompts' DeltaNet states continue from chunk to chunk
+    "chunked": dict(num_blocks=64, max_num_batched_tokens=16, block_size=4),
+    # 30 pages of 4 for four sequences that need 46 at full length: preempted, then recomputed (or
+    # swapped out and back, the state staying in its slot)
+    "recompute": dict(num_blocks=30, block_size=4, max_num_batched_tokens=32, max_model_len=96),
+    "swap": dict(
+        num_blocks=30,
+        block_size=4,
+        max_num_batched_tokens=32,
+        max_model_len=96,
+        preemption_mode="swap",
+        swap_space=0.01,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen35(hybrid_models):
+    path, hf = hybrid_models["qwen3.5"]
+    return path, [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def generate(path, backend="reference", **settings):
+    llm = LLM(path, backend=backend, device="cpu", dtype="float32", **settings)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_config_reads_the_hybrid_layout(qwen35):
+    cfg = ModelConfig.from_dir(__import__("pathlib").Path(qwen35[0]))
+    assert cfg.linear.layers == (True, True, True, False) and cfg.linear.conv_dim == 2 * 32 + 64
+    assert cfg.attn_output_gate and cfg.norm_offset and cfg.rotary_dim == 8  # a quarter of 32
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_matches_hf(qwen35, setting):
+    path, want = qwen35
+    llm, got = generate(path, **SETTINGS[setting])
+    assert got == want
+    bm = llm.engine.block_manager
+    assert bm.num_free_state_slots == bm.num_state_slots == llm.engine.config.max_num_seqs  # every slot back
+
+
+def test_tight_budgets_really_preempt(qwen35):
+    path, want = qwen35
+    for setting in ("recompute", "swap"):
+        llm = LLM(path, backend="reference", device="cpu", dtype="float32", **SETTINGS[setting])
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert sum(o.metrics.num_preemptions for o in outs) > 0, setting
+
+
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("flex", marks=pytest.mark.slow)])
+def test_every_attention_backend_gives_the_tokens(qwen35, backend):
+    path, want = qwen35
+    assert generate(path, backend, **SETTINGS["chunked"])[1] == want
+
+
+def test_forked_samples_continue_their_parents_state(qwen35):
+    """n=3 seeded samples fork after the prompt: each equals the same seed run alone."""
+    path, _ = qwen35
+    llm = LLM(path, backend="reference", device="cpu", dtype="float32", num_blocks=64)
+    prompt = {"prompt_token_ids": PROMPTS[2]}
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=3, seed=7)
+    forked = sorted(c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2)
+    pair = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs
+    assert pair[0].token_ids == pair[1].token_ids == qwen35[1][2][:8]  # greedy forks agree with HF
+    assert len(forked) == 3 and llm.engine.block_manager.num_free_state_slots == llm.engine.config.max_num_seqs
+
+
+def test_what_hybrid_models_refuse_or_turn_off(qwen35, caplog):
+    path, _ = qwen35
+    with pytest.raises(ValueError, match="one device so far"):
+        LLM(path, device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="roll its DeltaNet state back"):
+        LLM(path, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(path, device="cpu", num_blocks=32)
+    assert not llm.engine.config.enable_prefix_caching and "prefix caching off" in caplog.text
+    assert llm.engine.cuda_graphs.startswith("off")
+    assert torch.equal(
+        llm.engine.runner.linear_states.recurrent[0], torch.zeros_like(llm.engine.runner.linear_states.recurrent[0])
+    )
