@@ -100,3 +100,17 @@ def test_what_hybrid_models_refuse_or_turn_off(qwen35, caplog):
     assert torch.equal(
         llm.engine.runner.linear_states.recurrent[0], torch.zeros_like(llm.engine.runner.linear_states.recurrent[0])
     )
+
+
+def test_kv_calc_counts_the_state_each_sequence_holds(qwen35):
+    from pagedbench.bench.kv_calc import kv_table
+    from pagedbench.model.loader import resolve_model_config
+    from pagedbench.worker.linear_state import state_bytes_per_sequence
+
+    cfg = resolve_model_config("qwen3.5-0.8b")[0]
+    state = state_bytes_per_sequence(cfg, torch.bfloat16)
+    # 18 DeltaNet layers x (conv window 3 x 6144 channels in bf16 + 16 x 128 x 128 fp32)
+    assert state == 18 * (3 * 6144 * 2 + 16 * 128 * 128 * 4)
+    row = kv_table(cfg, torch.bfloat16, 8 << 30, [16], [4096]).iloc[0]
+    per_seq_kv = row["blocks per seq"] * row["MiB per block"] * 2**20
+    assert row["concurrent seqs"] == (8 << 30) // (per_seq_kv + state) < row["blocks"] // row["blocks per seq"]

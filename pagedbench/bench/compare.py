@@ -134,6 +134,8 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
         "peak_running_seqs": st.peak_running,
         "world_size": engine.world_size,  # processes (GPUs) the engine runs on: dp x tp x pp
+        # as the engine ran it (a hybrid model turns prefix caching off), not as the scenario asked
+        "enable_prefix_caching": engine.config.enable_prefix_caching,
         # Pipeline parallelism: steps in flight when each was launched (1: the stages never overlap).
         "mean_steps_in_flight": st.in_flight_steps / max(st.steps, 1) if pipelined else 1.0,
         # Data parallelism: requests and output tokens per replica (one engine: all of them).

@@ -10,6 +10,7 @@ import torch
 
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.model.config import ModelConfig
+from pagedbench.worker.linear_state import state_bytes_per_sequence
 from pagedbench.worker.model_runner import kv_bytes_per_block
 
 GIB = 1 << 30
@@ -30,8 +31,10 @@ def kv_table(
     kv_cache_dtypes: list[str] = ("auto",),
 ) -> pd.DataFrame:
     """One row per (KV storage, block size, sequence length): blocks in `memory_bytes`, sequences
-    of that length held at once, and the slots of their last blocks left empty (internal fragmentation)."""
+    of that length held at once (a hybrid model's each with its DeltaNet state too), and the slots
+    of their last blocks left empty (internal fragmentation)."""
     rows = []
+    state = state_bytes_per_sequence(cfg, dtype)  # hybrid models: each sequence's DeltaNet state besides its pages
     for kv, bs, length in itertools.product(kv_cache_dtypes, block_sizes, seq_lens):
         per_token = kv_bytes_per_token(cfg, dtype, kv)
         num_blocks = memory_bytes // (per_token * bs)
@@ -46,7 +49,8 @@ def kv_table(
                 "tokens": num_blocks * bs,
                 "seq len": length,
                 "blocks per seq": per_seq,
-                "concurrent seqs": num_blocks // per_seq,
+                **({"state MiB per seq": state / 2**20} if state else {}),
+                "concurrent seqs": memory_bytes // (per_seq * per_token * bs + state),
                 "wasted slots per seq": per_seq * bs - length,
                 "wasted %": round(100 * (per_seq * bs - length) / (per_seq * bs), 2),
             }

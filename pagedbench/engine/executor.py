@@ -26,6 +26,7 @@ from pagedbench.model.loader import ResolvedModel, build_model, resolve_model_co
 from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, layer_partition, placement
 from pagedbench.worker.cuda_graphs import DecodeGraphs, decode_buckets
 from pagedbench.worker.layer_attention import LayerAttention, build_layer_attention
+from pagedbench.worker.linear_state import state_bytes_per_sequence
 from pagedbench.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedbench.worker.pipeline import PipelineRunner
 from pagedbench.worker.pipeline_stage import StageLink
@@ -227,6 +228,10 @@ class Executor:
             rows = decode_buckets(config.max_num_seqs, backend.cuda_graph_powers_of_two)[-1] if graphs else None
             args = (per_block, rows, self.device, self.dtype)
             budget = cuda_kv_budget(config, self.model, backend, max_model_len, *args)
+        if self.num_state_slots:  # hybrid models: the DeltaNet state slots come out of the same budget
+            state = self.num_state_slots * state_bytes_per_sequence(self.model_config, self.dtype)
+            logger.info("linear-attention state: %d slots, %.2f GiB", self.num_state_slots, state / 2**30)
+            budget -= state
         return num_kv_blocks(config, budget, per_block, max_model_len)
 
     def _start_runner(self, backend: LayerAttention) -> ModelRunner | ParallelRunner:

@@ -63,6 +63,8 @@ def decisive_reason(cfg: ModelConfig, max_len: int) -> str | None:
         return "latent attention's compressed, absorbed keys are outside the decisive construction"
     if cfg.moe is not None:
         return "mixture-of-experts layers are outside the decisive construction"
+    if cfg.linear is not None or cfg.attn_output_gate:
+        return "gated DeltaNet layers and gated attention are outside the decisive construction"
     margin = score_margin_per_unit(cfg, max_len)
     if margin < MIN_MARGIN:
         return f"head_dim {cfg.head_dim}'s RoPE frequencies do not separate lags over {max_len} positions"

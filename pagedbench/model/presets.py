@@ -218,6 +218,31 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "eos_token_id": [200002, 199999],
     },
+    # Hybrid: Qwen3.5-0.8B's shape (transformers' Qwen3_5ForCausalLM): 24 layers, three gated DeltaNet
+    # layers (16 key and 16 value heads of 128, conv window 4) before each gated full-attention one
+    # (8 query heads over 2 KV heads of 256, a quarter of each rotated, base 1e7), 248,320 tokens.
+    "qwen3.5-0.8b": {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "hidden_size": 1024,
+        "intermediate_size": 3584,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": True,
+        "eos_token_id": 248044,
+    },
 }
 
 # Presets cut to a few of the real model's layers (to fit a CPU): name -> the real model's layer count.

@@ -1,5 +1,7 @@
 """`pagedbench report` and `kv-calc`: re-render reports from CSVs, KV-cache memory arithmetic."""
 
+import textwrap
+
 from pagedbench.entrypoints.cli.common import positive_ints
 from pagedbench.model.presets import CUT_PRESETS, PRESETS
 
@@ -48,13 +50,28 @@ def cmd_kv_calc(args) -> None:
     )
     if args.model in CUT_PRESETS:  # say plainly what the figures answer for
         real = CUT_PRESETS[args.model]
-        print(
+        print_wrapped(
             f"note: preset {args.model} keeps {cfg.num_layers} of the real model's {real} layers, and the figures "
             f"below are for that cut model; the real model caches {real / cfg.num_layers:g}x as much per token "
             f"({per_token * real // cfg.num_layers:,} B), so it fits {cfg.num_layers / real:.3g}x the blocks and "
             "sequences"
         )
+    if cfg.linear is not None:
+        from pagedbench.worker.linear_state import state_bytes_per_sequence
+
+        attending = cfg.num_layers - sum(cfg.linear.layers)
+        print_wrapped(
+            f"note: hybrid model: {attending} of {cfg.num_layers} layers attend over pages; the other "
+            f"{sum(cfg.linear.layers)} keep a DeltaNet state of {state_bytes_per_sequence(cfg, dtype) / 2**20:.1f} MiB "
+            "per sequence (counted in 'concurrent seqs'). This engine still gives every layer pages, as the "
+            "figures here do: the real need is that share of them"
+        )
     print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens, kv_dtypes)))
+
+
+def print_wrapped(text: str) -> None:
+    """A note wrapped for a 120-column terminal."""
+    print(textwrap.fill(text, 120, subsequent_indent="  "))
 
 
 def register_report(sub) -> None:
