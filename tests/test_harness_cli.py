@@ -89,6 +89,7 @@ def test_compare_csv_has_exactly_the_schema(compared):
     assert list(ok["backend"]) == ["reference", "reference", "sdpa", "sdpa"] and list(ok["repeat"]) == [0, 1, 0, 1]
     spec = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_acceptance_per_position"}
     moe = {"num_experts", "experts_per_token", "moe_kernel", "time_moe_s", "moe_share"}
+    moe |= {"time_linear_attention_s", "linear_attention_share"}  # empty without a hybrid model's DeltaNet layers
     interval = {"output_throughput_ci_low", "output_throughput_ci_high"}  # 2 runs: none (noise.py)
     own = {"dataset_name", "dataset_path"}  # empty without a dataset of the user's
     assert (
@@ -96,7 +97,7 @@ def test_compare_csv_has_exactly_the_schema(compared):
     )
     assert ok[sorted(interval)].isna().all().all() and (ok["ranking"] == NO_INTERVAL).all()
     assert (ok["speculative"] == "off").all() and ok[sorted(spec)].isna().all().all()  # empty without speculation
-    assert ok[sorted(moe)].isna().all().all()  # a dense model
+    assert ok[sorted(moe)].isna().all().all()  # a dense, attention-only model
     assert ok["scenario_hash"].nunique() == 1 and ok["num_blocks"].nunique() == 1  # one KV budget for all
     assert (ok["num_requests"] == 5).all() and ok["total_output_tokens"].nunique() == 1
 

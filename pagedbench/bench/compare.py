@@ -16,7 +16,7 @@ from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.bench.noise import rankings, spread
-from pagedbench.bench.peers import HFContinuousBatching, peer_provider, peer_unavailable_reason
+from pagedbench.bench.peers import hf_peer, peer_provider, peer_unavailable_reason
 from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, model_requests
 from pagedbench.bench.step_profile import profile_decode
 from pagedbench.config import EngineConfig, speculation_label
@@ -173,6 +173,7 @@ def device_columns(device: dict[str, float], step_wall: float) -> dict:
     spent in attention, and the engine's overhead: the share of step wall time not covered."""
     forward, attention = device.get("forward", 0.0), device.get("attention", 0.0)
     moe = device.get("moe")  # MoE layers' time, for a model that has them
+    linear = device.get("linear_attention")  # hybrid models' DeltaNet layers (token mixing beside attention)
     step = forward + device.get("forward_graph", 0.0) + device.get("sample", 0.0)
     return {
         "time_device_s": step,
@@ -180,6 +181,8 @@ def device_columns(device: dict[str, float], step_wall: float) -> dict:
         "attention_share": attention / forward if forward else np.nan,
         "time_moe_s": np.nan if moe is None else moe,
         "moe_share": moe / forward if moe is not None and forward else np.nan,
+        "time_linear_attention_s": np.nan if linear is None else linear,
+        "linear_attention_share": linear / forward if linear is not None and forward else np.nan,
         "engine_overhead_share": max(0.0, 1 - step / step_wall) if step_wall else np.nan,
     }
 
@@ -315,7 +318,7 @@ def compare(
     out = Comparison([] if rows is None else rows, [], [], {})
     measured = _compare_backends(scenario, model, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
     for peer in peers:
-        head = {**env, "backend": peer, "provider": peer_provider(peer), **workload, "speculative": "off"}
+        head = {**env, "backend": peer, "provider": peer_provider(peer, model.config), **workload, "speculative": "off"}
         reason = peer_unavailable_reason(peer, scenario)
         if reason:
             out.unavailable[peer] = reason
@@ -414,9 +417,9 @@ def _compare_backends(
 def run_peer(
     scenario: Scenario, model: ResolvedModel, requests: list[Request], device, dtype, repeats: int, warmup: bool
 ):
-    """`repeats` measurements of Hugging Face continuous batching on the requests (throughput
-    only: it reports no per-token times)."""
-    peer = HFContinuousBatching(scenario, model, device, dtype)
+    """`repeats` measurements of the Hugging Face peer on the requests (throughput only: it
+    reports no per-token times)."""
+    peer = hf_peer(scenario, model, device, dtype)
     if warmup:
         peer.drive(warmup_requests(requests))
     runs = []

@@ -28,11 +28,22 @@ MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
 }
 
 
-def peer_provider(name: str) -> str:
+def peer_provider(name: str, model_config=None) -> str:
+    if model_config is not None and model_config.linear is not None:
+        return f"transformers {transformers.__version__} generate, one request at a time (hybrid model)"
     return f"transformers {transformers.__version__} continuous batching ({HF_ATTENTION})"
+
+
+def hf_peer(scenario: Scenario, model: ResolvedModel, device: torch.device, dtype: torch.dtype):
+    """The Hugging Face peer for `model`: continuous batching, or, for a hybrid model (whose
+    linear-attention layers transformers' continuous batching refuses: "Invalid layer type"),
+    `generate` one request at a time."""
+    cls = HFGenerate if model.config.linear is not None else HFContinuousBatching
+    return cls(scenario, model, device, dtype)
 
 
 def peer_unavailable_reason(name: str, scenario: Scenario) -> str | None:
@@ -56,6 +67,7 @@ def hf_model(model: str, path: Path | None, device: torch.device, dtype: torch.d
     else:
         fields = dict(PRESETS[model])
         architectures = fields.pop("architectures")
+        fields.pop("model_type", None)
         config = AutoConfig.for_model(MODEL_TYPES[architectures[0]], **fields)
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=HF_ATTENTION)
@@ -129,5 +141,39 @@ class HFContinuousBatching:
                     continue
                 if result.is_finished():
                     outputs[index[result.request_id]] = list(result.generated_tokens)
+            duration = time.perf_counter() - start
+        return duration, [outputs[i] for i in range(len(requests))]
+
+
+class HFGenerate:
+    """transformers' `generate`, one request at a time, each when its arrival time has come (the
+    peer of models continuous batching cannot run; its throughput is a single-request engine's)."""
+
+    def __init__(self, scenario: Scenario, model: ResolvedModel, device: torch.device, dtype: torch.dtype):
+        self.model = hf_model(scenario.model, model.path, device, dtype, scenario.seed)
+        eos = model.config.eos_token_ids
+        self.eos_token_id = eos[0] if eos else None
+        self.sampling = (
+            dict(do_sample=True, temperature=scenario.temperature, top_p=scenario.top_p)
+            if scenario.temperature > 0
+            else dict(do_sample=False)
+        )
+        self.device = device
+
+    def drive(self, requests: list[Request]) -> tuple[float, list[list[int]]]:
+        """Wall time and each request's output token ids, in request order."""
+        outputs: dict[int, list[int]] = {}
+        with quiet_transformers(), torch.inference_mode():
+            start = time.perf_counter()
+            for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival_time):
+                r = requests[i]
+                time.sleep(max(0.0, start + r.arrival_time - time.perf_counter()))
+                ids = torch.tensor([r.prompt_token_ids], device=self.device)
+                fixed = r.params.ignore_eos  # every output token generated, as the engine does
+                out = self.model.generate(
+                    ids, max_new_tokens=r.params.max_tokens, min_new_tokens=r.params.max_tokens if fixed else 0,
+                    eos_token_id=None if fixed else self.eos_token_id, pad_token_id=0, **self.sampling,
+                )  # fmt: skip
+                outputs[i] = out[0, ids.shape[1] :].tolist()
             duration = time.perf_counter() - start
         return duration, [outputs[i] for i in range(len(requests))]

@@ -80,6 +80,8 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "moe_kernel",
     "time_moe_s",
     "moe_share",
+    "time_linear_attention_s",
+    "linear_attention_share",
     "engine_overhead_share",
     "time_backend_compile_s",
     "time_model_compile_s",

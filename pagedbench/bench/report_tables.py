@@ -75,6 +75,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "prepare %": _prepare_pct(med),
             "attention % of forward": _pct(med, "attention_share"),
             **_moe(med),
+            **_linear(med),
             "overhead %": _pct(med, "engine_overhead_share"),
             **_launches(med),
             "identical tokens": med["identical_token_share"].round(4),
@@ -108,6 +109,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "prepare %": _prepare_pct(ok),
             "attention % of forward": _pct(ok, "attention_share"),
             **_moe(ok),
+            **_linear(ok),
             "overhead %": _pct(ok, "engine_overhead_share"),
             **_launches(ok),
             **_graphs(ok),
@@ -190,6 +192,12 @@ def _moe(df: pd.DataFrame) -> dict[str, pd.Series]:
     if "moe_kernel" in df:  # what the experts' matmuls ran as (CSVs before it have none)
         experts = experts + df["moe_kernel"].fillna("").map(lambda kernel: f" ({kernel})" if kernel else "")
     return {"experts": experts, "MoE % of forward": (100 * share).round(1)}
+
+
+def _linear(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Hybrid models' DeltaNet layers' share of the forward (beside the attention backend's)."""
+    share = _column(df, "linear_attention_share")
+    return {"linear attention % of forward": (100 * share).round(1)} if share.notna().any() else {}
 
 
 def _structured(df: pd.DataFrame) -> dict[str, pd.Series]:

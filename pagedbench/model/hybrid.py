@@ -65,7 +65,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x [T, hidden] (the step's flat tokens) -> [T, hidden]; each sequence's slot updated."""
-        lin, step = self.lin, ctx.linear
+        start = ctx.timer.mark() if ctx.timer is not None else None  # a "linear_attention" span of the step
+        out = self._mix(x, ctx.linear)
+        if start is not None:
+            ctx.timer.span("linear_attention", start)
+        return out
+
+    def _mix(self, x: torch.Tensor, step) -> torch.Tensor:
+        lin = self.lin
         conv_states, states = step.cache.conv[self.layer_idx], step.cache.recurrent[self.layer_idx]
         mixed = self.in_proj_qkv(x)  # [T, conv_dim]
         z = rearrange(self.in_proj_z(x), "t (h d) -> t h d", d=lin.value_head_dim)
