@@ -1,8 +1,9 @@
-"""Hybrid models (Qwen3.5: gated DeltaNet layers beside gated attention): greedy tokens equal
-Hugging Face's through the engine, with chunked prefill, preemption (recompute and swap) and
-forked samples, and every state slot comes back after a run."""
+"""Hybrid models (Qwen3.5 and Qwen3-Next: gated DeltaNet layers beside gated attention, Qwen3-Next
+with MoE layers): greedy tokens equal Hugging Face's through the engine, with chunked prefill,
+preemption (recompute and swap) and forked samples, and every state slot comes back after a run."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +33,10 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def qwen35(hybrid_models):
-    path, hf = hybrid_models["qwen3.5"]
+@pytest.fixture(scope="module", params=["qwen3.5", "qwen3-next"])
+def qwen35(hybrid_models, request):
+    """(model directory, Hugging Face's greedy tokens for PROMPTS) of each tiny hybrid model."""
+    path, hf = hybrid_models[request.param]
     return path, [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
 
 
@@ -45,9 +47,12 @@ def generate(path, backend="reference", **settings):
 
 
 def test_config_reads_the_hybrid_layout(qwen35):
-    cfg = ModelConfig.from_dir(__import__("pathlib").Path(qwen35[0]))
+    cfg = ModelConfig.from_dir(Path(qwen35[0]))
     assert cfg.linear.layers == (True, True, True, False) and cfg.linear.conv_dim == 2 * 32 + 64
     assert cfg.attn_output_gate and cfg.norm_offset and cfg.rotary_dim == 8  # a quarter of 32
+    if cfg.architecture == "Qwen3NextForCausalLM":
+        assert cfg.linear.projection == "grouped" and cfg.moe.layers == (True, False, True, True)
+        assert cfg.moe.gated_shared_expert_size == 48 and cfg.moe.num_experts == 4
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

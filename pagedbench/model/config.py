@@ -25,8 +25,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": (False, True, False),
     "GptOssForCausalLM": (True, False, False),  # sinks, alternating windows, MoE with a clamped SwiGLU
     "Qwen3_5ForCausalLM": (False, True, False),  # hybrid: gated DeltaNet layers beside gated attention (hybrid.py)
+    "Qwen3NextForCausalLM": (False, True, False),  # hybrid, with MoE layers (a gated shared expert)
 }
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM",)  # (1 + weight) norms, gated attention, linear-attention layers
+# (1 + weight) norms, gated attention, linear-attention layers
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 LINEAR = "linear_attention"
 LATENT_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -70,6 +72,9 @@ class LinearAttention:
     value_head_dim: int
     conv_kernel: int
     layers: tuple[bool, ...]
+    # "split": Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a; "grouped": Qwen3-Next's
+    # in_proj_qkvz and in_proj_ba, laid out per key head ([q, k, v's, z's] and [b's, a's] of its value heads)
+    projection: str = "split"
 
     @property
     def key_dim(self) -> int:
@@ -113,6 +118,8 @@ class MoEConfig:
     # gpt-oss: experts stored fused as [E, in, out] with biases, gate and up interleaved in
     # gate_up_proj, and a SwiGLU clamped at swiglu_limit: (up + 1) * gate * sigmoid(alpha * gate).
     fused_experts: bool = False
+    # Qwen3-Next: one shared expert MLP of this size (0: none) scaled per token by sigmoid(shared_expert_gate(x))
+    gated_shared_expert_size: int = 0
     swiglu_alpha: float = 1.702
     swiglu_limit: float | None = None
 
@@ -344,6 +351,7 @@ def _linear_attention(arch: str, cfg: dict, get) -> LinearAttention | None:
         value_head_dim=get("linear_value_head_dim"),
         conv_kernel=get("linear_conv_kernel_dim"),
         layers=tuple(t == LINEAR for t in types),
+        projection="grouped" if arch == "Qwen3NextForCausalLM" else "split",
     )
 
 
@@ -372,7 +380,7 @@ def _experts(arch: str, cfg: dict, get) -> MoEConfig | None:
             swiglu_alpha=float(get("swiglu_alpha")),
             swiglu_limit=float(get("swiglu_limit")),
         )
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         dense, step = set(get("mlp_only_layers") or []), get("decoder_sparse_step") or 1
         return MoEConfig(
             num_experts=get("num_experts"),
@@ -380,6 +388,9 @@ def _experts(arch: str, cfg: dict, get) -> MoEConfig | None:
             intermediate_size=get("moe_intermediate_size"),
             layers=tuple(i not in dense and get("num_experts") > 0 and (i + 1) % step == 0 for i in range(n)),
             norm_topk_prob=bool(get("norm_topk_prob")),
+            gated_shared_expert_size=(get("shared_expert_intermediate_size") or 0)
+            if arch != "Qwen3MoeForCausalLM"
+            else 0,
         )
     if arch in LATENT_ARCHITECTURES and get("n_routed_experts"):
         dense, v2 = get("first_k_dense_replace") or 0, arch == "DeepseekV2ForCausalLM"

@@ -53,10 +53,14 @@ class GatedDeltaNet(nn.Module):
         lin = cfg.linear
         self.layer_idx, self.lin = layer_idx, lin
         h = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(h, lin.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, lin.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, lin.num_value_heads, bias=False)
-        self.in_proj_a = nn.Linear(h, lin.num_value_heads, bias=False)
+        if lin.projection == "grouped":  # Qwen3-Next: two projections laid out per key head
+            self.in_proj_qkvz = nn.Linear(h, lin.conv_dim + lin.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * lin.num_value_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(h, lin.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, lin.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, lin.num_value_heads, bias=False)
+            self.in_proj_a = nn.Linear(h, lin.num_value_heads, bias=False)
         self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
@@ -71,13 +75,25 @@ class GatedDeltaNet(nn.Module):
             ctx.timer.span("linear_attention", start)
         return out
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q/k/v [T, conv_dim] as the conv reads them, z [T, Hv, Dv], b and a [T, Hv])."""
+        lin = self.lin
+        if lin.projection == "grouped":
+            per_key = lin.num_value_heads // lin.num_key_heads  # value heads of each key head
+            dk, vs = lin.key_head_dim, per_key * lin.value_head_dim
+            q, k, v, z = _grouped(self.in_proj_qkvz(x), lin.num_key_heads, [dk, dk, vs, vs])
+            b, a = _grouped(self.in_proj_ba(x), lin.num_key_heads, [per_key, per_key])
+            mixed = torch.cat((q, k, v), dim=-1)
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        return mixed, rearrange(z, "t (h d) -> t h d", d=lin.value_head_dim), b, a
+
     def _mix(self, x: torch.Tensor, step) -> torch.Tensor:
         lin = self.lin
         conv_states, states = step.cache.conv[self.layer_idx], step.cache.recurrent[self.layer_idx]
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = rearrange(self.in_proj_z(x), "t (h d) -> t h d", d=lin.value_head_dim)
-        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv], log decay
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv], log decay
         chunked, recurrent = delta_rule_kernels()
         out = x.new_empty(x.shape[0], lin.num_value_heads, lin.value_head_dim)
         weight = self.conv1d.weight  # [C, 1, K]
@@ -101,6 +117,12 @@ class GatedDeltaNet(nn.Module):
             out[start:end] = o[0]
         out = self.norm(out.reshape(-1, lin.value_head_dim), z.reshape(-1, lin.value_head_dim))
         return self.out_proj(out.reshape(x.shape[0], lin.value_dim))
+
+
+def _grouped(t: torch.Tensor, heads: int, sizes: list[int]) -> list[torch.Tensor]:
+    """[T, heads * sum(sizes)] laid out per head -> one [T, heads * size] per part, head-major."""
+    parts = t.view(t.shape[0], heads, sum(sizes)).split(sizes, dim=-1)
+    return [p.reshape(t.shape[0], -1) for p in parts]
 
 
 class GatedAttention(Attention):

@@ -123,6 +123,9 @@ class SparseMoE(nn.Module):
                 self._stacked(name, shape, dim, start, moe.intermediate_size)
         if moe.num_shared_experts:
             self.shared_experts = MLP(cfg, tp, intermediate_size=moe.intermediate_size * moe.num_shared_experts)
+        if moe.gated_shared_expert_size:  # Qwen3-Next: a shared expert whose output a per-token gate scales
+            self.shared_expert = MLP(cfg, tp, intermediate_size=moe.gated_shared_expert_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def _stacked(self, name: str, shape: tuple, dim: int | None = None, start: int = 0, full: int = 0) -> None:
         """A parameter [E, *shape] of the experts, this rank's part along `dim` when given."""
@@ -147,6 +150,8 @@ class SparseMoE(nn.Module):
         out = self._fused(rows, expert, offsets) if moe.fused_experts else self._gated(rows, offsets)
         out = out * weights.flatten()[order, None].to(x.dtype)
         routed = all_reduce(torch.zeros_like(x).index_add_(0, token, out), self.tp)
+        if moe.gated_shared_expert_size:
+            routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + self.shared_experts(x) if moe.num_shared_experts else routed
 
     def _gated(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -243,7 +243,40 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": True,
         "eos_token_id": 248044,
     },
+    # Qwen3-Next-80B-A3B's layers exactly (gated DeltaNet with 16 key and 32 value heads of 128 and
+    # q/k/v/z projected per key head, gated attention of 16 query heads over 2 KV heads of 256, a
+    # quarter rotated, base 1e7; MoE top-10 of experts of 512 with a gated shared expert of 512 on
+    # every layer), its vocabulary, cut to 2 of its 48 layers (one DeltaNet, one attention) and 64
+    # of each layer's 512 experts: 1.1B parameters, 4.4 GB in fp32.
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_experts": 64,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+        "eos_token_id": 151645,
+    },
 }
 
 # Presets cut to a few of the real model's layers (to fit a CPU): name -> the real model's layer count.
-CUT_PRESETS = {"deepseek-v3": 61, "qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "gpt-oss-20b": 24}
+CUT_PRESETS = {"deepseek-v3": 61, "qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "gpt-oss-20b": 24, "qwen3-next-80b-a3b": 48}
