@@ -102,6 +102,9 @@ def test_what_hybrid_models_refuse_or_turn_off(qwen35, caplog):
         llm = LLM(path, device="cpu", num_blocks=32)
     assert not llm.engine.config.enable_prefix_caching and "prefix caching off" in caplog.text
     assert llm.engine.cuda_graphs.startswith("off")
+    caches = llm.engine.runner.kv_caches  # pages for the attention layer only: the DeltaNet layers keep states
+    assert caches[:3] == [None, None, None] and caches[3] is not None
+    assert sorted(llm.engine.runner.linear_states.recurrent) == [0, 1, 2]
     assert torch.equal(
         llm.engine.runner.linear_states.recurrent[0], torch.zeros_like(llm.engine.runner.linear_states.recurrent[0])
     )

@@ -40,6 +40,8 @@ def page_bytes(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None
     """One page of K/V in every layer (of the largest pipeline stage), as stored, with the draft's
     page beside it (same ids)."""
     stage_layers = max(layer_partition(cfg.num_layers, config.pipeline_parallel_size, config.pipeline_layer_partition))
+    if cfg.linear is not None:  # a hybrid (one stage): its DeltaNet layers keep no pages
+        stage_layers = cfg.num_kv_layers
     per_block = kv_bytes_per_block(cfg, config.block_size, dtype, tp, config.kv_cache_dtype, stage_layers)
     if draft is not None:
         per_block += kv_bytes_per_block(draft, config.block_size, dtype, NO_TP, config.kv_cache_dtype)
@@ -228,9 +230,9 @@ class Executor:
             rows = decode_buckets(config.max_num_seqs, backend.cuda_graph_powers_of_two)[-1] if graphs else None
             args = (per_block, rows, self.device, self.dtype)
             budget = cuda_kv_budget(config, self.model, backend, max_model_len, *args)
-        if self.num_state_slots:  # hybrid models: the DeltaNet state slots come out of the same budget
-            state = self.num_state_slots * state_bytes_per_sequence(self.model_config, self.dtype)
-            logger.info("linear-attention state: %d slots, %.2f GiB", self.num_state_slots, state / 2**30)
+        if self.model_config.linear is not None:  # hybrid models: the DeltaNet state slots share the budget
+            state = config.max_num_seqs * state_bytes_per_sequence(self.model_config, self.dtype)
+            logger.info("linear-attention state: %d slots, %.2f GiB", config.max_num_seqs, state / 2**30)
             budget -= state
         return num_kv_blocks(config, budget, per_block, max_model_len)
 

@@ -168,6 +168,11 @@ class ModelConfig:
         return self.linear is not None and self.linear.layers[layer]
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers that cache K/V in pages: every one but a hybrid model's DeltaNet layers."""
+        return self.num_layers - (sum(self.linear.layers) if self.linear is not None else 0)
+
+    @property
     def norm_offset(self) -> bool:
         """RMSNorms scale by (1 + weight): Gemma's and the Qwen3.5 hybrids'."""
         return self.gemma or self.architecture in HYBRID_ARCHITECTURES

@@ -1,5 +1,5 @@
-"""The layers of hybrid models (Qwen3.5): gated DeltaNet linear attention, which keeps a fixed-size
-state per sequence instead of pages, and gated full attention over the paged cache.
+"""Hybrid models' gated DeltaNet layers (Qwen3.5, Qwen3-Next): linear attention that keeps a
+fixed-size state per sequence instead of pages (their gated full attention is llama.GatedAttention).
 
 A DeltaNet layer reads and writes each sequence's state in its slot of the step's
 `LinearStateCache` (worker/linear_state.py): the conv window (the last conv_kernel - 1 inputs) and
@@ -16,8 +16,6 @@ from torch import nn
 
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.layers import AttentionContext
-from pagedbench.model.llama import Attention
-from pagedbench.model.parallel import all_reduce
 
 
 def delta_rule_kernels():
@@ -123,30 +121,6 @@ def _grouped(t: torch.Tensor, heads: int, sizes: list[int]) -> list[torch.Tensor
     """[T, heads * sum(sizes)] laid out per head -> one [T, heads * size] per part, head-major."""
     parts = t.view(t.shape[0], heads, sum(sizes)).split(sizes, dim=-1)
     return [p.reshape(t.shape[0], -1) for p in parts]
-
-
-class GatedAttention(Attention):
-    """Qwen3.5's full attention: q_proj yields each head's query and an output gate side by side
-    ([q | gate] per head), the attention output is multiplied by sigmoid(gate) before o_proj; q/k
-    norms scale by (1 + weight) and RoPE rotates the first partial_rotary_factor of each head."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp):
-        super().__init__(cfg, layer_idx, tp)
-        d, h = cfg.head_dim, cfg.hidden_size
-        self.q_proj = nn.Linear(h, 2 * self.num_heads * d, bias=cfg.qkv_bias)
-        self.qkv_sizes[0] = 2 * self.num_heads * d
-        self.merged = False  # q_proj is twice as wide as the merged weight built for plain attention
-        del self.qkv_weight, self.qkv_bias
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        d = self.head_dim
-        q_gate = self.q_proj(x).view(x.shape[0], self.num_heads, 2 * d)
-        q, gate = q_gate[..., :d].reshape(x.shape[0], -1), q_gate[..., d:].reshape(x.shape[0], -1)
-        norms = (self.q_norm.weight, self.k_norm.weight)
-        q, k, v = self.ops.qkv_rope(q, self.k_proj(x), self.v_proj(x), *rope, self.heads, *norms, self.norm_eps, True)
-        out = ctx.attend(self.layer_idx, q, k, v)
-        out = rearrange(out, "t h d -> t (h d)") * torch.sigmoid(gate)
-        return all_reduce(self.o_proj(out), self.tp)
 
 
 def hybrid_engine_config(config):

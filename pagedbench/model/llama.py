@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.fused import EAGER, LayerOps
+from pagedbench.model.hybrid import GatedDeltaNet
 from pagedbench.model.layers import (
     MLP,
     AttentionContext,
@@ -73,14 +74,36 @@ class Attention(nn.Module):
         return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
 
 
+class GatedAttention(Attention):
+    """Qwen3.5's full attention: q_proj yields each head's query and an output gate side by side
+    ([q | gate] per head), the attention output is multiplied by sigmoid(gate) before o_proj; q/k
+    norms scale by (1 + weight) and RoPE rotates the first partial_rotary_factor of each head."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp):
+        super().__init__(cfg, layer_idx, tp)
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, 2 * self.num_heads * d, bias=cfg.qkv_bias)
+        self.qkv_sizes[0] = 2 * self.num_heads * d
+        self.merged = False  # q_proj is twice as wide as the merged weight built for plain attention
+        del self.qkv_weight, self.qkv_bias
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        d = self.head_dim
+        q_gate = self.q_proj(x).view(x.shape[0], self.num_heads, 2 * d)
+        q, gate = q_gate[..., :d].reshape(x.shape[0], -1), q_gate[..., d:].reshape(x.shape[0], -1)
+        norms = (self.q_norm.weight, self.k_norm.weight)
+        q, k, v = self.ops.qkv_rope(q, self.k_proj(x), self.v_proj(x), *rope, self.heads, *norms, self.norm_eps, True)
+        out = ctx.attend(self.layer_idx, q, k, v)
+        out = rearrange(out, "t h d -> t (h d)") * torch.sigmoid(gate)
+        return all_reduce(self.o_proj(out), self.tp)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard):
         super().__init__()
         # The token mixer, under the checkpoint's name: attention (plain, latent or gated) or, in a
         # hybrid model's linear layers, gated DeltaNet (hybrid.py).
         self.mixer_name = "linear_attn" if cfg.is_linear_layer(layer_idx) else "self_attn"
-        if cfg.linear is not None or cfg.attn_output_gate:
-            from pagedbench.model.hybrid import GatedAttention, GatedDeltaNet  # hybrid.py builds on Attention
         if cfg.is_linear_layer(layer_idx):
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:

@@ -278,5 +278,6 @@ PRESETS: dict[str, dict] = {
     },
 }
 
-# Presets cut to a few of the real model's layers (to fit a CPU): name -> the real model's layer count.
-CUT_PRESETS = {"deepseek-v3": 61, "qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "gpt-oss-20b": 24, "qwen3-next-80b-a3b": 48}
+# Presets cut to a few of the real model's layers (to fit a CPU): name -> the real model's count of
+# layers that cache K/V (every layer, but a hybrid's attention layers only: Qwen3-Next's 12 of 48).
+CUT_PRESETS = {"deepseek-v3": 61, "qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "gpt-oss-20b": 24, "qwen3-next-80b-a3b": 12}

@@ -36,7 +36,7 @@ def kv_bytes_per_block(
     pipeline stage's), on one tensor-parallel rank, as stored (`kv_cache_dtype`; int8 pages add an
     fp16 scale per token and KV head)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
-    slots = cfg.kv_planes * (num_layers or cfg.num_layers) * block_size * tp.local_heads(cfg)[1]
+    slots = cfg.kv_planes * (num_layers or cfg.num_kv_layers) * block_size * tp.local_heads(cfg)[1]
     return slots * (cfg.head_dim * storage.itemsize + scale_bytes_per_slot(storage))
 
 
@@ -74,10 +74,12 @@ class ModelRunner(RunsWhole):
         self.pad_block = num_blocks
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
-        layers = model.stage.layers(cfg.num_layers)  # a pipeline stage caches its own layers' K/V
-        # Hybrid models: a state slot per sequence the block manager can admit (engine: num_state_slots).
+        stage_layers = list(model.stage.layers(cfg.num_layers))  # a pipeline stage caches its own layers' K/V
+        # Hybrid models: pages only for the attention layers, and a DeltaNet state slot per sequence the
+        # block manager can admit (engine: num_state_slots).
+        layers = [i for i in stage_layers if not cfg.is_linear_layer(i)]
         self.linear_states = (
-            LinearStateCache.allocate(cfg, list(layers), num_state_slots, device, dtype) if cfg.linear else None
+            LinearStateCache.allocate(cfg, stage_layers, num_state_slots, device, dtype) if cfg.linear else None
         )
         shape = (len(layers), cfg.kv_planes, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(kv_cache_dtype, dtype)

@@ -45,16 +45,16 @@ def cmd_kv_calc(args) -> None:
     else:  # latent attention caches one plane per token and layer, the values a view of it
         shape = f"one latent of {cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim} rope dims (no separate V)"
     print(
-        f"{args.model}: {cfg.num_layers} layers x {shape} x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B "
+        f"{args.model}: {cfg.num_kv_layers} layers x {shape} x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B "
         f"({per_token / 1024:g} KiB) per token unquantized; {args.memory:g} GiB of KV cache"
     )
     if args.model in CUT_PRESETS:  # say plainly what the figures answer for
         real = CUT_PRESETS[args.model]
+        kept = cfg.num_kv_layers  # of the layers that cache K/V (a hybrid's attention layers)
         print_wrapped(
-            f"note: preset {args.model} keeps {cfg.num_layers} of the real model's {real} layers, and the figures "
-            f"below are for that cut model; the real model caches {real / cfg.num_layers:g}x as much per token "
-            f"({per_token * real // cfg.num_layers:,} B), so it fits {cfg.num_layers / real:.3g}x the blocks and "
-            "sequences"
+            f"note: preset {args.model} keeps {kept} of the real model's {real} layers, and the figures "
+            f"below are for that cut model; the real model caches {real / kept:g}x as much per token "
+            f"({per_token * real // kept:,} B), so it fits {kept / real:.3g}x the blocks and sequences"
         )
     if cfg.linear is not None:
         from pagedbench.worker.linear_state import state_bytes_per_sequence
@@ -63,8 +63,7 @@ def cmd_kv_calc(args) -> None:
         print_wrapped(
             f"note: hybrid model: {attending} of {cfg.num_layers} layers attend over pages; the other "
             f"{sum(cfg.linear.layers)} keep a DeltaNet state of {state_bytes_per_sequence(cfg, dtype) / 2**20:.1f} MiB "
-            "per sequence (counted in 'concurrent seqs'). This engine still gives every layer pages, as the "
-            "figures here do: the real need is that share of them"
+            "per sequence (counted in 'concurrent seqs')"
         )
     print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens, kv_dtypes)))
 
