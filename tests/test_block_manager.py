@@ -5,6 +5,7 @@ tokens from its pages, whatever is shared or copied."""
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -336,6 +337,42 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+class HybridBlockManagerMachine(BlockManagerMachine):
+    """The same operations for a hybrid model, whose sequences also hold a DeltaNet state slot:
+    a sequence holds one slot exactly while it holds pages, a fork's slot is queued to copy its
+    parent's, admission waits when no slot is free, and no slot is ever lost or shared."""
+
+    SLOTS = 4
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(num_blocks=12, block_size=2, num_state_slots=self.SLOTS)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.seqs))
+        child = parent.fork(parent.index + 1)
+        if not self.bm.num_free_state_slots:
+            with pytest.raises(RuntimeError, match="state slots"):
+                self.bm.fork(parent, child)
+            assert not child.block_table and child.state_slot < 0  # refused before taking anything
+            return
+        self.bm.fork(parent, child)
+        assert self.bm.take_state_copies() == [(parent.state_slot, child.state_slot)]
+        self.seqs.append(child)
+
+    @invariant()
+    def slots_follow_the_pages(self):
+        held = [s.state_slot for s in self.seqs]
+        assert all(slot >= 0 for slot in held) and len(held) == len(set(held)), "a live sequence without its own slot"
+        assert self.bm.num_free_state_slots + len(held) == self.SLOTS, "a slot lost or counted twice"
+
+
+HybridBlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+test_hybrid_state_slots_state_machine = HybridBlockManagerMachine.TestCase
 
 
 def test_pages_released_behind_a_window_are_never_cached_after_a_swap():

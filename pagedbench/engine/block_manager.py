@@ -174,6 +174,8 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` reads all of `parent`'s pages (one more reference each; nothing is copied)."""
         assert not child.block_table, "a fork starts with no blocks of its own"
+        if self.num_state_slots and not self._free_slots:  # before any reference is taken
+            raise RuntimeError("out of linear-attention state slots")
         for block in _held(parent.block_table):
             self.ref_counts[block] += 1
             self._num_shared += self.ref_counts[block] == 2
