@@ -4,9 +4,11 @@ Each command group lives in its own module (run, kernels, serve, tools) with its
 the root parser, the one-line errors and the exit codes."""
 
 import argparse
+import atexit
 import functools
 import logging
 import os
+import shutil
 import sys
 import tempfile
 
@@ -78,11 +80,23 @@ def _log_to_stderr() -> None:
 def _launched_rank_quiet(args) -> None:
     """Under torchrun every rank runs the command (an external-launcher engine, or its share of the
     kernels/check grid); rank 0 alone prints and writes reports (the others write to a scratch directory)."""
-    rank = int(os.environ.get("RANK", "0"))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and rank != 0:
+    rank = _launched_rank()
+    if rank:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
         if hasattr(args, "out"):
             args.out = tempfile.mkdtemp(prefix=f"pagedbench-rank{rank}-")
+            atexit.register(shutil.rmtree, args.out, ignore_errors=True)  # scratch: nothing there is kept
+
+
+def _launched_rank() -> int:
+    """This process's rank under torchrun (0 outside it)."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
+def _who() -> str:
+    """How a message names its sender: "pagedbench" on rank 0 or alone, "pagedbench rank N" under torchrun."""
+    rank = _launched_rank()
+    return f"pagedbench rank {rank}" if rank else "pagedbench"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,16 +108,19 @@ def main(argv: list[str] | None = None) -> int:
             apply_threads(args.threads)
         return args.func(args) or 0
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"pagedbench: error: {e}", file=sys.stderr)
+        print(f"{_who()}: error: {e}", file=sys.stderr)
         return 2
     except NothingMeasured as e:
-        print(f"pagedbench: error: {e}", file=sys.stderr)
+        print(f"{_who()}: error: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:
-        print(f"pagedbench: {e}", file=sys.stderr)
+        if _launched_rank():  # torchrun stops the other ranks when one fails: rank 0's reports say why
+            print(f"{_who()}: stopped by the launcher (another rank ended the run)", file=sys.stderr)
+        else:
+            print(f"pagedbench: {e}", file=sys.stderr)
         return 130
     except WorkerError as e:  # a tensor-parallel rank failed: its own one-line error
-        print(f"pagedbench: error: {e}", file=sys.stderr)
+        print(f"{_who()}: error: {e}", file=sys.stderr)
         return 1
 
 
