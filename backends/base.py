@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from pagedbench.config import KV_CACHE_DTYPE_NAMES
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionVariant:
@@ -139,13 +141,13 @@ def import_or_reason(name: str, install_hint: str | None = None) -> Any:
 # kv_cache_dtype (vLLM's names) -> how K/V pages are stored: None keeps the model's dtype. fp8 pages
 # carry one scale per layer for K and one for V (1.0 unless calibrated, as in vLLM); int8 pages one
 # per (token, KV head), its absolute maximum / 127 in fp16, since int8 has no exponent to absorb outliers.
-KV_CACHE_DTYPES = {
-    "auto": None,
+_STORAGE = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
     "int8": torch.int8,
 }
+KV_CACHE_DTYPES = {name: _STORAGE.get(name) for name in KV_CACHE_DTYPE_NAMES}  # "auto": None
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -3,6 +3,9 @@
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+# vLLM's kv_cache_dtype names: the one list (backends.base maps each to how its pages are stored).
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
 SPEC_METHODS = ("draft_model", "ngram")
 
 
@@ -163,7 +166,7 @@ class EngineConfig:
         "auto",
         "how K/V pages are stored: auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2 (a scale per layer), "
         "int8 (a scale per token and KV head); each backend dequantizes where it reads",
-        ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
+        KV_CACHE_DTYPE_NAMES,
     )
     calculate_kv_scales: bool = setting(
         False, "fp8 KV: set each layer's K and V scales from the first step's K/V (default: 1.0, as vLLM)"

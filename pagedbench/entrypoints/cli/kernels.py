@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.device.dtypes import dtype_name, resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     NothingMeasured,
@@ -210,7 +211,7 @@ def register(sub) -> None:
     kern.add_argument("--block-sizes", help="e.g. 16,128")
     kern.add_argument(
         "--kv-cache-dtype",
-        help="page storage, one or more: auto,fp8,fp8_e5m2,int8 (GB/s counts the bytes as stored)",
+        help=f"page storage, one or more of {','.join(KV_CACHE_DTYPES)} (GB/s counts the bytes as stored)",
     )
     kern.add_argument(
         "--query-lens", help="query tokens per decoding sequence, e.g. 1,2,4,8 (k + 1 when verifying k speculated)"

@@ -2,6 +2,7 @@
 
 import textwrap
 
+from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.entrypoints.cli.common import positive_ints
 from pagedbench.model.presets import CUT_PRESETS, PRESETS
 
@@ -95,7 +96,7 @@ def register_kv_calc(sub) -> None:
     kv.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="how pages are stored, one or more: auto, fp8, fp8_e4m3, fp8_e5m2, int8 (e.g. auto,fp8,int8)",
+        help=f"how pages are stored, one or more of {', '.join(KV_CACHE_DTYPES)} (e.g. auto,fp8,int8)",
     )
     kv.add_argument("--seq-len", default=None, help="sequence lengths, comma-separated (default: the model's max)")
     kv.set_defaults(func=cmd_kv_calc)
