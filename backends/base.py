@@ -148,6 +148,7 @@ _STORAGE = {
     "int8": torch.int8,
 }
 KV_CACHE_DTYPES = {name: _STORAGE.get(name) for name in KV_CACHE_DTYPE_NAMES}  # "auto": None
+QUANTIZED_KV = tuple(name for name, storage in KV_CACHE_DTYPES.items() if storage is not None)
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange, repeat
 from pagedbench.backends.base import (
+    QUANTIZED_KV,
     AttentionBackend,
     AttentionMetadata,
     cap_scores,
@@ -26,7 +27,7 @@ class _Seq:
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
-    quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized as gathered
+    quantized_kv = QUANTIZED_KV  # dequantized as gathered
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
     cuda_graph_reason = "it attends one sequence at a time, looping over host-side lengths"
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 from pagedbench.backends.base import (
+    QUANTIZED_KV,
     AttentionBackend,
     AttentionMetadata,
     cap_scores,
@@ -50,7 +51,7 @@ CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # masks rule o
 
 class SDPABackend(AttentionBackend):
     name = "sdpa"
-    quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized as gathered
+    quantized_kv = QUANTIZED_KV  # dequantized as gathered
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
     cuda_graph_reason = "prepare() sizes its padded K/V gather by each step's longest sequence"
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from pagedbench.backends.base import (
     PLAIN,
+    QUANTIZED_KV,
     AttentionBackend,
     AttentionMetadata,
     import_or_reason,
@@ -211,7 +212,7 @@ class TritonState:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")  # dequantized in the kernel, tile by tile
+    quantized_kv = QUANTIZED_KV  # dequantized in the kernel, tile by tile
     cuda_graph_reason = None
     latent_values = True  # V tiles read the first value_dim dims of the key pages (V_DIM)
 
