@@ -53,3 +53,15 @@ def test_a_quiet_ranks_scratch_directory_is_removed_at_exit(monkeypatch):
     for fn, a, k in registered:  # what the process does as it exits
         fn(*a, **k)
     assert not os.path.exists(args.out)
+
+
+def test_the_busy_machine_warning_is_one_short_line(monkeypatch):
+    import torch
+
+    from pagedbench.bench import environment
+
+    monkeypatch.setattr(environment, "load_average", lambda: 5.0)
+    warning = environment.busy_warning(torch.device("cpu"))
+    assert "busy machine (load 5.00" in warning and len("pagedbench: warning: " + warning) <= 120
+    monkeypatch.setattr(environment, "load_average", lambda: 0.0)
+    assert environment.busy_warning(torch.device("cpu")) is None

@@ -69,10 +69,8 @@ def busy_warning(device: torch.device) -> str | None:
     """A warning when CPU figures are about to be taken on a machine that is already busy."""
     load, cores = load_average(), os.cpu_count() or 1
     if device.type == "cpu" and load > BUSY_LOAD_PER_CORE * cores:
-        return (
-            f"busy machine (load {load:.2f} on {cores} cores, {torch.get_num_threads()} torch threads): CPU timings "
-            "will be slower and noisier; rerun when idle to compare (docs/benchmarks.md)"
-        )
+        # one line of a 120-column terminal, with "pagedbench: warning: " in front
+        return f"busy machine (load {load:.2f}, {cores} cores): CPU timings slow and noisy; compare when idle"
     return None
 
 
