@@ -10,9 +10,10 @@ def test_run_prints_throughput_table(capsys, tmp_path):
     assert main(["run", *args]) == 0
     out = capsys.readouterr().out
     assert "output tok/s" in out and "total tok/s" in out
+    assert "requests 3, output tokens 15," in " ".join(out.split())  # one run: its settings on a line above
+    assert max(map(len, out.splitlines()[:-1])) <= 120  # the reports line lists paths
     row = next(line for line in out.splitlines() if line.startswith("| sdpa"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[3] == "3" and cells[4] == "15"  # requests, output tokens
+    assert float(row.strip("|").split("|")[1]) > 0  # output tok/s, right after the backend
 
 
 def test_backends_lists_every_backend_with_status(capsys):
@@ -20,15 +21,14 @@ def test_backends_lists_every_backend_with_status(capsys):
     out = capsys.readouterr().out
     from pagedbench.backends.registry import list_backends
 
-    first_table = out.split("\n\n")[0]  # the capability table follows
-    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in first_table.splitlines()[3:]]
-    rows = {c[0]: c for c in cells}  # backend -> [backend, provider, status, reason]
-    assert set(rows) == set(list_backends())
-    assert rows["reference"][2:] == ["available", ""] and rows["sdpa"][2] == "available"
-    assert rows["flash-attn"][2] == "unavailable" and rows["flash-attn"][3].startswith("no CUDA device")
+    first = " ".join(out.split("\n\n")[0].split())  # a backend a line, wrapped; the capability table follows
+    rows = {name: first[first.index(f"{name}: ") :] for name in list_backends()}  # each from its line on
+    assert rows["reference"].startswith("reference: available, torch") and rows["sdpa"].startswith("sdpa: available")
+    assert rows["flash-attn"].startswith("flash-attn: unavailable, ") and "; no CUDA device" in rows["flash-attn"]
     for provider in ("fa3: ", "fa4: ", "fa2: ", "torch: "):  # why each provider was passed over
-        assert provider in rows["flash-attn"][3]
-    assert rows["flex"][1].endswith("flex compiled")
+        assert provider in rows["flash-attn"]
+    assert "flex: available, torch" in first and "flex compiled" in rows["flex"]
+    assert max(map(len, out.splitlines())) <= 120
 
 
 def test_version_and_help_show_defaults(capsys):

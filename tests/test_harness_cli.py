@@ -2,6 +2,7 @@
 schema, identical greedy tokens between reference and sdpa, online arrivals, one-line errors."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -378,7 +379,10 @@ def test_backends_prints_the_capability_table(capsys):
     assert main(["backends", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "| sliding window" in out and "| soft-cap" in out and "| sinks" in out
-    assert "| reference  | float32, bfloat16, float16" in out
+    assert "reference: dtypes float32, bfloat16, float16; KV block sizes" in out
+    table = [line for line in out.splitlines() if line.startswith("| CUDA graphs")][0]
+    assert table.count("✓") >= 2 and "✗ " in table  # flex and triton capture; reference and sdpa say why (numbered)
+    assert re.search(r"^\d+\. it attends one sequence at a time", out, re.M)
 
 
 def test_nothing_measured_is_not_success(tmp_path, capsys):

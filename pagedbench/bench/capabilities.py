@@ -43,6 +43,9 @@ def short(reason: str) -> str:
     return reason.split(";")[0].strip()
 
 
+LISTED_COLUMNS = ("dtypes", "KV block sizes", "head dims", "quantized KV")  # the values a backend runs, else why not
+
+
 def _listed(values, reason_of, label=str) -> str:
     """The values the backend runs, or the first one's reason when it runs none."""
     reasons = {value: reason_of(value) for value in values}

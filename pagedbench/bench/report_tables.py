@@ -1,10 +1,12 @@
 """The reports' tables: the serving summary, the console table, kernel and check sections, and the
 markdown they are written in."""
 
+import textwrap
+
 import numpy as np
 import pandas as pd
 
-from pagedbench.bench.noise import MIN_RUNS_FOR_INTERVAL, interval_text, rankings, spread
+from pagedbench.bench.noise import MIN_RUNS_FOR_INTERVAL, NO_INTERVAL, interval_text, rankings, spread
 from pagedbench.bench.report_schema import SERVE_LATENCIES
 from pagedbench.engine.stats import TIME_COLUMNS
 
@@ -116,10 +118,33 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
         }
     )
     if cross_backend:
-        table["rank"] = ok["ranking"] if "ranking" in ok else ""
+        table["rank"] = ok["ranking"].replace(NO_INTERVAL, "< 3 runs") if "ranking" in ok else ""
         table["vs best"] = ok["throughput_vs_best"].round(3)
         table["identical tokens"] = ok["identical_token_share"].round(4)
-    return "\n".join([markdown(table), *not_run_lines(serving)])
+    return "\n".join([*fit_terminal(table, CONSOLE_FIRST), *not_run_lines(serving)])
+
+
+TERMINAL_COLUMNS = 120
+# What a terminal shows first; the rest follow while the table fits (the markdown report has them all).
+CONSOLE_FIRST = ["backend", "output tok/s", "rank", "vs best", "identical tokens", "mean TTFT ms", "mean TPOT ms"]
+
+
+def fit_terminal(table: pd.DataFrame, first: list[str], width: int = TERMINAL_COLUMNS) -> list[str]:
+    """`table` as markdown lines no wider than `width`: settings every row shares on a line above,
+    then `first`'s columns and as many of the others, in order, as fit; a last line names those
+    left out (the report's markdown has them)."""
+    shared = [c for c in table.columns if c not in first and table[c].astype(str).nunique() == 1]
+    lines = [textwrap.fill(", ".join(f"{c} {table[c].iloc[0]}" for c in shared), width)] if shared else []
+    order = [c for c in first if c in table] + [c for c in table.columns if c not in first and c not in shared]
+    kept = []
+    for column in order:
+        if max(map(len, markdown(table[[*kept, column]]).splitlines())) <= width or not kept:
+            kept.append(column)
+    lines.append(markdown(table[kept]))
+    left = [c for c in order if c not in kept]
+    if left:
+        lines.append(textwrap.fill(f"(in the .md report too: {', '.join(left)})", width))
+    return lines
 
 
 def markdown(df: pd.DataFrame) -> str:

@@ -4,6 +4,7 @@ grid, held to a dense oracle, and what each runs here."""
 import argparse
 import dataclasses
 import sys
+import textwrap
 from pathlib import Path
 
 import pandas as pd
@@ -191,15 +192,27 @@ def cmd_backends(args) -> None:
         f"device {device}, dtype {dtype_name(dtype)}, head_dim {args.head_dim}, "
         f"block_size {args.block_size}, torch {torch.__version__}"
     )
-    print(pd.DataFrame(rows).to_markdown(index=False))
-    from pagedbench.bench.capabilities import capability_table
+    for row in rows:  # one backend a line, wrapped to a 120-column terminal
+        line = f"{row['backend']}: {row['status']}, {row['provider']}" + (f"; {row['reason']}" if row["reason"] else "")
+        print(textwrap.fill(line, 120, subsequent_indent="    "))
+    from pagedbench.bench.capabilities import LISTED_COLUMNS, YES, capability_table
 
-    print("\nWhat each backend runs here (✓, or why not; from the same reasons check and compare act on):")
-    print(
-        capability_table(device, dtype, args.head_dim, args.block_size)
-        .drop(columns="provider")
-        .to_markdown(index=False)
-    )
+    table = capability_table(device, dtype, args.head_dim, args.block_size).drop(columns="provider")
+    print("\nWhat each backend runs here (the reasons check and compare act on):")
+    unavailable = {row["backend"] for row in rows if row["reason"]}
+    for row in table.itertuples(index=False):  # the value lists, a backend a line
+        cells = dict(zip(table.columns, row))
+        listing = "; ".join(f"{column} {cells[column]}" for column in LISTED_COLUMNS)
+        if cells["backend"] in unavailable:
+            listing = "none here (why: above)"
+        print(textwrap.fill(f"{cells['backend']}: {listing}", 120, subsequent_indent="    "))
+    # The features, a backend a column: ✓, or ✗ and the reason numbered below (each distinct one once).
+    reasons: dict[str, int] = {}
+    features = table.drop(columns=list(LISTED_COLUMNS)).set_index("backend").T
+    features = features.map(lambda cell: cell if cell == YES else f"✗ {reasons.setdefault(cell, len(reasons) + 1)}")
+    print(features.rename_axis("feature").to_markdown())
+    for reason, number in reasons.items():
+        print(textwrap.fill(f"{number}. {reason}", 120, subsequent_indent="   "))
 
 
 def register(sub) -> None:

@@ -210,9 +210,12 @@ def serving_report(args, backends: list[str], command: str) -> None:
         raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
     serving = tidy(result.rows, "serving", command)
     print(
-        f"scenario {scenario.name} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): "
-        f"{scenario.num_prompts} requests, model {scenario.model}, KV budget {scenario.kv_blocks} blocks "
-        f"x {scenario.block_size} for every backend"
+        textwrap.fill(
+            f"scenario {scenario.name} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): "
+            f"{scenario.num_prompts} requests, model {scenario.model}, KV budget {scenario.kv_blocks} blocks "
+            f"x {scenario.block_size} for every backend",
+            120,
+        )
     )
     print(console_table(serving, cross_backend=command == "compare"))
     frames = {
