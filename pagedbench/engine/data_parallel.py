@@ -114,6 +114,12 @@ def _shutdown_at_exit(front: "weakref.ref[DataParallelEngine]") -> None:
         engine.shutdown()
 
 
+def _ended(proc) -> str:
+    code = proc.exitcode
+    signal_note = f" (killed by signal {-code})" if code is not None and code < 0 else ""
+    return f"data-parallel replica {proc.name} exited with code {code}{signal_note}"
+
+
 class DataParallelEngine:
     """The front over `data_parallel_size` replica processes; what LLM, AsyncLLM and the benchmark
     commands use of an LLMEngine."""
@@ -160,7 +166,9 @@ class DataParallelEngine:
                 self.procs.append(proc)
             # Before multiprocessing's own exit hook, which would wait for the replicas to end.
             atexit.register(_shutdown_at_exit, weakref.ref(self))
+            self._starting = True  # a replica that dies now may lack the __main__ guard
             infos = [self._receive(i, "ready", START_TIMEOUT_S) for i in range(self.size)]
+            self._starting = False
         except BaseException:
             self.shutdown()
             raise
@@ -366,7 +374,10 @@ class DataParallelEngine:
         self.shutdown()
         if error is not None:
             return error
-        return WorkerError(
-            f"data-parallel replica {proc.name} exited with code {proc.exitcode} (a script that starts replicas "
-            "needs the `if __name__ == '__main__':` guard)"
-        )
+        hint = " (a script that starts replicas needs the `if __name__ == '__main__':` guard)"
+        return WorkerError(f"{_ended(proc)}{hint if getattr(self, '_starting', False) else ''}")
+
+    def dead_replica(self) -> str | None:
+        """How the first replica that has ended ended ("data-parallel replica pagedbench-dp1 exited
+        with code -9 (killed by signal 9)"), or None while every one runs: the server's /health."""
+        return next((_ended(proc) for proc in self.procs if proc.exitcode is not None), None)

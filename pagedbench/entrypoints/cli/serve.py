@@ -11,6 +11,7 @@ from pagedbench.config import EngineConfig
 from pagedbench.entrypoints.cli.common import NothingMeasured, add_overwrite_flag, prepare_out_dir, report_stem
 from pagedbench.entrypoints.cli.run import add_dataset_args
 from pagedbench.model.presets import PRESETS
+from pagedbench.worker.tp_workers import WorkerError
 
 
 def check_address(host: str, port: int) -> None:
@@ -102,7 +103,13 @@ def cmd_serve(args) -> None:
         print(f"pagedbench: {warm}", flush=True)
     llm = AsyncLLM(engine, max_pending=args.max_pending)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit, max_n=args.max_n)
-    app = build_app(llm, args.served_model_name or args.model, args.api_key, limits)
+    fatal: list[str] = []
+
+    def stop(problem: str) -> None:  # a dead engine or replica: stop serving, and say why as the command exits
+        fatal.append(problem)
+        server.should_exit = True
+
+    app = build_app(llm, args.served_model_name or args.model, args.api_key, limits, on_fatal=stop)
     print(f"pagedbench: serving {args.model} ({args.backend}) on http://{args.host}:{args.port}/v1", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     if not args.disable_log_requests:  # an access line per request, as vLLM prints (whatever --log-level)
@@ -110,6 +117,8 @@ def cmd_serve(args) -> None:
 
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server.run()
+    if fatal:
+        raise WorkerError(f"{fatal[0]}; the server stopped")
 
 
 def _set_chat_template(engine, path: str) -> None:

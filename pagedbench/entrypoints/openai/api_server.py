@@ -8,6 +8,7 @@ This module is the app and its routes; the rest lives by job: protocol (fields, 
 errors), serving (a request's body, params and run on the engine), streaming (SSE chunks),
 responses (choices, usage, logprobs), metrics (Prometheus)."""
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -30,7 +31,10 @@ from pagedbench.sample.sampling_params import is_int
 __all__ = ["APIError", "ServerLimits", "build_app"]
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None):
+def build_app(
+    llm: AsyncLLM, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None, on_fatal=None
+):
+    """The app; `on_fatal(problem)` is called once the engine can no longer answer (serve stops then)."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import PlainTextResponse
 
@@ -39,7 +43,10 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, limits
     @asynccontextmanager
     async def lifespan(app):
         llm.start()
+        watch = asyncio.ensure_future(_watch(llm, on_fatal)) if on_fatal is not None else None
         yield
+        if watch is not None:
+            watch.cancel()
         await llm.stop()
 
     app = FastAPI(title="pagedbench", lifespan=lifespan)
@@ -88,8 +95,9 @@ def _add_info_routes(app, serving: OpenAIServing, authorized) -> None:
 
     @app.get("/health")
     async def health():
-        if llm.error is not None:
-            return JSONResponse(error_body(503, f"engine stopped: {llm.error}", "service_unavailable"), 503)
+        problem = fatal_problem(llm)
+        if problem is not None:
+            return JSONResponse(error_body(503, problem, "service_unavailable"), 503)
         return PlainTextResponse("ok")
 
     def card() -> dict:
@@ -186,6 +194,23 @@ def _add_completion_routes(app, serving: OpenAIServing, authorized) -> None:
         # A chat reply may run to the end of the context (vLLM's default); a completion stops at 16.
         params = serving.sampling_params(body, (top or 0) if body.get("logprobs") else None, default_max_tokens=None)
         return await serving.respond(request, body, [prompt], params, chat=True)
+
+
+def fatal_problem(llm: AsyncLLM) -> str | None:
+    """Why the server can no longer answer, or None: the engine's step loop stopped, or a
+    data-parallel replica has ended (the front would route requests to it)."""
+    if llm.error is not None:
+        return f"engine stopped: {llm.error}"
+    dead = getattr(llm.engine, "dead_replica", None)
+    return dead() if dead is not None else None
+
+
+async def _watch(llm: AsyncLLM, on_fatal, every_s: float = 1.0) -> None:
+    """Calls on_fatal(problem) once the server can no longer answer (vLLM shuts its server down
+    when the engine dies, rather than answer 503 for ever)."""
+    while (problem := fatal_problem(llm)) is None:
+        await asyncio.sleep(every_s)
+    on_fatal(problem)
 
 
 def _chat_prompt(tokenizer, messages, no_template_hint: str = "") -> dict:
