@@ -90,6 +90,26 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
             90,
             env={"PAGEDBENCH_FLEX_TUNE": "0"},
         ),
+        # Hybrid (Qwen3.5's shape): what the DeltaNet layers' host loop costs beside attention on a GPU.
+        SuiteStep(
+            "compare-hybrid",
+            pagedbench_cmd(
+                "compare",
+                "--model",
+                "qwen3.5-0.8b",
+                "--scenario",
+                "mixed",
+                "--scale",
+                "0.25",
+                "--repeats",
+                "1",
+                "--backends",
+                "triton,flex",
+                "--out",
+                f"{r}/compare-hybrid",
+            ),
+            150,
+        ),  # fmt: skip
         # sdpa runs mixed at scale 1 in minutes (a seventh of triton's rate at 0.25): after the rest.
         SuiteStep(
             "compare-mixed-sdpa",
