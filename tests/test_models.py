@@ -66,9 +66,30 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_presets_parse_to_real_shapes(name):
+def test_presets_parse_as_transformers_reads_them(name):
+    """Each preset's shape as the engine reads it equals what transformers' own config class for
+    that model reads from the same fields (layers, widths, heads, head dim, vocabulary, experts)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    fields = dict(PRESETS[name])
+    arch = fields.pop("architectures")[0]
+    model_type = fields.pop("model_type", None) or {v: k for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}[arch]
+    hf = AutoConfig.for_model(model_type, **fields)
     cfg = ModelConfig.from_dict(PRESETS[name])
-    assert cfg.num_heads % cfg.num_kv_heads == 0 and cfg.head_dim % 2 == 0
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.vocab_size, cfg.intermediate_size) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.vocab_size, hf.intermediate_size,
+    )  # fmt: skip
+    if cfg.mla is None:  # latent attention caches one latent "head" of kv_lora_rank + rope dims instead
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        assert (cfg.num_kv_heads, cfg.head_dim) == (hf.num_key_value_heads, head_dim)
+    else:
+        assert cfg.head_dim == hf.kv_lora_rank + hf.qk_rope_head_dim
+    if cfg.moe is not None:
+        experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or hf.n_routed_experts
+        assert (cfg.moe.num_experts, cfg.moe.top_k) == (experts, hf.num_experts_per_tok)
+    if cfg.linear is not None:
+        assert cfg.linear.layers == tuple(t == "linear_attention" for t in hf.layer_types)
 
 
 def test_tiny_preset_generates_from_token_ids():

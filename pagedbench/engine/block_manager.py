@@ -152,7 +152,8 @@ class BlockManager:
 
     def _take(self) -> int:
         block = self._fresh.popleft() if self._fresh else self.prefix_cache.evict()
-        assert self.ref_counts[block] == 0, f"block {block} on the free list is referenced"
+        if self.ref_counts[block] != 0:  # an engine bug: raised, not asserted (python -O keeps it)
+            raise RuntimeError(f"block {block} on the free list is referenced")
         self.ref_counts[block] = 1
         return block
 
@@ -263,7 +264,8 @@ class BlockManager:
         del seq.block_table[keep:]
 
     def _unref(self, block: int) -> None:
-        assert self.ref_counts[block] > 0, f"double free of block {block}"
+        if self.ref_counts[block] <= 0:  # an engine bug: raised, not asserted (python -O keeps it)
+            raise RuntimeError(f"double free of block {block}")
         self.ref_counts[block] -= 1
         self._num_shared -= self.ref_counts[block] == 1
         if self.ref_counts[block] == 0 and not self.prefix_cache.release(block):
