@@ -116,43 +116,32 @@ VARIANT_MODELS = {
 
 # Hybrid models: three gated DeltaNet layers before each gated full-attention layer (Qwen3.5's 3:1),
 # grouped value heads (4 over 2 key heads), partial rotary (a quarter of each head).
+HYBRID_SHAPE = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
 HYBRID_MODELS = {
-    "qwen3.5": (
-        "Qwen3_5TextConfig",
-        dict(
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-        ),
-    ),
-    # Qwen3-Next: the same layers, q/k/v/z and b/a projected per key head, and MoE layers (a gated
-    # shared expert beside 4 routed ones, top 2) except layer 1's dense MLP
+    "qwen3.5": ("Qwen3_5TextConfig", HYBRID_SHAPE),
+    # Qwen3-Next: q/k/v/z and b/a projected per key head, and MoE layers (a gated shared expert
+    # beside 4 routed ones, top 2) except layer 1's dense MLP
     "qwen3-next": (
         "Qwen3NextConfig",
-        dict(
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
+        HYBRID_SHAPE
+        | dict(
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
             decoder_sparse_step=1,
             mlp_only_layers=[1],
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
         ),
     ),
 }

@@ -136,14 +136,7 @@ def check_loglikelihood(args) -> int:
     print(ok.round(6).to_markdown(index=False))
     for row in table[table["status"] != "ok"].itertuples():
         print(f"not run: {row.backend} {row.kv_cache_dtype}: {row.reason}")
-    stem = report_stem(args.out, "check-loglikelihood", args.overwrite)
-    path = Path(args.out) / f"{stem}.csv"
-    table.to_csv(path, index=False)
-    print(f"reports: {path}")
-    if not (table["status"] == "ok").any():
-        unavailable = dict.fromkeys(f"{row.backend} {row.kv_cache_dtype}: {row.reason}" for row in table.itertuples())
-        raise NothingMeasured(f"check measured no log-likelihood: {'; '.join(unavailable)}")
-    return 0
+    return write_quality_table(table, args, "check-loglikelihood", "log-likelihood")
 
 
 def check_kv_quality(args) -> int:
@@ -163,13 +156,17 @@ def check_kv_quality(args) -> int:
         f"against its own unquantized ones (milestone: {MILESTONE})"
     )
     print(table.drop(columns=["model"]).round(5).to_markdown(index=False))
-    stem = report_stem(args.out, "check-kv", args.overwrite)
-    path = Path(args.out) / f"{stem}.csv"
+    return write_quality_table(table, args, "check-kv", "KV quality")
+
+
+def write_quality_table(table: pd.DataFrame, args, stem: str, what: str) -> int:
+    """A per-backend-and-page-dtype check's CSV in --out; NothingMeasured when no row ran."""
+    path = Path(args.out) / f"{report_stem(args.out, stem, args.overwrite)}.csv"
     table.to_csv(path, index=False)
     print(f"reports: {path}")
     if not (table["status"] == "ok").any():
         unavailable = dict.fromkeys(f"{row.backend} {row.kv_cache_dtype}: {row.reason}" for row in table.itertuples())
-        raise NothingMeasured(f"check measured no KV quality: {'; '.join(unavailable)}")
+        raise NothingMeasured(f"check measured no {what}: {'; '.join(unavailable)}")
     return 0
 
 
