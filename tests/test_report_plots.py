@@ -74,3 +74,28 @@ def test_report_adds_the_page_size_plot_only_for_several_page_sizes(tmp_path):
     two = [p.name for p in render(kernel_rows(), tmp_path, "two")]
     assert "one-bandwidth.png" in one and "one-page-size.png" not in one
     assert "two-bandwidth.png" in two and "two-page-size.png" in two
+
+
+def serving_rows(device, model, backends_tok_s):
+    return [
+        dict(kind="serving", status="ok", backend=b, output_throughput=v, device_name=device, model=model,
+             scenario="mixed", scale=1.0, dtype="bfloat16")
+        for b, values in backends_tok_s.items() for v in values
+    ]  # fmt: skip
+
+
+def test_throughput_plot_gives_each_device_and_model_its_own_panel(figures, tmp_path):
+    rows = serving_rows("NVIDIA H200", "qwen3-0.6b", {"triton": [13353.0], "flex": [8211.0]})
+    rows += serving_rows("cpu", "tiny-llama", {"sdpa": [990.0, 950.0, 1040.0], "flex": [870.0, 869.0, 897.0]})
+    report_plots.plot_throughput(pd.DataFrame(rows), tmp_path / "t.png")
+    axes = visible_axes(figures[0])
+    assert [ax.get_title() for ax in axes] == ["NVIDIA H200, qwen3-0.6b", "cpu, tiny-llama"]
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == ["flex", "triton"]  # short labels, not "· device"
+    assert axes[0].get_xlim()[1] > 13353 > axes[1].get_xlim()[1]  # each panel its own axis
+
+
+def test_throughput_bars_decades_apart_get_a_log_axis_and_small_values_keep_their_digits(figures, tmp_path):
+    rows = serving_rows("cpu", "tiny-llama", {"triton": [1000.0], "hf": [0.79]})
+    report_plots.plot_throughput(pd.DataFrame(rows), tmp_path / "t.png")
+    ax = visible_axes(figures[0])[0]
+    assert ax.get_xscale() == "log" and " 0.79" in [t.get_text() for t in ax.texts]

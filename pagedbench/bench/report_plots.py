@@ -47,10 +47,28 @@ def _title(what: str, df: pd.DataFrame) -> str:
     return what + (f"\n{', '.join(shared)}" if shared else "")
 
 
+FACET_KEYS = ["device_name", "model"]  # a merged report's runs: one panel per device and model
+
+
 def plot_throughput(serving: pd.DataFrame, path: Path) -> Path:
     """Median output throughput per backend, with the median's bootstrap 95 % interval as an error
-    bar where there are runs enough for one (noise.py)."""
+    bar where there are runs enough for one (noise.py). Runs of several devices or models (a merged
+    report) get a panel each, with its own axis: a CPU's tok/s is never drawn beside an H200's."""
     ok = serving[serving["status"] == "ok"]
+    keys = [k for k in FACET_KEYS if k in ok and ok[k].nunique(dropna=False) > 1]
+    panels = list(ok.groupby(keys, sort=False)) if keys else [((), ok)]
+    heights = [1.0 + 0.4 * _labels(part).nunique() for _, part in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 0.5 + sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})  # fmt: skip
+    for ax, (key, part) in zip(axes[:, 0], panels):
+        _throughput_bars(ax, part)
+        if keys:
+            ax.set_title(", ".join(str(k) for k in (key if isinstance(key, tuple) else (key,))), fontsize="small")
+    fig.suptitle(_title("Output throughput by backend", ok), fontsize="medium")
+    return _save(fig, path)
+
+
+def _throughput_bars(ax, ok: pd.DataFrame) -> None:
     groups = ok.groupby(_labels(ok), sort=False)["output_throughput"]
     spreads = {label: spread(values) for label, values in groups}
     labels = list(spreads)[::-1]
@@ -58,16 +76,18 @@ def plot_throughput(serving: pd.DataFrame, path: Path) -> Path:
     low = np.array([spreads[k]["ci_low"] for k in labels])
     high = np.array([spreads[k]["ci_high"] for k in labels])
     errors = np.nan_to_num(np.vstack([medians - low, high - medians]), nan=0.0)
-    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.4 * len(labels)))
     ax.barh(labels, medians, color="tab:blue", xerr=errors, capsize=4, error_kw={"ecolor": "black"})
     ends = np.where(np.isfinite(high), high, medians)
     for y, (value, end) in enumerate(zip(medians, ends)):
         ax.text(end, y, f" {value:.0f}" if value >= 10 else f" {value:.2g}", va="center")
-    ax.set_xlim(0, 1.2 * max(np.nanmax(ends), 1))  # room for the value beside the longest bar
+    positive = medians[medians > 0]
+    if len(positive) > 1 and positive.max() / positive.min() > 100:  # decades apart: a log axis shows both
+        ax.set_xscale("log")
+        ax.set_xlim(positive.min() / 2, 3 * np.nanmax(ends))
+    else:
+        ax.set_xlim(0, 1.2 * max(np.nanmax(ends), 1))  # room for the value beside the longest bar
     with_ci = np.isfinite(low).any()
     ax.set_xlabel("output tokens/s (median over runs" + (", bars: 95% interval of the median)" if with_ci else ")"))
-    ax.set_title(_title("Output throughput by backend", ok), fontsize="medium")
-    return _save(fig, path)
 
 
 def plot_latency_cdfs(requests: pd.DataFrame, path: Path) -> Path:
