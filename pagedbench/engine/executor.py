@@ -48,6 +48,11 @@ def page_bytes(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None
     return per_block
 
 
+def num_state_slots(config: EngineConfig, cfg: ModelConfig) -> int:
+    """Hybrid models: one linear-attention state slot per sequence that can run at once."""
+    return config.max_num_seqs if cfg.linear is not None else 0
+
+
 class Executor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path | None):
         self.config, self.model_config = config, model_config
@@ -230,9 +235,10 @@ class Executor:
             rows = decode_buckets(config.max_num_seqs, backend.cuda_graph_powers_of_two)[-1] if graphs else None
             args = (per_block, rows, self.device, self.dtype)
             budget = cuda_kv_budget(config, self.model, backend, max_model_len, *args)
-        if self.model_config.linear is not None:  # hybrid models: the DeltaNet state slots share the budget
-            state = config.max_num_seqs * state_bytes_per_sequence(self.model_config, self.dtype)
-            logger.info("linear-attention state: %d slots, %.2f GiB", config.max_num_seqs, state / 2**30)
+        slots = num_state_slots(config, self.model_config)
+        if slots:  # hybrid models: the DeltaNet state slots share the budget
+            state = slots * state_bytes_per_sequence(self.model_config, self.dtype)
+            logger.info("linear-attention state: %d slots, %.2f GiB", slots, state / 2**30)
             budget -= state
         return num_kv_blocks(config, budget, per_block, max_model_len)
 
@@ -259,8 +265,7 @@ class Executor:
 
     @property
     def num_state_slots(self) -> int:
-        """Hybrid models: one linear-attention state slot per sequence that can run at once."""
-        return self.config.max_num_seqs if self.model_config.linear is not None else 0
+        return num_state_slots(self.config, self.model_config)
 
     def _graph_off_reason(self, backend: LayerAttention) -> str | None:
         if self.config.enforce_eager:

@@ -1,5 +1,5 @@
 """Hybrid models' gated DeltaNet layers (Qwen3.5, Qwen3-Next): linear attention that keeps a
-fixed-size state per sequence instead of pages (their gated full attention is llama.GatedAttention).
+fixed-size state per sequence instead of pages (their gated full attention is llama.Attention with its output gate).
 
 A DeltaNet layer reads and writes each sequence's state in its slot of the step's
 `LinearStateCache` (worker/linear_state.py): the conv window (the last conv_kernel - 1 inputs) and
@@ -8,6 +8,8 @@ a later chunk (chunked prefill) or a decode continues from its slot. The recurre
 forms transformers ships (chunked for several tokens, recurrent for one), so the tokens are
 Hugging Face's; each sequence of the step runs on its own (a loop over the batch, host indices).
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from pagedbench.model.config import ModelConfig
 from pagedbench.model.layers import AttentionContext
 
 
+@functools.cache
 def delta_rule_kernels():
     """(chunked, recurrent) gated delta rule: the torch implementations transformers ships."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import (

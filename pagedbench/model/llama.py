@@ -37,7 +37,9 @@ from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, all_
 
 class Attention(nn.Module):
     """This rank's heads: q heads [h0, h0 + H), KV heads [k0, k0 + H_kv) (all of them at tp=1).
-    q, k and v as one GEMM over merged weights (merge_linears) unless the model runs them apart."""
+    q, k and v as one GEMM over merged weights (merge_linears) unless the model runs them apart.
+    With an output gate (Qwen3.5, Qwen3-Next), q_proj yields each head's query and gate side by
+    side ([q | gate] per head) and the attention output is multiplied by sigmoid(gate)."""
 
     ops: LayerOps = EAGER
     merged = True
@@ -47,8 +49,9 @@ class Attention(nn.Module):
         self.layer_idx, self.tp = layer_idx, tp
         d, h = cfg.head_dim, cfg.hidden_size
         (h0, self.num_heads), (k0, self.num_kv_heads) = tp.heads(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads)
-        self.head_dim = d
-        self.q_proj = column_parallel(h, cfg.num_heads * d, h0 * d, self.num_heads * d, cfg.qkv_bias)
+        self.head_dim, self.gated = d, cfg.attn_output_gate
+        q = 2 * d if self.gated else d  # q_proj rows per head
+        self.q_proj = column_parallel(h, cfg.num_heads * q, h0 * q, self.num_heads * q, cfg.qkv_bias)
         self.k_proj = column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
         self.v_proj = column_parallel(h, cfg.num_kv_heads * d, k0 * d, self.num_kv_heads * d, cfg.qkv_bias)
         self.o_proj = row_parallel(cfg.num_heads * d, h, h0 * d, self.num_heads * d, cfg.o_proj_bias, tp.rank)
@@ -60,7 +63,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm, self.norm_eps, self.gemma = cfg.qk_norm, cfg.rms_norm_eps, cfg.norm_offset
         self.heads = (self.num_heads, self.num_kv_heads, d)
-        self.qkv_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_sizes = [self.num_heads * q, self.num_kv_heads * d, self.num_kv_heads * d]
         self.qkv_weight, self.qkv_bias = merge_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
@@ -68,34 +71,12 @@ class Attention(nn.Module):
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.gated:
+            q, gate = rearrange(q, "t (h two d) -> two t (h d)", two=2, d=self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         q, k, v = self.ops.qkv_rope(q, k, v, *rope, self.heads, *norms, self.norm_eps, self.gemma)
-        out = ctx.attend(self.layer_idx, q, k, v, getattr(self, "sinks", None))
-        return all_reduce(self.o_proj(rearrange(out, "t h d -> t (h d)")), self.tp)
-
-
-class GatedAttention(Attention):
-    """Qwen3.5's full attention: q_proj yields each head's query and an output gate side by side
-    ([q | gate] per head), the attention output is multiplied by sigmoid(gate) before o_proj; q/k
-    norms scale by (1 + weight) and RoPE rotates the first partial_rotary_factor of each head."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp):
-        super().__init__(cfg, layer_idx, tp)
-        d, h = cfg.head_dim, cfg.hidden_size
-        self.q_proj = nn.Linear(h, 2 * self.num_heads * d, bias=cfg.qkv_bias)
-        self.qkv_sizes[0] = 2 * self.num_heads * d
-        self.merged = False  # q_proj is twice as wide as the merged weight built for plain attention
-        del self.qkv_weight, self.qkv_bias
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        d = self.head_dim
-        q_gate = self.q_proj(x).view(x.shape[0], self.num_heads, 2 * d)
-        q, gate = q_gate[..., :d].reshape(x.shape[0], -1), q_gate[..., d:].reshape(x.shape[0], -1)
-        norms = (self.q_norm.weight, self.k_norm.weight)
-        q, k, v = self.ops.qkv_rope(q, self.k_proj(x), self.v_proj(x), *rope, self.heads, *norms, self.norm_eps, True)
-        out = ctx.attend(self.layer_idx, q, k, v)
-        out = rearrange(out, "t h d -> t (h d)") * torch.sigmoid(gate)
-        return all_reduce(self.o_proj(out), self.tp)
+        out = rearrange(ctx.attend(self.layer_idx, q, k, v, getattr(self, "sinks", None)), "t h d -> t (h d)")
+        return all_reduce(self.o_proj(out * torch.sigmoid(gate) if self.gated else out), self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -107,8 +88,7 @@ class DecoderLayer(nn.Module):
         if cfg.is_linear_layer(layer_idx):
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:
-            attention = MLAAttention if cfg.mla is not None else GatedAttention if cfg.attn_output_gate else Attention
-            self.self_attn = attention(cfg, layer_idx, tp)
+            self.self_attn = (Attention if cfg.mla is None else MLAAttention)(cfg, layer_idx, tp)
         # The feed-forward block, under the checkpoint's name: a dense MLP or an MoE layer (moe.py).
         self.ffn_name = cfg.moe.block_name if cfg.is_moe_layer(layer_idx) else "mlp"
         setattr(self, self.ffn_name, SparseMoE(cfg, tp) if cfg.is_moe_layer(layer_idx) else MLP(cfg, tp))
