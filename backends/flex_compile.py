@@ -59,10 +59,22 @@ def flash_kernel_reason(device: torch.device) -> str | None:
     return None if found else "flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')"
 
 
-def kernel_options(device: torch.device, q_block_size: int, kv_block_size: int) -> dict[str, dict | None]:
+WIDE_HEAD_DIM = 256  # widest head torch's flex tile defaults are sized for
+
+
+def kernel_options(device: torch.device, q_block_size: int, kv_block_size: int, head_dim: int) -> dict[str, dict]:
     """flex's kernel_options per call kind ("decode", "prefill"); None on CPU."""
     if device.type != "cuda":
         return {"decode": None, "prefill": None}
+    if head_dim > WIDE_HEAD_DIM:
+        # Triton pads the head to a power of two (MLA's 576 -> 1024): 64 x 64 tiles of that width, staged,
+        # overflow an H100/H200's 227 KiB of shared memory, so wide heads take narrow tiles, one stage. The
+        # decoding kernel's query tile would otherwise hold a KV head's whole query group (MLA: 16-128 rows).
+        narrow = {"BLOCK_N": min(32, kv_block_size), "num_stages": 1}
+        return {
+            "decode": {"BLOCK_M": 16} | narrow,
+            "prefill": {"BACKEND": "TRITON", "BLOCK_M": min(32, q_block_size)} | narrow,
+        }
     # Triton tiles must divide the mask's blocks. FlexAttention's FA4 kernels (BACKEND=FLASH) take
     # only the prefill call: they need K/V batch == query batch, and the decode call broadcasts a
     # batch-1 cache to B query rows.

@@ -104,3 +104,22 @@ def test_the_search_stops_at_its_budget_with_the_best_so_far():
     calls: list = []
     found, count = search({}, [("num_warps", [2, 4, 8])], fake_seconds({"num_warps": 2}, calls), budget_s=0.0)
     assert count == 1 and found == {"num_warps": 2}
+
+
+def tile_shared_bytes(options: dict, head_dim: int, default_stages: int = 3, item_bytes: int = 2) -> int:
+    """Shared memory a flex Triton tile set stages: the query tile once, K and V tiles per stage, each as
+    wide as the head padded to a power of two (as the template pads it)."""
+    width = 1 << (head_dim - 1).bit_length()
+    rows_q = options.get("BLOCK_M", 16)  # the decoding kernel's query tile: at least 16 rows
+    kv = 2 * options["BLOCK_N"] * width * options.get("num_stages", default_stages)
+    return (rows_q * width + kv) * item_bytes
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 576])
+def test_cuda_tiles_fit_hopper_shared_memory_at_every_head_width(head_dim):
+    """MLA's 576-wide latent heads (padded to 1024) overflowed 64 x 64 tiles on the H200 (issue 57)."""
+    options = flex_module.kernel_options(torch.device("cuda"), 128, 64, head_dim)
+    prefill = {k: v for k, v in options["prefill"].items() if k != "BACKEND"}
+    for kind in (options["decode"], prefill):
+        if "BLOCK_N" in kind:
+            assert tile_shared_bytes(kind, head_dim) <= 227 * 1024, (head_dim, kind)

@@ -16,7 +16,7 @@ def test_every_pagedbench_step_parses(tmp_path):
     """A typo in a step's flags would cost device minutes: every step's command parses here."""
     parser = build_parser()
     steps = suite.default_steps(tmp_path / "reports")
-    assert [s.name for s in steps][:2] == ["environment", "profile-graphs"]
+    assert [s.name for s in steps][:3] == ["environment", "pytest-cuda-failed-before", "profile-graphs"]
     assert [s.needs_fa4 for s in steps][-3:] == [True, True, True], "FA4 steps come last"
     for step in steps:
         if step.argv[1:3] == ["-m", "pagedbench"]:

@@ -22,6 +22,7 @@ STASH = Path(os.environ.get("PAGEDBENCH_GPU_STASH", "/tmp/pagedbench-gpu"))  # s
 MIN_STEP_SECONDS = 20  # a step with less time than this left is skipped, not started
 KILL_GRACE_SECONDS = 5  # between SIGTERM to a step's process group and SIGKILL
 TARBALL = "gpu-suite.tar.gz"
+LAST_FAILED = ["tests/test_check.py", "tests/test_cuda_graphs.py"]  # files of the last draw's failures
 EARLY_FAILURES = {"PAGEDBENCH_EARLY_FAILURES": "1"}  # tests/conftest.py prints each failure as it happens
 
 
@@ -52,7 +53,7 @@ def pagedbench_cmd(*args: str) -> list[str]:
 def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) -> list[SuiteStep]:
     """The suite's steps, most valuable first (FA4, which needs its wheels installed, last). The
     engine's flex tunes each decode batch bucket it captures (nine of them): the suite gives that
-    search 8 s a shape (PAGEDBENCH_FLEX_TUNE_SECONDS, unless set) so that it fits a 15-minute draw."""
+    search 6 s a shape (PAGEDBENCH_FLEX_TUNE_SECONDS, unless set) so that it fits a 15-minute draw."""
     r = str(reports)
     decode = ["--phases", "decode", "--batch-sizes", "16,64,256", "--context-lens", "2048,4096", "--heads", "32/8"]
     decode += ["--warmup", "3", "--repeats", "20", "--max-kv-tokens", "1100000"]
@@ -60,28 +61,31 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
     compare += ["--num-blocks", str(num_blocks), "--repeats", "1"]
     profile = ["profile", "--model", "qwen3-0.6b", "--backends", "triton,flex", "--batch-sizes", "64,256"]
     pytest = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-n", "8", "--timeout", "150", "-p", "no:cacheprovider"]
+    failed_before = [*pytest, "--tb=long", "-k", "cuda and (MLA or graph)", *LAST_FAILED]
     hf_peer = ["compare", "--model", "qwen3-0.6b", "--scenario", "mixed", "--scale", "0.25", "--repeats", "1"]
     return [
         SuiteStep("environment", [sys.executable, "-m", "pagedbench.bench.gpu_suite", "environment"], 60, False),
+        # The cases that failed on the last draw, first, with their tracebacks.
+        SuiteStep("pytest-cuda-failed-before", failed_before, 120, env=EARLY_FAILURES),
         SuiteStep("profile-graphs", pagedbench_cmd(*profile, "--compile", "--out", f"{r}/profile-graphs"), 150),
-        SuiteStep(
-            "kernels-decode",
-            pagedbench_cmd("kernels", *decode, "--block-sizes", "16,64,128", "--backends", "sdpa,flex,triton")
-            + ["--out", f"{r}/kernels-decode"],
-            180,
-        ),
         SuiteStep(
             "compare-mixed",
             pagedbench_cmd(*compare, "--backends", "triton,flex", "--out", f"{r}/compare-mixed"),
             200,
         ),
-        SuiteStep("profile-eager", pagedbench_cmd(*profile, "--enforce-eager", "--out", f"{r}/profile-eager"), 90),
-        SuiteStep("pytest-cuda", [*pytest, "-k", "cuda and not flash", "tests"], 240, env=EARLY_FAILURES),
         SuiteStep(
             "kernels-decode-graphs",
             pagedbench_cmd("kernels", *decode, "--block-sizes", "16", "--backends", "sdpa,flex,triton")
             + ["--cuda-graphs", "--out", f"{r}/kernels-decode-graphs"],
             120,
+        ),
+        SuiteStep("profile-eager", pagedbench_cmd(*profile, "--enforce-eager", "--out", f"{r}/profile-eager"), 90),
+        SuiteStep("pytest-cuda", [*pytest, "-k", "cuda and not flash", "tests"], 240, env=EARLY_FAILURES),
+        SuiteStep(
+            "kernels-decode",
+            pagedbench_cmd("kernels", *decode, "--block-sizes", "16,64,128", "--backends", "sdpa,flex,triton")
+            + ["--out", f"{r}/kernels-decode"],
+            180,
         ),
         SuiteStep(
             "kernels-flex-untuned",
@@ -246,7 +250,7 @@ def run_suite(
     """Run `steps` in order within `budget_s` seconds, writing each one's log, the summary and the
     tarball as it ends. `cuda`/`fa4`: whether CUDA steps / FA4 steps can run (probed when None)."""
     deadline = time.monotonic() + budget_s
-    env = {"PAGEDBENCH_FLEX_TUNE_SECONDS": "8"} | dict(os.environ if env is None else env) | {"PYTHONUNBUFFERED": "1"}
+    env = {"PAGEDBENCH_FLEX_TUNE_SECONDS": "6"} | dict(os.environ if env is None else env) | {"PYTHONUNBUFFERED": "1"}
     cuda = cuda_available() if cuda is None else cuda
     (work / "logs").mkdir(parents=True, exist_ok=True)
     results: list[StepResult] = []
