@@ -121,9 +121,14 @@ class AttentionMetadata:
 
 
 def one_line(error: BaseException) -> str:
-    """`Type: first line of the message`, for reasons shown in tables and CLI errors."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    """`Type: first line of the message`, for reasons shown in tables and CLI errors; where the message
+    is a wrapped traceback (inductor's "An exception occurred in a subprocess:"), its last line too,
+    which names the cause."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    cause = f" ... {lines[-1]}" if len(lines) > 1 and lines[0].endswith(":") else ""
+    return f"{type(error).__name__}: {lines[0]}{cause}"
 
 
 def import_or_reason(name: str, install_hint: str | None = None) -> Any:

@@ -112,7 +112,7 @@ class FlexBackend(AttentionBackend):
         # KV blocks under 16 slots miscompute on CPU (torch 2.13's micro-GEMM N tail) and are below
         # Triton's minimum tile, so small pages share a KV block; the mask_mod maps each slot to its page.
         self.kv_block_size = max(block_size, MIN_KV_BLOCK)
-        self.kernel_options = kernel_options(self.device, self.q_block_size, self.kv_block_size, head_dim)
+        self.kernel_options = kernel_options(self.device, self.q_block_size, self.kv_block_size, head_dim, dtype)
         # Decode options searched per static batch (flex_tune.py), on CUDA where flex is compiled.
         self.tuned_decode = cuda and self.compiled and tune_enabled()
         self.decode_options: dict[int, dict] = {}

@@ -59,26 +59,48 @@ def flash_kernel_reason(device: torch.device) -> str | None:
     return None if found else "flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')"
 
 
-WIDE_HEAD_DIM = 256  # widest head torch's flex tile defaults are sized for
+HOPPER_SHARED_MEMORY = 232448  # bytes a thread block may opt into on an H100/H200 (227 KiB)
+WIDE_HEAD_DIM = 256  # wider heads (MLA's 576) also narrow the decoding kernel's tiles
 
 
-def kernel_options(device: torch.device, q_block_size: int, kv_block_size: int, head_dim: int) -> dict[str, dict]:
+def prefill_tiles(q_block_size: int, kv_block_size: int, head_dim: int, itemsize: int, shared_bytes: int) -> dict:
+    """flex's Triton prefill tiles, the widest that fit `shared_bytes`: the query tile once and a K tile
+    per pipeline stage, each as wide as the head padded to a power of two (the H200 reported 262,144 bytes
+    for 32 x 32 fp32 tiles of a 576-wide head at one stage). Fewer stages first, then halved tiles;
+    the template's own stage count (3) where it fits. Tiles divide the mask's blocks."""
+    width = 1 << (head_dim - 1).bit_length()
+    m, n = min(64, q_block_size), min(64, kv_block_size)
+    for stages in (3, 2):
+        if (m + n * stages) * width * itemsize <= shared_bytes:
+            return {"BLOCK_M": m, "BLOCK_N": n} | ({} if stages == 3 else {"num_stages": stages})
+    while (m + n) * width * itemsize > shared_bytes and min(m, n) > 16:
+        m, n = m // 2, n // 2
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_stages": 1}
+
+
+def shared_memory_bytes(device: torch.device) -> int:
+    """The opt-in shared memory per thread block of `device` (an H100/H200's where torch cannot say)."""
+    try:
+        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    except (AssertionError, RuntimeError, AttributeError):  # no CUDA here (tests of the CUDA options)
+        return HOPPER_SHARED_MEMORY
+
+
+def kernel_options(
+    device: torch.device, q_block_size: int, kv_block_size: int, head_dim: int, dtype: torch.dtype
+) -> dict[str, dict]:
     """flex's kernel_options per call kind ("decode", "prefill"); None on CPU."""
     if device.type != "cuda":
         return {"decode": None, "prefill": None}
+    tiles = prefill_tiles(q_block_size, kv_block_size, head_dim, dtype.itemsize, shared_memory_bytes(device))
+    triton_prefill = {"BACKEND": "TRITON"} | tiles
     if head_dim > WIDE_HEAD_DIM:
-        # Triton pads the head to a power of two (MLA's 576 -> 1024): 64 x 64 tiles of that width, staged,
-        # overflow an H100/H200's 227 KiB of shared memory, so wide heads take narrow tiles, one stage. The
-        # decoding kernel's query tile would otherwise hold a KV head's whole query group (MLA: 16-128 rows).
-        narrow = {"BLOCK_N": min(32, kv_block_size), "num_stages": 1}
-        return {
-            "decode": {"BLOCK_M": 16} | narrow,
-            "prefill": {"BACKEND": "TRITON", "BLOCK_M": min(32, q_block_size)} | narrow,
-        }
-    # Triton tiles must divide the mask's blocks. FlexAttention's FA4 kernels (BACKEND=FLASH) take
-    # only the prefill call: they need K/V batch == query batch, and the decode call broadcasts a
-    # batch-1 cache to B query rows.
-    triton_prefill = {"BACKEND": "TRITON", "BLOCK_M": min(64, q_block_size), "BLOCK_N": min(64, kv_block_size)}
+        # The decoding kernel's query tile would hold a KV head's whole query group (MLA: 16-128 rows of
+        # 1024 padded dims): 16 rows, the prefill's K tile, one stage.
+        decode = {"BLOCK_M": 16, "BLOCK_N": tiles["BLOCK_N"], "num_stages": 1}
+        return {"decode": decode, "prefill": triton_prefill}
+    # FlexAttention's FA4 kernels (BACKEND=FLASH) take only the prefill call: they need K/V batch ==
+    # query batch, and the decode call broadcasts a batch-1 cache to B query rows.
     return {
         "decode": {"BLOCK_N": min(64, kv_block_size)},
         "prefill": {"BACKEND": "FLASH"} if kernel_choice() == "flash" else triton_prefill,

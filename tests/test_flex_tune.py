@@ -4,7 +4,7 @@ real one times CUDA kernels)."""
 import pytest
 import torch
 from pagedbench.backends import flex as flex_module
-from pagedbench.backends import flex_tune
+from pagedbench.backends import flex_compile, flex_tune
 from pagedbench.backends.flex import FlexBackend
 from pagedbench.backends.flex_tune import DecodeOptionsCache, DecodeShape, describe, search, split_choices
 
@@ -106,20 +106,26 @@ def test_the_search_stops_at_its_budget_with_the_best_so_far():
     assert count == 1 and found == {"num_warps": 2}
 
 
-def tile_shared_bytes(options: dict, head_dim: int, default_stages: int = 3, item_bytes: int = 2) -> int:
-    """Shared memory a flex Triton tile set stages: the query tile once, K and V tiles per stage, each as
-    wide as the head padded to a power of two (as the template pads it)."""
-    width = 1 << (head_dim - 1).bit_length()
-    rows_q = options.get("BLOCK_M", 16)  # the decoding kernel's query tile: at least 16 rows
-    kv = 2 * options["BLOCK_N"] * width * options.get("num_stages", default_stages)
-    return (rows_q * width + kv) * item_bytes
-
-
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 576])
-def test_cuda_tiles_fit_hopper_shared_memory_at_every_head_width(head_dim):
-    """MLA's 576-wide latent heads (padded to 1024) overflowed 64 x 64 tiles on the H200 (issue 57)."""
-    options = flex_module.kernel_options(torch.device("cuda"), 128, 64, head_dim)
-    prefill = {k: v for k, v in options["prefill"].items() if k != "BACKEND"}
-    for kind in (options["decode"], prefill):
-        if "BLOCK_N" in kind:
-            assert tile_shared_bytes(kind, head_dim) <= 227 * 1024, (head_dim, kind)
+def test_cuda_prefill_tiles_fit_hopper_shared_memory_at_every_head_width(head_dim, dtype):
+    """MLA's 576-wide latent heads (padded to 1024) overflowed 64 x 64 tiles on the H200, and 32 x 32 in
+    fp32 ("Required: 262144 Hardware limit: 232448", issue 57): the tiles chosen fit, as wide as they can."""
+    options = flex_module.kernel_options(torch.device("cuda"), 128, 64, head_dim, dtype)
+    prefill, width = options["prefill"], 1 << (head_dim - 1).bit_length()
+
+    def need(m: int, n: int, stages: int) -> int:
+        return (m + n * stages) * width * dtype.itemsize
+
+    stages = prefill.get("num_stages", 3)
+    assert need(prefill["BLOCK_M"], prefill["BLOCK_N"], stages) <= flex_compile.HOPPER_SHARED_MEMORY
+    assert need(32, 32, 1) == 262144 or dtype != torch.float32 or head_dim != 576  # the H200's figure
+    m, n, limit = prefill["BLOCK_M"], prefill["BLOCK_N"], flex_compile.HOPPER_SHARED_MEMORY
+    if stages == 2:  # three did not fit
+        assert need(m, n, 3) > limit
+    if stages == 1:  # two stages of 64 x 64 did not fit, nor one stage of tiles twice as wide
+        assert need(64, 64, 2) > limit and (m == 64 or need(2 * m, 2 * n, 1) > limit)
+    if head_dim <= 128:
+        assert (prefill["BLOCK_M"], prefill["BLOCK_N"], stages) == (64, 64, 3)  # unchanged for common heads
+    if head_dim > flex_compile.WIDE_HEAD_DIM:
+        assert options["decode"] == {"BLOCK_M": 16, "BLOCK_N": prefill["BLOCK_N"], "num_stages": 1}

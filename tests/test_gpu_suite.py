@@ -85,6 +85,7 @@ def test_fa4_halves_are_kept_until_both_are_here(tmp_path):
 @pytest.mark.slow
 def test_cli_on_cpu_skips_cuda_steps_and_prints_the_summary_last(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(suite, "cuda_available", lambda: False)  # on a GPU machine too
     rc = main(["gpu-suite", "--budget", "120", "--out", "o", "--steps", "environment,pytest-cuda"])
     printed = capsys.readouterr().out
     assert rc == 0
@@ -107,6 +108,8 @@ def test_profile_counts_a_decode_step_outside_and_inside_attention(tmp_path, cap
 
     row = pd.read_csv(tmp_path / "profile.csv").iloc[0]
     assert row["unit"] == "ops" and row["batch"] == 4
+    # every profiled step ran all 4 sequences, each holding its 20 prompt tokens and what it decoded
+    assert row["running"] == 4 and 4 * 20 < row["kv_tokens"] < 4 * (20 + 10)
     # tiny-llama's eager layer: norms, projections, RoPE, the KV write outside; sdpa's gather and call inside
     assert 10 < row["outside_attention_per_layer"] < 80
     assert row["attention_per_step"] > 0 and row["per_step"] > row["attention_per_step"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from pagedbench.backends.base import PLAIN, AttentionVariant
+from pagedbench.backends.base import PLAIN, AttentionVariant, one_line
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.problems import attend_dense, place, random_problem
 from pagedbench.device.dtypes import dtype_name
@@ -212,7 +212,7 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
         try:
             outs = [_attend(cls, batch, num_heads, num_kv_heads, case, scale, sinks) for batch in layouts]
         except Exception as e:  # a backend that raises fails this case; the others go on
-            rows.append({**row, "status": "fail", "reason": f"raised {type(e).__name__}: {str(e).splitlines()[0]}"})
+            rows.append({**row, "status": "fail", "reason": f"raised {one_line(e)}"})
             continue
         error = (outs[0].to(expected.dtype) - expected).abs()
         moved = float((outs[1].to(expected.dtype) - outs[0].to(expected.dtype)).abs().max())

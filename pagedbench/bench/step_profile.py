@@ -53,6 +53,8 @@ class StepProfile:
     attention: float | None  # inside the attention backend's calls (None: a replayed CUDA graph hides them)
     device_ms_per_step: float | None  # CUDA: the kernels' summed time
     wall_ms_per_step: float | None = None  # the same steps unprofiled, synchronized before and after
+    running: float = 0.0  # sequences the scheduler ran, mean over the profiled steps (<= batch if preempted)
+    kv_tokens: float = 0.0  # KV tokens those sequences held, mean over the profiled steps
     top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, count per step, ms per step)
 
     @property
@@ -145,6 +147,28 @@ class _CompiledKernelCounter:
             sys.setprofile(None)
 
 
+def _within(op, span: str) -> bool:
+    return op.name == span or _under(op, span)
+
+
+def cuda_kernels(events) -> tuple[list, int, int | None]:
+    """(the device's kernels, memcpys and memsets; how many the model's forward ran; how many the
+    attention backend's calls ran, None where a replayed CUDA graph hides them) from a profile's events.
+    The GPU-timeline copies of record_function spans (user annotations, e.g. our forward span, as long
+    as the forward) are not kernels: counted as such they doubled a step's device time on the H200.
+    A kernel's launching op lists it (`kernels`; FunctionEvent.linked_correlation_id is not in torch
+    2.11), except an annotation's copy of itself; a graph's kernels link to no op of ours."""
+    spans = {FORWARD_SPAN, BACKEND_SPAN}
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    counted = [e for e in device if not getattr(e, "is_user_annotation", False) and e.name not in spans]
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    launched_by = [op for op in cpu for k in op.kernels if k.name != op.name and k.name not in spans]
+    forward = sum(_within(op, FORWARD_SPAN) for op in launched_by)
+    if any(e.name == "cudaGraphLaunch" for e in cpu):
+        return counted, forward + max(0, len(counted) - len(launched_by)), None
+    return counted, forward, sum(_within(op, BACKEND_SPAN) for op in launched_by)
+
+
 def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
     """Profile the next `steps` engine steps (the caller has brought the engine to steady decode)."""
     runner = engine.executor.runner
@@ -153,27 +177,24 @@ def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     batch = sum(1 for g in engine.requests.values() for s in g.seqs if not s.finished)
     counter = _CompiledKernelCounter()
+    running, kv_tokens = [], []
     with _spans(runner, counter), profile(activities=activities) as prof:
         with counter.active() if not cuda else contextlib.nullcontext():
             for _ in range(steps):
                 engine.step()
+                seqs = engine.scheduler.running
+                running.append(len(seqs))
+                kv_tokens.append(sum(s.num_computed_tokens for s in seqs))
         if cuda:
             torch.cuda.synchronize(device)
     events = prof.events()
     if cuda:
-        counted = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        # The op that launched each kernel: the profiler lists a kernel under it (`kernels`), the
-        # same link on every torch version (FunctionEvent.linked_correlation_id is not in 2.11).
-        launched_by = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU for _ in e.kernels]
-        graph = any(op is not None and op.name == "cudaGraphLaunch" for op in launched_by)
-        replayed_or_forward = [op.name == "cudaGraphLaunch" or _under(op, FORWARD_SPAN) for op in launched_by if op]
-        forward = [True for f in replayed_or_forward if f]
-        attention = None if graph else [op for op in launched_by if op is not None and _under(op, BACKEND_SPAN)]
+        counted, forward, attention = cuda_kernels(events)
         device_ms = sum(e.time_range.elapsed_us() for e in counted) / 1e3 / steps
     else:
         counted = [e for e in events if _is_aten(e.name) and _top_level_aten(e) and _computes(e)]
-        forward = [e for e in counted if _under(e, FORWARD_SPAN)]
-        attention = [e for e in counted if _under(e, BACKEND_SPAN)]
+        forward = sum(_under(e, FORWARD_SPAN) for e in counted)
+        attention = sum(_under(e, BACKEND_SPAN) for e in counted)
         device_ms = None
     compiled = counter.total  # every inductor kernel runs inside the model's forward
     by_name: Counter = Counter(e.name for e in counted)
@@ -189,9 +210,11 @@ def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
         steps=steps,
         num_layers=engine.model_config.num_layers,
         per_step=(len(counted) + compiled) / steps,
-        forward=(len(forward) + compiled) / steps,
-        attention=None if attention is None else (len(attention) + counter.attention) / steps,
+        forward=(forward + compiled) / steps,
+        attention=None if attention is None else (attention + counter.attention) / steps,
         device_ms_per_step=device_ms,
+        running=sum(running) / steps,
+        kv_tokens=sum(kv_tokens) / steps,
         top=[(name, n / steps, times[name] / steps) for name, n in by_name.most_common(top)],
     )
 

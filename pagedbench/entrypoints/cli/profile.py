@@ -55,6 +55,8 @@ def cmd_profile(args) -> None:
                         "compile": config.compiles(device),
                         "batch": batch,
                         "context": context,
+                        "running": p.running,
+                        "kv_tokens": p.kv_tokens,
                         "unit": p.unit,
                         "per_step": p.per_step,
                         "per_layer": p.per_layer,
