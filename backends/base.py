@@ -28,12 +28,15 @@ class AttentionVariant:
     value_dim: latent attention (DeepSeek's MLA, absorbed): the values are the first value_dim dims
       of each key (v_cache is a view of k_cache's pages) and the output is [T, H, value_dim];
       None: V has pages of its own, of the keys' head_dim.
+    topk: sparse attention (DeepSeek-V3.2's DSA): each query reads only the cache slots an indexer
+      selected for it, at most topk of its causal past (forward's `selected`); None: every token.
     """
 
     sliding_window: int | None = None
     softcap: float | None = None
     sinks: bool = False
     value_dim: int | None = None
+    topk: int | None = None
 
     def __post_init__(self):
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
@@ -42,6 +45,10 @@ class AttentionVariant:
             raise ValueError(f"softcap must be > 0 or None, got {self.softcap!r}")
         if self.value_dim is not None and (isinstance(self.value_dim, bool) or self.value_dim < 1):
             raise ValueError(f"value_dim must be an integer >= 1 or None, got {self.value_dim!r}")
+        if self.topk is not None and (isinstance(self.topk, bool) or self.topk < 1):
+            raise ValueError(f"topk must be an integer >= 1 or None, got {self.topk!r}")
+        if self.topk is not None and self.sliding_window is not None:
+            raise ValueError("top-k sparse attention with a sliding window is not supported")
 
     def settings(self) -> dict:
         """As keyword arguments of `unavailable_reason` and `provider`."""
@@ -57,6 +64,8 @@ class AttentionVariant:
             parts.append("sinks")
         if self.value_dim is not None:
             parts.append(f"latent values {self.value_dim}")
+        if self.topk is not None:
+            parts.append(f"top-{self.topk} sparse")
         return ", ".join(parts) or "plain"
 
 
@@ -224,6 +233,30 @@ def read_kv(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None
     return (rows.float() * scale.float()).to(dtype)
 
 
+SELECTED_ELEMENTS = 1 << 26  # gathered K numbers per sparse chunk (256 MiB in fp32)
+
+
+def read_selected(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    dtype: torch.dtype,
+):
+    """Sparse attention's gather, in chunks of query tokens: yields (t0, t1, k [t, H_kv, K, D],
+    v [t, H_kv, K, D_v], seen [t, 1, 1, K]) for the slots `selected` [T, K] lists (-1: none) — each
+    query's own keys, in `dtype`, dequantized where the pages are."""
+    num_tokens, topk = selected.shape
+    k_scale, v_scale = kv_scales or (None, None)
+    rows = max(1, SELECTED_ELEMENTS // (topk * k_cache.shape[-2] * k_cache.shape[-1]))
+    for t0 in range(0, num_tokens, rows):
+        chunk = selected[t0 : t0 + rows]
+        slots = chunk.clamp(min=0)
+        k = read_kv(k_cache, slots, k_scale, dtype).transpose(1, 2)  # [t, K, H_kv, D] -> [t, H_kv, K, D]
+        v = read_kv(v_cache, slots, v_scale, dtype).transpose(1, 2)
+        yield t0, t0 + chunk.shape[0], k, v, (chunk >= 0)[:, None, None, :]
+
+
 def gather_kv_slots(meta: AttentionMetadata, seq_start: int, seq_end: int, max_len: int) -> torch.Tensor:
     """Cache slots [n, max_len] of the first `max_len` tokens of sequences seq_start..seq_end-1;
     positions past a sequence's length point at a valid slot and must be masked."""
@@ -248,6 +281,9 @@ class AttentionBackend(ABC):
     # Whether forward() takes latent attention's values as a view of the key pages (AttentionVariant.value_dim).
     latent_values: ClassVar[bool] = False
     latent_values_reason: ClassVar[str] = "not implemented: values are read from V pages of the keys' head_dim"
+    # Whether forward() reads only the cache slots a sparse indexer selected per query (AttentionVariant.topk).
+    sparse_selection: ClassVar[bool] = False
+    sparse_selection_reason: ClassVar[str] = "not implemented: it reads every page of a sequence"
 
     def __init__(
         self,
@@ -292,6 +328,13 @@ class AttentionBackend(ABC):
         if value_dim is None or cls.latent_values:
             return None
         return f"latent attention (MLA, values the keys' first {value_dim} dims): {cls.latent_values_reason}"
+
+    @classmethod
+    def sparse_reason(cls, topk: int | None = None, **_) -> str | None:
+        """Why this backend cannot run top-k sparse attention (DeepSeek-V3.2's selected slots), or None."""
+        if topk is None or cls.sparse_selection:
+            return None
+        return f"top-{topk} sparse attention (slots selected per query): {cls.sparse_selection_reason}"
 
     @staticmethod
     def plain_only(sliding_window=None, softcap=None, sinks=False, **_) -> str | None:

@@ -12,6 +12,7 @@ from pagedbench.backends.base import (
     cap_scores,
     gather_kv_slots,
     read_kv,
+    read_selected,
     softmax_with_sinks,
     visible,
 )
@@ -29,6 +30,7 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
     quantized_kv = QUANTIZED_KV  # dequantized as gathered
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
+    sparse_selection = True  # it gathers each query's selected slots
     cuda_graph_reason = "it attends one sequence at a time, looping over host-side lengths"
 
     @classmethod
@@ -42,9 +44,17 @@ class ReferenceBackend(AttentionBackend):
             for i, seq_len in enumerate(meta.seq_lens_cpu)
         ]
 
-    def forward(self, q, k_cache, v_cache, state: list[_Seq], sinks=None, kv_scales=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: list[_Seq], sinks=None, kv_scales=None, selected=None):
         out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [T, H, D_v]
         group = self.num_heads // self.num_kv_heads
+        if selected is not None:  # sparse: each query its own selected tokens, fp32
+            for t0, t1, k, v, seen in read_selected(k_cache, v_cache, selected, kv_scales, torch.float32):
+                qi = rearrange(q[t0:t1].float(), "t (hk g) d -> t hk g d", g=group)
+                scores = cap_scores((qi @ k.transpose(-1, -2)) * self.scale, self.variant.softcap)  # [t, hk, g, K]
+                row_sinks = None if sinks is None else rearrange(sinks, "(hk g) -> hk g", g=group)
+                probs = softmax_with_sinks(scores.masked_fill(~seen, float("-inf")), row_sinks)
+                out[t0:t1] = rearrange(probs @ v, "t hk g d -> t (hk g) d").to(q.dtype)
+            return out
         k_scale, v_scale = kv_scales or (None, None)
         for s in state:
             qi = rearrange(q[s.q_start : s.q_end].float(), "q h d -> h q d")

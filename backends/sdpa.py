@@ -17,6 +17,7 @@ the boolean mask), never cuDNN, which builds a plan for every new shape (~1.7 ms
 per call on an H100, 28 calls a step).
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from pagedbench.backends.base import (
     cap_scores,
     gather_kv_slots,
     read_kv,
+    read_selected,
     softmax_with_sinks,
     visible,
 )
@@ -53,10 +55,13 @@ class SDPABackend(AttentionBackend):
     name = "sdpa"
     quantized_kv = QUANTIZED_KV  # dequantized as gathered
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
+    sparse_selection = True  # each query's selected slots gathered into a batch of their own
     cuda_graph_reason = "prepare() sizes its padded K/V gather by each step's longest sequence"
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
+        if kwargs.get("topk") and (kwargs.get("softcap") is not None or kwargs.get("sinks")):
+            return "top-k sparse attention with a soft-cap or sinks: its sparse path is SDPA's, with no hook for either"
         return None  # every variant (soft-cap and sinks on the explicit score path)
 
     def prepare(self, meta: AttentionMetadata) -> list[_Group]:
@@ -87,11 +92,25 @@ class SDPABackend(AttentionBackend):
         on_cuda = device is not None and torch.device(device).type == "cuda"
         return f"torch {torch.__version__}" + (" SDPA memory-efficient kernel (cuDNN excluded)" if on_cuda else "")
 
-    def forward(self, q, k_cache, v_cache, state: list[_Group], sinks=None, kv_scales=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: list[_Group], sinks=None, kv_scales=None, selected=None):
+        if selected is not None:  # unavailable_reason refuses it with a soft-cap or sinks
+            with sdpa_kernel(CUDA_KERNELS) if self.device.type == "cuda" else contextlib.nullcontext():
+                return self._sparse(q, k_cache, v_cache, selected, kv_scales)
         if self.device.type != "cuda" or self.variant.softcap is not None or sinks is not None:
             return self._forward(q, k_cache, v_cache, state, sinks, kv_scales)
         with sdpa_kernel(CUDA_KERNELS):
             return self._forward(q, k_cache, v_cache, state, None, kv_scales)
+
+    def _sparse(self, q, k_cache, v_cache, selected, kv_scales) -> torch.Tensor:
+        """Each query token a batch row of its own: its G heads per KV head as query rows, over the
+        K slots it selected (gathered), the unselected masked."""
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
+        group = self.num_heads // self.num_kv_heads
+        for t0, t1, k, v, seen in read_selected(k_cache, v_cache, selected, kv_scales, q.dtype):
+            qi = rearrange(q[t0:t1], "t (hk g) d -> t hk g d", g=group)
+            o = F.scaled_dot_product_attention(qi, k, v, seen, scale=self.scale)
+            out[t0:t1] = rearrange(o, "t hk g d -> t (hk g) d")
+        return out
 
     def _forward(self, q, k_cache, v_cache, state: list[_Group], sinks=None, kv_scales=None) -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [T, H, D_v]

@@ -272,6 +272,8 @@ class Executor:
             return "enforce_eager"
         if self.model_config.linear is not None:
             return "hybrid models' DeltaNet layers run each sequence's state on its own (host loop)"
+        if self.model_config.indexer is not None:
+            return "the sparse indexer's top-k is sized by each step's longest sequence"
         if self.device.type != "cuda":
             return f"no CUDA device (device is {self.device.type})"
         if self.world > 1:

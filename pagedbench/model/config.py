@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": (False, True, True),
     "DeepseekV2ForCausalLM": (False, False, False),  # latent attention (LatentAttention)
     "DeepseekV3ForCausalLM": (False, False, False),
+    "DeepseekV32ForCausalLM": (False, False, False),  # V3 with a lightning indexer: sparse attention (SparseIndexer)
     "MixtralForCausalLM": (False, False, False),  # MoE layers (MoEConfig)
     "Qwen3MoeForCausalLM": (False, True, False),
     "GptOssForCausalLM": (True, False, False),  # sinks, alternating windows, MoE with a clamped SwiGLU
@@ -30,7 +31,7 @@ SUPPORTED_ARCHITECTURES = {
 # (1 + weight) norms, gated attention, linear-attention layers
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 LINEAR = "linear_attention"
-LATENT_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+LATENT_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING = "sliding_attention"
 
@@ -57,6 +58,19 @@ class LatentAttention:
     @property
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class SparseIndexer:
+    """DeepSeek-V3.2's lightning indexer (DSA): each layer scores every cached token for each query with
+    n_heads small heads of head_dim (ReLU'd dot products, weighted per head and summed) and attention
+    reads only the `topk` best of the query's causal past. Each token caches one index key of head_dim
+    per layer beside its latent; RoPE (half-split) rotates the first rope_dim of the index dims."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +174,7 @@ class ModelConfig:
     linear: LinearAttention | None = None  # hybrid models: which layers are gated DeltaNet, and their dims
     attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output (Qwen3.5)
     partial_rotary_factor: float = 1.0  # RoPE rotates this share of each head's dims (the first ones)
+    indexer: SparseIndexer | None = None  # DeepSeek-V3.2: top-k sparse attention chosen by an indexer
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.layers[layer]
@@ -215,9 +230,14 @@ class ModelConfig:
     def layer_variants(self) -> list[AttentionVariant]:
         """What each layer's attention computes (its window and soft-cap, sinks, latent values)."""
         value_dim = self.mla.kv_lora_rank if self.mla is not None else None
+        topk = self.indexer.topk if self.indexer is not None else None
         return [
             AttentionVariant(
-                self.sliding_window if self.is_sliding(i) else None, self.attn_softcap, self.attention_sinks, value_dim
+                self.sliding_window if self.is_sliding(i) else None,
+                self.attn_softcap,
+                self.attention_sinks,
+                value_dim,
+                topk,
             )
             for i in range(self.num_layers)
         ]
@@ -259,6 +279,10 @@ class ModelConfig:
         mla = _latent_attention(arch, cfg, get)
         moe = _experts(arch, cfg, get)
         linear = _linear_attention(arch, cfg, get)
+        indexer = None
+        if arch == "DeepseekV32ForCausalLM":
+            index_dims = get("index_n_heads"), get("index_head_dim"), get("index_topk")
+            indexer = SparseIndexer(*index_dims, rope_dim=mla.qk_rope_head_dim)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -291,6 +315,7 @@ class ModelConfig:
             linear=linear,
             attn_output_gate=arch in HYBRID_ARCHITECTURES,
             partial_rotary_factor=float(rope.get("partial_rotary_factor", get("partial_rotary_factor") or 1.0)),
+            indexer=indexer,
         )
 
     @classmethod
@@ -335,8 +360,8 @@ def _latent_attention(arch: str, cfg: dict, get) -> LatentAttention | None:
         qk_nope_head_dim=get("qk_nope_head_dim"),
         qk_rope_head_dim=get("qk_rope_head_dim"),
         v_head_dim=get("v_head_dim"),
-        # DeepSeek-V2 rotates (even, odd) pairs as complex numbers: V3's rope_interleave.
-        rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(get("rope_interleave")),
+        # DeepSeek-V2 rotates (even, odd) pairs as complex numbers: V3's rope_interleave, V3.2's always.
+        rope_interleave=arch != "DeepseekV3ForCausalLM" or bool(get("rope_interleave")),
     )
 
 

@@ -28,13 +28,21 @@ class AttentionContext:
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, when the pages are quantized
     calibrate_kv: bool = False  # set each layer's fp8 scales from this step's K/V (calculate_kv_scales)
     linear: Any = None  # hybrid models: the step's LinearStep (worker/linear_state.py) for DeltaNet layers
+    sparse: Any = None  # DeepSeek-V3.2: the step's SparseStep (model/sparse_index.py), the indexer's pages
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, sinks: torch.Tensor | None = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's k, v [T, H_kv, D] into `layer`'s pages (v None: latent attention, whose
         values are the key pages' first dims) and attend with q [T, H, D] through the layer's
-        backend (an "attention" span of the timer) -> [T, H, D_v]; `sinks` [H]: the layer's sink logits."""
+        backend (an "attention" span of the timer) -> [T, H, D_v]; `sinks` [H]: the layer's sink logits;
+        `selected` [T, topk]: sparse attention's cache slots per query (-1: none)."""
         k_cache, v_cache = self.kv_caches[layer]
         scales = self.kv_scales[layer] if self.kv_scales is not None else None
         if self.calibrate_kv:  # vLLM's calculate_kv_scales: the first step's absolute maximum fills fp8's range
@@ -46,6 +54,8 @@ class AttentionContext:
         extra = {} if scales is None else {"kv_scales": scales}
         if sinks is not None:
             extra["sinks"] = sinks.float()
+        if selected is not None:
+            extra["selected"] = selected
         out = self.backends[layer].forward(q, k_cache, v_cache, self.states[layer], **extra)
         if start is not None:
             self.timer.span("attention", start)

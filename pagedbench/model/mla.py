@@ -18,6 +18,7 @@ from pagedbench.model.config import ModelConfig
 from pagedbench.model.fused import EAGER, LayerOps
 from pagedbench.model.layers import AttentionContext, RMSNorm, column_parallel, row_parallel
 from pagedbench.model.parallel import TPShard, all_reduce
+from pagedbench.model.sparse_index import Indexer
 
 LORA_NORM_EPS = 1e-6  # transformers builds the q_a / kv_a norms with RMSNorm's default eps, not rms_norm_eps
 
@@ -46,10 +47,13 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LORA_NORM_EPS)
         self.kv_b_proj = per_head(m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.o_proj = row_parallel(cfg.num_heads * m.v_head_dim, h, h0 * m.v_head_dim, self.num_heads * m.v_head_dim)
+        # DeepSeek-V3.2: an indexer picks the tokens attention reads (every rank computes it whole)
+        self.indexer = Indexer(cfg, layer_idx) if cfg.indexer is not None else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         m = self.mla
-        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_resid = None if m.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
         q_nope, q_rope = rearrange(q, "t (h d) -> t h d", d=m.qk_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1
         )
@@ -62,6 +66,7 @@ class MLAAttention(nn.Module):
         )
         query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1)  # [T, H, latent_dim]
         key = torch.cat((self.kv_a_layernorm(latent)[:, None], k_rope), dim=-1)  # [T, 1, latent_dim]
-        out = ctx.attend(self.layer_idx, query, key, None)  # [T, H, kv_lora_rank]
+        selected = None if self.indexer is None else self.indexer(x, q_resid, rope, ctx)  # [T, topk] slots
+        out = ctx.attend(self.layer_idx, query, key, None, selected=selected)  # [T, H, kv_lora_rank]
         out = torch.einsum("thr,hvr->thv", out, w_uv)
         return all_reduce(self.o_proj(rearrange(out, "t h v -> t (h v)")), self.tp)

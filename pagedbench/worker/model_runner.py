@@ -19,6 +19,7 @@ from pagedbench.model.config import ModelConfig
 from pagedbench.model.layers import AttentionContext
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.parallel import NO_TP, TPShard
+from pagedbench.model.sparse_index import SparseStep
 from pagedbench.worker.layer_attention import LayerAttention, LayerStates
 from pagedbench.worker.linear_state import LinearStateCache, LinearStep
 from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan, plan_step
@@ -34,10 +35,12 @@ def kv_bytes_per_block(
 ) -> int:
     """K and V (or latent attention's one latent) of one page in every layer (`num_layers`: a
     pipeline stage's), on one tensor-parallel rank, as stored (`kv_cache_dtype`; int8 pages add an
-    fp16 scale per token and KV head)."""
+    fp16 scale per token and KV head; DeepSeek-V3.2's index keys, in the model's dtype, beside them)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
-    slots = cfg.kv_planes * (num_layers or cfg.num_kv_layers) * block_size * tp.local_heads(cfg)[1]
-    return slots * (cfg.head_dim * storage.itemsize + scale_bytes_per_slot(storage))
+    layers = num_layers or cfg.num_kv_layers
+    slots = cfg.kv_planes * layers * block_size * tp.local_heads(cfg)[1]
+    index_keys = 0 if cfg.indexer is None else layers * block_size * cfg.indexer.head_dim * dtype.itemsize
+    return slots * (cfg.head_dim * storage.itemsize + scale_bytes_per_slot(storage)) + index_keys
 
 
 class RunsWhole:
@@ -111,6 +114,13 @@ class ModelRunner(RunsWhole):
                 self.paged.append(self.kv_scale)
             else:
                 self.calibrate_kv = calculate_kv_scales
+        # DeepSeek-V3.2's index keys: a plane of their own under the same block ids, moved with the pages.
+        self.index_caches = [None] * cfg.num_layers
+        if cfg.indexer is not None:
+            index_cache = torch.zeros((len(layers), 1, *shape[2:4], cfg.indexer.head_dim), device=device, dtype=dtype)
+            for i, layer in enumerate(layers):
+                self.index_caches[layer] = index_cache[i, 0]
+            self.paged.append(index_cache)
         # Swap space: the same layout in (pinned, on CUDA) CPU memory.
         pin = device.type == "cuda" and num_cpu_blocks > 0
         self.cpu_paged = [
@@ -168,6 +178,7 @@ class ModelRunner(RunsWhole):
             self.kv_scales,
             self.calibrate_kv,
             self._linear_step(inputs.plan),
+            self._sparse_step(inputs.metadata, timer),
         )
         self.calibrate_kv = False  # the first step's K/V set the fp8 scales
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices, hidden)
@@ -177,6 +188,10 @@ class ModelRunner(RunsWhole):
             return None
         qsl, ctx = plan.query_start_loc.tolist(), plan.context_lens.tolist()
         return LinearStep(self.linear_states, plan.state_slots, qsl, ctx)
+
+    def _sparse_step(self, meta, timer) -> SparseStep | None:
+        cfg = self.model.config
+        return None if cfg.indexer is None else SparseStep.build(meta, self.index_caches, cfg, timer)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Linear-attention state of slot src -> slot dst (a fork's sample continues its parent's)."""
