@@ -55,6 +55,14 @@ class Indexer(nn.Module):
         return ctx.sparse.select(self.layer_idx, q, k, weights)
 
 
+def sequence_slots(meta) -> torch.Tensor:
+    """[B, max_seq_len] int64: each sequence's cache slot at each position, -1 past its end."""
+    bs, length = meta.block_size, max(meta.seq_lens_cpu)
+    pos = torch.arange(length, device=meta.block_table.device)
+    blocks = meta.block_table[:, : (length + bs - 1) // bs].long()
+    return (blocks[:, pos // bs] * bs + pos % bs).masked_fill(pos >= meta.seq_lens[:, None], -1)
+
+
 @dataclass(slots=True)
 class SparseStep:
     """One step's view of the index-key pages: every sequence's cache slots by position, built once
@@ -72,12 +80,8 @@ class SparseStep:
 
     @classmethod
     def build(cls, meta: AttentionMetadata, index_caches: list, cfg: ModelConfig, timer=None) -> "SparseStep":
-        bs, length = meta.block_size, max(meta.seq_lens_cpu)
-        pos = torch.arange(length, device=meta.block_table.device)
-        blocks = meta.block_table[:, : (length + bs - 1) // bs].long()
-        seq_slots = (blocks[:, pos // bs] * bs + pos % bs).masked_fill(pos >= meta.seq_lens[:, None], -1)
         ix = cfg.indexer
-        return cls(index_caches, meta.slot_mapping, seq_slots, meta.positions, meta.query_start_loc_cpu,
+        return cls(index_caches, meta.slot_mapping, sequence_slots(meta), meta.positions, meta.query_start_loc_cpu,
                    meta.num_decodes, ix.topk, ix.head_dim**-0.5, timer)  # fmt: skip
 
     def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

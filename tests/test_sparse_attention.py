@@ -1,0 +1,181 @@
+"""DeepSeek-V3.2's sparse attention (DSA): a tiny random DeepseekV32ForCausalLM, whose index_topk (8) is
+far below its contexts, gives greedy tokens identical to Hugging Face's in fp32 for every backend that
+reads selected slots (the others say why), under chunked prefill, preemption and prefix caching; the
+indexer's selection equals a brute-force one over fragmented pages; the index keys count in a page."""
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from pagedbench.backends.base import AttentionVariant
+from pagedbench.backends.registry import get_backend, list_backends, probe
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.sparse_index import SparseStep, sequence_slots
+from pagedbench.worker.model_runner import kv_bytes_per_block
+from tests.conftest import VOCAB, build_hf_model, hf_greedy
+from tests.helpers import DEVICES, backend_id
+
+TOPK = 8
+SPARSE = dict(
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    first_k_dense_replace=1,  # layer 0 dense, layer 1 DeepSeek's MoE
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+    index_topk=TOPK,
+    index_head_dim=16,
+    index_n_heads=16,  # a tie at 0 (every head ReLU-ed away) needs all 16 negative: top-k ties stay out
+    # no padding row: a generated pad token's zero embedding would score every key 0, and which of a
+    # tie's tokens top-k keeps is the sort's choice
+    pad_token_id=None,
+)
+MODELS = {"deepseek-v3.2": ("DeepseekV32Config", SPARSE)}
+PROMPT_LENS = [1, 5, 9, 17, 30, 41]
+MAX_NEW = 10
+SETUPS = {
+    "roomy": dict(block_size=16),
+    "pressure": dict(block_size=4, num_blocks=24, max_model_len=64, max_num_batched_tokens=16),
+    "prefix-cache": dict(block_size=4, enable_prefix_caching=True),
+}
+
+
+@pytest.fixture(scope="module")
+def sparse_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsa")
+    return str(root / "deepseek-v3.2"), build_hf_model("deepseek-v3.2", root / "deepseek-v3.2", MODELS)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    shared = [rng.randrange(3, VOCAB) for _ in range(12)]  # a shared 12-token prefix for the prefix cache
+    return [(shared if n > 12 else []) + [rng.randrange(3, VOCAB) for _ in range(n - (12 if n > 12 else 0))]
+            for n in PROMPT_LENS]  # fmt: skip
+
+
+def sparse_params():
+    """Every backend on every device, skipped with its reason where it cannot read selected slots."""
+    params = []
+    variant = AttentionVariant(value_dim=32, topk=TOPK)
+    for device in DEVICES:
+        for name in list_backends():
+            _, reason = probe(get_backend(name), torch.device(device), torch.float32, 40, 16, num_heads=4,
+                              num_kv_heads=1, **variant.settings())  # fmt: skip
+            marks = [pytest.mark.skip(reason=f"{name} on {device}: {reason}")] if reason else []
+            params.append(pytest.param(name, device, id=f"{backend_id(name)}-{device}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("backend,device", sparse_params())
+def test_greedy_matches_hf(sparse_model, prompts, backend, device, setup):
+    path, hf = sparse_model
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    llm = LLM(path, backend=backend, device=device, dtype="float32", **SETUPS[setup])
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    if setup == "pressure":
+        assert llm.engine.stats.preemptions > 0
+    if setup == "prefix-cache":
+        assert sum(o.num_cached_tokens for o in outs) > 0
+
+
+def test_the_selection_matters(sparse_model, prompts):
+    """The same weights attending densely (index_topk above every context) give other tokens, so
+    the equality above holds only if the selection is the indexer's."""
+    path, hf = sparse_model
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path, index_topk=4096).eval()
+    long = [p for p in prompts if len(p) > 2 * TOPK]
+    assert [hf_greedy(dense, p, MAX_NEW) for p in long] != [hf_greedy(hf, p, MAX_NEW) for p in long]
+
+
+def brute_force_scores(q, k_by_pos, weights, scale):
+    """One query's index score for every past position, transformers' formula in float64."""
+    return weights.double() @ torch.relu((q.double() @ k_by_pos.double().T) * scale)  # [L]
+
+
+def test_the_selection_is_the_top_k_of_the_causal_past_over_fragmented_pages():
+    """SparseStep.select on a ragged batch (three decodes, two prefills, one of them a later chunk)
+    whose sequences own shuffled pages: each query's slots are exactly the top-k positions of its
+    past under transformers' scores (float64 brute force), mapped through its block table."""
+    torch.manual_seed(0)
+    block, heads, dim, topk = 4, 3, 8, 5
+    seq_lens, q_lens = [9, 3, 14, 11, 20], [1, 1, 1, 6, 7]
+    num_blocks = 40
+    owned = torch.randperm(num_blocks).tolist()
+    tables, at = [], 0
+    for n in seq_lens:
+        need = -(-n // block)
+        tables.append(owned[at : at + need] + [0] * (8 - need))
+        at += need
+    block_table = torch.tensor(tables, dtype=torch.int32)
+    positions, slot_mapping, qsl = [], [], [0]
+    for b, (n, q) in enumerate(zip(seq_lens, q_lens)):
+        for p in range(n - q, n):
+            positions.append(p)
+            slot_mapping.append(tables[b][p // block] * block + p % block)
+        qsl.append(qsl[-1] + q)
+    cache = torch.randn(num_blocks, block, dim)  # earlier steps' keys; this step's are written by select
+    meta = SimpleMeta(block_table, torch.tensor(seq_lens), torch.tensor(slot_mapping), torch.tensor(positions),
+                      qsl, seq_lens, block)  # fmt: skip
+    step = SparseStep([cache], meta.slot_mapping, sequence_slots(meta), meta.positions, qsl, 3, topk, dim**-0.5)
+    q, k, w = torch.randn(qsl[-1], heads, dim), torch.randn(qsl[-1], dim), torch.randn(qsl[-1], heads)
+    selected = step.select(0, q, k, w)
+    flat = cache.view(-1, dim)
+    for b, n in enumerate(seq_lens):
+        slots_by_pos = torch.tensor([tables[b][p // block] * block + p % block for p in range(n)])
+        for t in range(qsl[b], qsl[b + 1]):
+            p = positions[t]
+            scores = brute_force_scores(q[t], flat[slots_by_pos[: p + 1]], w[t], dim**-0.5)
+            got = selected[t][selected[t] >= 0].tolist()
+            position = {slot.item(): i for i, slot in enumerate(slots_by_pos[: p + 1])}
+            assert len(set(got)) == len(got) == min(topk, p + 1) and set(got) <= set(position), (b, t)
+            kept = torch.zeros(p + 1, dtype=torch.bool)
+            kept[[position[slot] for slot in got]] = True
+            if not kept.all():  # a top-k: nothing left out scores above anything kept (ties either way)
+                assert scores[~kept].max() <= scores[kept].min() + 1e-9, (b, t)
+
+
+class SimpleMeta:
+    """The AttentionMetadata fields SparseStep reads."""
+
+    def __init__(self, block_table, seq_lens, slot_mapping, positions, qsl, seq_lens_cpu, block_size):
+        self.block_table, self.seq_lens, self.slot_mapping = block_table, seq_lens, slot_mapping
+        self.positions = positions
+        self.query_start_loc_cpu, self.seq_lens_cpu, self.block_size = qsl, seq_lens_cpu, block_size
+
+
+def test_index_keys_live_in_the_latent_pages_and_count_in_their_bytes(sparse_model):
+    path, _ = sparse_model
+    cfg = ModelConfig.from_dir(Path(path))
+    assert (cfg.indexer.n_heads, cfg.indexer.head_dim, cfg.indexer.topk) == (16, 16, TOPK)
+    latent = cfg.num_layers * 16 * cfg.mla.latent_dim * 4
+    assert kv_bytes_per_block(cfg, 16, torch.float32) == latent + cfg.num_layers * 16 * 16 * 4
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", num_blocks=20, block_size=16)
+    runner = llm.engine.runner
+    assert runner.index_caches[0].shape == (21, 16, 16)
+    assert any(t.data_ptr() == runner.index_caches[0].data_ptr() for t in runner.paged)  # copied and swapped
+
+
+def test_backends_say_whether_they_read_selected_slots():
+    """reference and sdpa gather each query's selected slots; every other backend names why not."""
+    for name in list_backends():
+        cls = get_backend(name)
+        reason = cls.sparse_reason(topk=TOPK)
+        if name in ("reference", "sdpa"):
+            assert reason is None
+        else:
+            assert reason.startswith(f"top-{TOPK} sparse attention") and cls.sparse_selection_reason in reason
