@@ -215,6 +215,7 @@ class TritonBackend(AttentionBackend):
     quantized_kv = QUANTIZED_KV  # dequantized in the kernel, tile by tile
     cuda_graph_reason = None
     latent_values = True  # V tiles read the first value_dim dims of the key pages (V_DIM)
+    sparse_selection = True  # the latent kernel reads the selected slots (SPARSE)
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant=PLAIN):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant)
@@ -243,6 +244,8 @@ class TritonBackend(AttentionBackend):
             return f"head_dim {head_dim} outside {MIN_HEAD_DIM}..{MAX_LATENT_HEAD_DIM if latent else MAX_HEAD_DIM}"
         if latent and (kwargs.get("num_kv_heads") or 1) != 1:
             return "latent attention reads one latent head per token"
+        if kwargs.get("topk") and not latent:
+            return "top-k sparse attention is in the latent (MLA) kernel only"
         if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
             return "bf16 needs compute capability 8.0+"
         return None
@@ -293,7 +296,9 @@ class TritonBackend(AttentionBackend):
             if self.latent:
                 programs = num_tokens * -(-self.num_heads // block_m)
             wanted = _pow2(-(-t.target_programs // programs))
-            keys = meta.max_seq_len  # the most keys one query tile reads; a window caps it
+            keys = meta.max_seq_len  # the most keys one query tile reads; a window or a top-k caps it
+            if self.variant.topk:
+                keys = min(keys, self.variant.topk)
             if self.variant.sliding_window:
                 keys = min(keys, self.variant.sliding_window + max_query_len - 1)
             segments = min(wanted, t.max_segments, _floor_pow2(keys // t.min_segment_keys))
@@ -305,11 +310,11 @@ class TritonBackend(AttentionBackend):
         warps = 8 if block_m >= 128 else 4
         return Launch(seq_start, num_seqs, token_start, num_tokens, block_m, block_q, segments, warps, partials)
 
-    def forward(self, q, k_cache, v_cache, state: TritonState, sinks=None, kv_scales=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: TritonState, sinks=None, kv_scales=None, selected=None):
         out = q.new_empty(*q.shape[:2], self.value_dim)  # [T, H, D_v]
         for launch in state.launches:
             if self.latent:
-                self._run_latent(launch, q, k_cache, out, state, kv_scales)
+                self._run_latent(launch, q, k_cache, out, state, kv_scales, selected)
             else:
                 self._run(launch, q, k_cache, v_cache, out, state, out if sinks is None else sinks, kv_scales)
         return out
@@ -368,10 +373,13 @@ class TritonBackend(AttentionBackend):
             HEAD_DIM=self.value_dim, HEAD_DIM_P2=max(16, _pow2(self.value_dim)), NUM_SEGMENTS=launch.num_segments,
         )  # fmt: skip
 
-    def latent_constants(self, launch: Launch, page_size: int, kv_dtype: torch.dtype) -> dict:
-        """The latent kernel's compile-time parameters for `launch` (pages stored as `kv_dtype`)."""
+    def latent_constants(self, launch: Launch, page_size: int, kv_dtype: torch.dtype, sparse: bool = False) -> dict:
+        """The latent kernel's compile-time parameters for `launch` (pages stored as `kv_dtype`;
+        `sparse`: it reads the slots selected per token)."""
         rope_dim = self.head_dim - self.value_dim
         return dict(
+            SPARSE=sparse,
+            TOPK=self.variant.topk or 1,
             BLOCK_H=launch.block_m,
             BLOCK_N=self.tuning.latent_block_n,
             V_DIM=self.value_dim,
@@ -384,19 +392,22 @@ class TritonBackend(AttentionBackend):
             KV_SCALES=0 if kv_dtype == self.dtype else 2 if per_token_scales(kv_dtype) else 1,
         )
 
-    def _run_latent(self, launch: Launch, q, cache, out, state: TritonState, kv_scales) -> None:
-        """Latent attention: one program per token x block of launch.block_m heads x key segment."""
+    def _run_latent(self, launch: Launch, q, cache, out, state: TritonState, kv_scales, selected=None) -> None:
+        """Latent attention: one program per token x block of launch.block_m heads x key segment
+        (`selected` [T, topk]: sparse attention's slots per token)."""
         split = launch.partials is not None
         part_out, part_max, part_sum = launch.partials if split else (out, out, out)
         scale = kv_scales[0] if kv_scales else out  # the latent's: its values are its first dims
-        constants = self.latent_constants(launch, cache.shape[1], cache.dtype)
+        sparse = selected is not None
+        chosen = selected if sparse else state.block_table  # never read when not sparse
+        constants = self.latent_constants(launch, cache.shape[1], cache.dtype, sparse)
         start = time.perf_counter()
         self._latent[(launch.num_tokens, -(-self.num_heads // launch.block_m), launch.num_segments)](
             out, q, cache, state.block_table, state.query_start_loc, state.seq_lens, scale,
-            part_out, part_max, part_sum, self.scale, launch.seq_start, launch.num_seqs,
+            part_out, part_max, part_sum, chosen, self.scale, launch.seq_start, launch.num_seqs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
-            state.block_table.stride(0), scale.stride(0), scale.stride(1) if scale.dim() > 1 else 0, self.num_heads,
-            **constants, num_warps=LATENT_WARPS,
+            state.block_table.stride(0), scale.stride(0), scale.stride(1) if scale.dim() > 1 else 0,
+            chosen.stride(0), self.num_heads, **constants, num_warps=LATENT_WARPS,
         )  # fmt: skip
         if split:
             self._merge(launch, out)

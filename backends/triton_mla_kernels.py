@@ -10,6 +10,9 @@ tile) and, transposed, as values. The key dims are two dots (latent + rope), so 
 576 up to 1024. Decode launches split the keys into NUM_SEGMENTS segments and write partials in
 the generic kernel's layout, merged by its `combine_segments`; other tokens (prefill chunks)
 run one program per token and head block, unsplit.
+
+Sparse attention (DeepSeek-V3.2, SPARSE): the keys are the TOPK cache slots the indexer selected for
+the token (-1: none), read through the slot numbers instead of the block table; the rest is alike.
 """
 
 import triton.language as tl
@@ -26,6 +29,7 @@ def mla_attention(
     part_out_ptr,  # [NUM_SEGMENTS, tokens of the launch, H, V_DIM] fp32: unnormalised partial outputs
     part_max_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: running max (log2 units)
     part_sum_ptr,  # [NUM_SEGMENTS, tokens of the launch, H] fp32: softmax denominators
+    selected_ptr,  # SPARSE: [T, TOPK] int64 cache slots each token reads (-1: none)
     scale,  # softmax scale
     seq_start,  # the launch's first sequence
     num_seqs,  # and how many it covers
@@ -38,6 +42,7 @@ def mla_attention(
     stride_table,
     stride_scale_block,
     stride_scale_slot,
+    stride_selected,
     num_heads,
     BLOCK_H: tl.constexpr,  # query heads per program
     BLOCK_N: tl.constexpr,  # keys per inner step
@@ -50,6 +55,8 @@ def mla_attention(
     FP32_DOTS: tl.constexpr,
     # Pages as stored: 0 in the query's dtype, 1 fp8 x a per-layer scale, 2 int8 x a scale per slot.
     KV_SCALES: tl.constexpr = 0,
+    SPARSE: tl.constexpr = False,
+    TOPK: tl.constexpr = 1,
 ):
     token = tl.program_id(0)  # of the launch
     head_block = tl.program_id(1)
@@ -84,6 +91,8 @@ def mla_attention(
         q_rope = q_rope.to(tl.float32)
 
     num_steps = (kv_len + BLOCK_N - 1) // BLOCK_N
+    if SPARSE:
+        num_steps = (TOPK + BLOCK_N - 1) // BLOCK_N
     steps_per_segment = (num_steps + NUM_SEGMENTS - 1) // NUM_SEGMENTS
     step_lo = segment * steps_per_segment
     step_hi = tl.minimum(num_steps, step_lo + steps_per_segment)
@@ -94,9 +103,15 @@ def mla_attention(
     table_row = block_table_ptr + seq * stride_table
     for step in range(step_lo, step_hi):
         pos = step * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_len
-        page = tl.load(table_row + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot = pos % PAGE_SIZE
+        if SPARSE:  # the selected slots, not the sequence's positions
+            chosen = tl.load(selected_ptr + tok * stride_selected + pos, mask=pos < TOPK, other=-1).to(tl.int64)
+            pos_ok = chosen >= 0
+            page = tl.where(pos_ok, chosen // PAGE_SIZE, 0)
+            slot = tl.where(pos_ok, chosen % PAGE_SIZE, 0)
+        else:
+            pos_ok = pos < kv_len
+            page = tl.load(table_row + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            slot = pos % PAGE_SIZE
         at = cache_ptr + page[None, :] * stride_c_block + slot[None, :] * stride_c_slot
         lat = tl.load(at + vdims[:, None], mask=pos_ok[None, :] & vdim_ok[:, None], other=0.0)  # [V_DIM_P2, N]
         rope = tl.load(at + V_DIM + rdims[:, None], mask=pos_ok[None, :] & rdim_ok[:, None], other=0.0)
