@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant
 from pagedbench.backends.flex_compile import (
@@ -32,10 +33,13 @@ from pagedbench.backends.flex_compile import (
     flash_kernel_reason,
     kernel_choice,
     kernel_options,
+    prefill_tiles,
+    shared_memory_bytes,
     softcap_score_mod,
 )
 from pagedbench.backends.flex_masks import MIN_KV_BLOCK, MIN_TOKEN_CAPACITY, PagedBlockMasks, RowPages
 from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, plan_calls
+from pagedbench.backends.flex_sparse import selected_share, sparse_block_mask
 from pagedbench.backends.flex_tune import (
     DecodeOptionsCache,
     DecodeShape,
@@ -53,6 +57,7 @@ __all__ = ["FlexBackend", "FlexCall", "FlexState", "MAX_DECODE_QUERY", "MIN_TOKE
 
 logger = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
+SPARSE_Q_BLOCK = 16  # query rows per BlockMask block in sparse calls: a block lists the union of its rows' picks
 RECOMPILE_LIMIT = 256  # graphs of the compiled function; one more raises instead of running flex unfused
 
 
@@ -75,11 +80,13 @@ class FlexState:
     calls: list[FlexCall]
     num_tokens: int
     shapes_seen: bool = False  # after the step's first layer every layer hits the same compiled graphs
+    sparse_mask: tuple | None = None  # sparse attention: the last layer's (BlockMask, selected), for diagnostics
 
 
 class FlexBackend(AttentionBackend):
     name = "flex"
     latent_values = True  # flex takes a value head dim other than the keys' (a strided view of their pages)
+    sparse_selection = True  # a BlockMask of each query block's selected blocks, a bitmap mask_mod (flex_sparse.py)
     quantized_kv_reason = (
         "FlexAttention reads K/V in the query's dtype; over a paged cache it would have to dequantize "
         "every page each layer and step, more work than the attention (vLLM's flex backend refuses "
@@ -131,6 +138,9 @@ class FlexBackend(AttentionBackend):
             block_size, self.kv_block_size, self.q_block_size, self.device, window, self.packed_heads, flash_prefill
         )
         self.score_mod = softcap_score_mod(variant.softcap, self.device) if variant.softcap is not None else None
+        # Sparse attention: query blocks of 16 rows (rows of one block share its listed KV blocks), Triton tiles
+        tiles = prefill_tiles(SPARSE_Q_BLOCK, self.kv_block_size, head_dim, dtype.itemsize, shared_memory_bytes(device))
+        self.sparse_options = {"BACKEND": "TRITON"} | tiles if cuda else None
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs):
@@ -241,11 +251,13 @@ class FlexBackend(AttentionBackend):
 
     # --- forward: once per layer ---------------------------------------------------------------
 
-    def forward(self, q, k_cache, v_cache, state: FlexState, sinks=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: FlexState, sinks=None, selected=None) -> torch.Tensor:
         # [num_pages, bs, H_kv, D] -> [1, H_kv, num_pages * bs, D]: a view; flex takes any strides
         # with a unit last dim, and the CPU kernel reads this [B, L, H, D] layout natively.
         k = rearrange(k_cache, "n p h d -> 1 h (n p) d")
         v = rearrange(v_cache, "n p h d -> 1 h (n p) d")
+        if selected is not None:
+            return self._sparse(q, k, v, selected, state, sinks)
         out = None
         for call in state.calls:
             rows = q[: call.batch * call.q_len] if call.gather is None else q.index_select(0, call.gather)
@@ -264,6 +276,21 @@ class FlexBackend(AttentionBackend):
                 out.index_copy_(0, call.dest, y.index_select(0, call.real))
         state.shapes_seen = True
         return out
+
+    def _sparse(self, q, k, v, selected, state: FlexState, sinks) -> torch.Tensor:
+        """Sparse attention: every query token one row of a flat call whose BlockMask lists the blocks
+        of its query block's selected slots and whose mask_mod keeps each row's own (flex_sparse.py)."""
+        mask, _, padded = sparse_block_mask(selected, k.shape[2], SPARSE_Q_BLOCK, self.kv_block_size)
+        x = F.pad(rearrange(q, "t h d -> 1 h t d"), (0, 0, 0, padded - q.shape[0]))
+        sinks = None if sinks is None else sinks.view(1, -1, 1)
+        args = (x, k, v, mask, self.scale, self.sparse_options, self.score_mod, sinks)
+        if not self.compiled:
+            y = attend(*args)
+        else:
+            y, seconds = attend_compiling("sparse", args, RECOMPILE_LIMIT)
+            self.compile_seconds += seconds
+        state.sparse_mask = (mask, selected)
+        return rearrange(y[0, :, : q.shape[0]], "h t d -> t h d")
 
     def _packed(self, call: FlexCall) -> bool:
         return call.kind == "decode" and self.packed_heads > 1
@@ -334,7 +361,11 @@ class FlexBackend(AttentionBackend):
     def tile_efficiency(self, state: FlexState) -> float:
         """Share of the computed score entries the mask keeps, over real query rows: for each BlockMask
         row, its real query rows x (full blocks x kv_block + kept slots of its masked blocks), over
-        its real query rows x (full + masked blocks) x kv_block; from the BlockMasks as built."""
+        its real query rows x (full + masked blocks) x kv_block; from the BlockMasks as built. A sparse
+        step's: its last layer's selected slots over the slots of the blocks listed for them."""
+        if state.sparse_mask is not None:
+            mask, selected = state.sparse_mask
+            return selected_share(selected, mask, state.num_tokens)
         kept = computed = 0
         for call in state.calls:
             call_kept, call_computed = self._masks.tile_counts(call.block_mask, call.kind, call.real_rows)

@@ -176,7 +176,29 @@ def test_backends_say_whether_they_read_selected_slots():
     for name in list_backends():
         cls = get_backend(name)
         reason = cls.sparse_reason(topk=TOPK)
-        if name in ("reference", "sdpa", "triton"):
+        if name in ("reference", "sdpa", "triton", "flex"):
             assert reason is None
         else:
             assert reason.startswith(f"top-{TOPK} sparse attention") and cls.sparse_selection_reason in reason
+
+
+def test_flex_lists_only_the_selected_blocks_and_keeps_only_the_selected_slots():
+    """The sparse BlockMask of two query blocks: each lists the distinct KV blocks its rows picked,
+    and the mask_mod keeps a row's own picks (not its block-mates'); the tile efficiency is the
+    picks over the listed blocks' slots."""
+    from pagedbench.backends.flex_sparse import selected_share, sparse_block_mask
+
+    selected = torch.full((20, 3), -1, dtype=torch.long)
+    selected[0] = torch.tensor([5, 40, 41])  # blocks 0 and 2 of 16-slot blocks
+    selected[1] = torch.tensor([70, -1, -1])  # block 4
+    selected[19] = torch.tensor([17, 18, 200])  # query block 1: blocks 1 and 12
+    mask, words, padded = sparse_block_mask(selected, 256, 16, 16)
+    assert padded == 32 and mask.kv_num_blocks[0, 0].tolist() == [3, 2]
+    assert mask.kv_indices[0, 0, 0, :3].tolist() == [0, 2, 4] and mask.kv_indices[0, 0, 1, :2].tolist() == [1, 12]
+    keep = mask.mask_mod
+    q, kv = torch.arange(32)[:, None], torch.arange(256)[None, :]
+    kept = keep(0, 0, q, kv)
+    assert kept[0].nonzero().flatten().tolist() == [5, 40, 41] and kept[1].nonzero().flatten().tolist() == [70]
+    assert kept[19].nonzero().flatten().tolist() == [17, 18, 200] and not kept[2:19].any()
+    # picks 3 + 1 + 3 = 7; listed: block row 0 has 16 rows x 3 blocks, row 1 has 4 real rows x 2 blocks
+    assert selected_share(selected, mask, 20) == 7 / ((16 * 3 + 4 * 2) * 16)

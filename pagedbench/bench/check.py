@@ -41,6 +41,9 @@ LATENT_CONFIGS = (
     {"heads": "MLA-16", "head_dim": 576, "block_size": 64, "variant": LATENT},
     {"heads": "MLA-128", "head_dim": 576, "block_size": 64, "variant": LATENT},
 )
+# DeepSeek-V3.2's sparse attention over that latent cache: each query reads 64 of its past tokens
+# (V3.2 reads 2,048 of contexts to 128k; here contexts reach 320), picked at random over its pages.
+SPARSE = {"heads": "MLA-16", "head_dim": 576, "block_size": 64, "variant": AttentionVariant(value_dim=512, topk=64)}
 
 
 @dataclass(slots=True)
@@ -114,7 +117,8 @@ QUICK_CONFIGS = (
 
 def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
     """--quick: every batch shape on one configuration, then QUICK_CONFIGS on the mixed and
-    shared-prefix batches, latent attention (16 heads: decode, mixed, shared prefix; 128: decode),
+    shared-prefix batches, latent attention (16 heads: decode, mixed, shared prefix; 128: decode), its
+    top-64 sparse form (16 heads: decode, prefill, mixed),
     gpt-oss's layers (64/8 heads of 64, sinks, with and without its 128-token window: decode, mixed,
     one long sequence), then each variant on the mixed batch (and the window on the chunked-prefill and shared-prefix
     ones). --full: the whole cross product, then every variant, latent configuration and gpt-oss's
@@ -135,6 +139,8 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
                     cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **latent))
             for batch, (seqs, shared) in _batches(16, 4096).items():
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **GPT_OSS))
+            for batch, (seqs, shared) in _batches(SPARSE["block_size"], 4096).items():
+                cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **SPARSE))
             continue
         for batch, (seqs, shared) in _batches(16, 2048).items():
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared))
@@ -146,6 +152,9 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             for batch in batch_names:
                 seqs, shared = _batches(latent["block_size"], 2048)[batch]
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **latent))
+        for batch in ("decode", "prefill", "mixed"):
+            seqs, shared = _batches(SPARSE["block_size"], 2048)[batch]
+            cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **SPARSE))
         for batch in ("decode", "mixed", "one long sequence"):
             seqs, shared = _batches(16, 2048)[batch]
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **GPT_OSS))
@@ -170,8 +179,9 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
     scale = case.head_dim**-0.5
     oracle_dtype = torch.float64 if device.type == "cpu" else torch.float32
     problem = random_problem(
-        case.seqs, num_heads, num_kv_heads, case.head_dim, case.dtype, case.seed, case.shared, case.variant.value_dim
-    )
+        case.seqs, num_heads, num_kv_heads, case.head_dim, case.dtype, case.seed, case.shared,
+        case.variant.value_dim, case.variant.topk,
+    )  # fmt: skip
     sinks = case.sinks(num_heads)
     expected = attend_dense(problem, scale, oracle_dtype, device, case.variant, sinks)
     tol = tolerance(problem, scale, case, device, expected, sinks)
@@ -234,9 +244,10 @@ def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scal
     variant = {} if case.variant == PLAIN else {"variant": case.variant}  # third-party backends may predate it
     backend = cls(num_heads, num_kv_heads, case.head_dim, scale, case.block_size, device, case.dtype, **variant)
     state = backend.prepare(batch.metadata)
-    if sinks is None:  # a backend that implements no variant need not know the keyword
-        return backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
-    return backend.forward(batch.q, batch.k_cache, batch.v_cache, state, sinks=sinks.to(device))
+    extra = {} if sinks is None else {"sinks": sinks.to(device)}  # a backend with no variant need not know them
+    if batch.selected is not None:
+        extra["selected"] = batch.selected
+    return backend.forward(batch.q, batch.k_cache, batch.v_cache, state, **extra)
 
 
 def run_check(

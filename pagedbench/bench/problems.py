@@ -24,6 +24,7 @@ class AttentionBatch:
     k_cache: torch.Tensor  # [num_blocks, block_size, H_kv, D]
     v_cache: torch.Tensor
     metadata: AttentionMetadata
+    selected: torch.Tensor | None = None  # sparse attention: [T, topk] cache slots per query (-1: none)
 
 
 @dataclass(slots=True)
@@ -37,6 +38,8 @@ class AttentionProblem:
     v: list[torch.Tensor]
     shared: dict[int, tuple[int, int]] = field(default_factory=dict)  # b -> (a, tokens): b's first tokens are a's
     value_dim: int | None = None  # latent attention: each v[i] is k[i]'s first value_dim dims (a view)
+    # Sparse attention: sequence i's query rows [query_len, topk] list the positions each reads (-1: none)
+    selected: list[torch.Tensor] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -52,10 +55,12 @@ def random_problem(
     seed: int = 0,
     shared: dict[int, tuple[int, int]] | None = None,
     value_dim: int | None = None,
+    topk: int | None = None,
 ) -> AttentionProblem:
     """Normal random queries, keys and values in `dtype` (on the CPU). `shared` makes sequence b's
     first `tokens` keys and values equal to sequence a's (a < b), so a layout may share their pages.
-    `value_dim`: latent attention, whose values are the keys' first value_dim dims."""
+    `value_dim`: latent attention, whose values are the keys' first value_dim dims. `topk`: sparse
+    attention, each query reading a random selection of its past (random_selection)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -71,7 +76,21 @@ def random_problem(
     q = randn(sum(q for _, q in seqs), num_heads, head_dim)
     if value_dim is not None:
         v = [keys[..., :value_dim] for keys in k]
-    return AttentionProblem(list(seqs), q, k, v, shared, value_dim)
+    selected = None if topk is None else [random_selection(c, n, topk, gen) for c, n in seqs]
+    return AttentionProblem(list(seqs), q, k, v, shared, value_dim, selected)
+
+
+def random_selection(context: int, query_len: int, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """[query_len, topk] positions: query i (at context + i) reads min(topk, context + i + 1) distinct
+    positions of its causal past drawn at random (spread over its pages, its own always among
+    them as an indexer's scores would have it), -1 past them."""
+    rows = torch.full((query_len, topk), -1, dtype=torch.long)
+    for i in range(query_len):
+        pos = context + i
+        past = torch.randperm(pos, generator=gen)[: min(topk, pos + 1) - 1]
+        picked = torch.cat([past, torch.tensor([pos])])
+        rows[i, : len(picked)] = picked
+    return rows
 
 
 def shared_pages(problem: AttentionProblem, b: int, block_size: int) -> tuple[int, int]:
@@ -128,7 +147,13 @@ def place(
         s.num_computed_tokens, s.block_table = ctx, table
         sequences.append(s)
     step = prepare_step(sequences, [q for _, q in problem.seqs], block_size, num_blocks, device)
-    return AttentionBatch(problem.q.to(device), k_cache, v_cache, step.metadata)
+    selected = None
+    if problem.selected is not None:  # the selected positions as this layout's cache slots
+        by_pos = [torch.tensor(t, dtype=torch.long).repeat_interleave(block_size) * block_size
+                  + torch.arange(len(t) * block_size) % block_size for t in tables]  # fmt: skip
+        selected = torch.cat([torch.where(rows >= 0, slots_of[rows.clamp(min=0)], -1)
+                              for rows, slots_of in zip(problem.selected, by_pos)]).to(device)  # fmt: skip
+    return AttentionBatch(problem.q.to(device), k_cache, v_cache, step.metadata, selected)
 
 
 def causal_mask(cached: int, new: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -158,6 +183,12 @@ def attend_dense(
         if variant.softcap is not None:
             scores = torch.tanh(scores / variant.softcap) * variant.softcap
         seen = causal_mask(ctx, qlen, device)
+        if problem.selected is not None:  # sparse: only the positions each query selected
+            chosen = problem.selected[len(out)].to(device)
+            row, col = (chosen >= 0).nonzero(as_tuple=True)
+            picked = torch.zeros_like(seen)
+            picked[row, chosen[row, col]] = True
+            seen &= picked
         if variant.sliding_window is not None:  # key j is too old for query i once ctx + i - j >= window
             age = ctx + torch.arange(qlen, device=device)[:, None] - torch.arange(ctx + qlen, device=device)
             seen &= age < variant.sliding_window
