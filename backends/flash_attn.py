@@ -95,6 +95,10 @@ class FlashAttnBackend(AttentionBackend):
     )
     cuda_graph_reason = None  # prepare() refills StepBuffers in place
     latent_values = True  # FA3's qv path; select_provider gives the other providers' reasons
+    sparse_selection_reason = (
+        "FA2/FA3/FA4 read pages through a block table, with no per-query token indices "
+        "(FlashMLA's sparse kernels would, and have no wheel: docs/sparse-attention.md)"
+    )
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:

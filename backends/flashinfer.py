@@ -77,6 +77,10 @@ class FlashInferBackend(AttentionBackend):
     quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2")  # kv_data_type fp8 with per-layer k_scale / v_scale
     quantized_kv_reason = "FlashInfer reads fp8 pages with a scale per layer; int8 pages have none"
     latent_values = True  # BatchMLAPagedAttentionWrapper: the latent (values) and rope parts of one page
+    sparse_selection_reason = (
+        "not implemented: FlashInfer's MLA wrapper could read the picks as one-token pages, a request per "
+        "query, but that needs a CUDA machine to build and check"
+    )
 
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant=PLAIN):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant)

@@ -74,6 +74,8 @@ def sparse_params():
             _, reason = probe(get_backend(name), torch.device(device), torch.float32, 40, 16, num_heads=4,
                               num_kv_heads=1, **variant.settings())  # fmt: skip
             marks = [pytest.mark.skip(reason=f"{name} on {device}: {reason}")] if reason else []
+            if device == "cpu" and name in ("flex", "triton"):  # compiled flex, Triton's interpreter: full tier
+                marks.append(pytest.mark.slow)
             params.append(pytest.param(name, device, id=f"{backend_id(name)}-{device}", marks=marks))
     return params
 

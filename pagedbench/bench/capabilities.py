@@ -29,13 +29,17 @@ KV_PAGES = ("fp8_e4m3", "fp8_e5m2", "int8")  # kv_cache_dtype values a backend m
 # latent "KV head" whose first 512 dims are the values, whatever the row's base head_dim.
 LATENT_FEATURE = "latent attention (MLA)"
 LATENT_SHAPE = dict(head_dim=576, num_heads=128, num_kv_heads=1, **AttentionVariant(value_dim=512).settings())
+# DeepSeek-V3.2's sparse attention: that latent cache, each query reading the 2,048 slots an indexer picked.
+SPARSE_FEATURE = "sparse (top-k)"
+SPARSE_SHAPE = LATENT_SHAPE | AttentionVariant(value_dim=512, topk=2048).settings()
 
 
 def variant_columns(variant: AttentionVariant) -> list[str]:
     """The feature columns a variant exercises."""
     asked = variant.settings()
     columns = [f for f, v in VARIANT_FEATURES.items() if all(asked[k] for k, on in v.settings().items() if on)]
-    return columns + ([LATENT_FEATURE] if variant.value_dim is not None else [])
+    columns += [LATENT_FEATURE] if variant.value_dim is not None else []
+    return columns + ([SPARSE_FEATURE] if variant.topk is not None else [])
 
 
 def short(reason: str) -> str:
@@ -73,6 +77,8 @@ def capability_row(name: str, device: torch.device, dtype: torch.dtype, head_dim
         row[feature] = YES if base is None else short(base)
     why = reason(**LATENT_SHAPE)
     row[LATENT_FEATURE] = YES if why is None else short(why)
+    why = reason(**SPARSE_SHAPE)
+    row[SPARSE_FEATURE] = YES if why is None else short(why)
     row["quantized KV"] = _listed(KV_PAGES, lambda kv: reason(kv_cache_dtype=kv))
     # ✓: prepare() refills static buffers and forward() has no host work (captured where there is CUDA).
     row["CUDA graphs"] = short(cls.cuda_graph_reason or base or "") or YES
