@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from einops import rearrange
+from einops import rearrange, repeat
 from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant
 from pagedbench.backends.flex_compile import (
     attend,
@@ -57,7 +57,7 @@ __all__ = ["FlexBackend", "FlexCall", "FlexState", "MAX_DECODE_QUERY", "MIN_TOKE
 
 logger = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
-SPARSE_Q_BLOCK = 16  # query rows per BlockMask block in sparse calls: a block lists the union of its rows' picks
+SPARSE_Q_ROWS = 16  # least query rows per BlockMask block in sparse calls (a block lists its tokens' picks)
 RECOMPILE_LIMIT = 256  # graphs of the compiled function; one more raises instead of running flex unfused
 
 
@@ -138,8 +138,13 @@ class FlexBackend(AttentionBackend):
             block_size, self.kv_block_size, self.q_block_size, self.device, window, self.packed_heads, flash_prefill
         )
         self.score_mod = softcap_score_mod(variant.softcap, self.device) if variant.softcap is not None else None
-        # Sparse attention: query blocks of 16 rows (rows of one block share its listed KV blocks), Triton tiles
-        tiles = prefill_tiles(SPARSE_Q_BLOCK, self.kv_block_size, head_dim, dtype.itemsize, shared_memory_bytes(device))
+        # Sparse attention: a KV head's query heads packed as rows (a power-of-two group; else a row per
+        # head), query blocks of whole tokens and at least 16 rows (a block's tokens share its listed KV blocks)
+        group = num_heads // num_kv_heads
+        self.sparse_rows = group if group & (group - 1) == 0 else 1
+        self.sparse_tokens = max(1, SPARSE_Q_ROWS // self.sparse_rows)
+        rows = self.sparse_rows * self.sparse_tokens
+        tiles = prefill_tiles(rows, self.kv_block_size, head_dim, dtype.itemsize, shared_memory_bytes(device))
         self.sparse_options = {"BACKEND": "TRITON"} | tiles if cuda else None
 
     @classmethod
@@ -280,9 +285,11 @@ class FlexBackend(AttentionBackend):
     def _sparse(self, q, k, v, selected, state: FlexState, sinks) -> torch.Tensor:
         """Sparse attention: every query token one row of a flat call whose BlockMask lists the blocks
         of its query block's selected slots and whose mask_mod keeps each row's own (flex_sparse.py)."""
-        mask, _, padded = sparse_block_mask(selected, k.shape[2], SPARSE_Q_BLOCK, self.kv_block_size)
-        x = F.pad(rearrange(q, "t h d -> 1 h t d"), (0, 0, 0, padded - q.shape[0]))
-        sinks = None if sinks is None else sinks.view(1, -1, 1)
+        g, per_block = self.sparse_rows, self.sparse_tokens
+        mask, _, padded = sparse_block_mask(selected, k.shape[2], per_block, self.kv_block_size, g)
+        x = rearrange(F.pad(q, (0, 0, 0, 0, 0, padded - q.shape[0])), "t (hk g) d -> 1 hk (t g) d", g=g)
+        if sinks is not None:  # [H] -> like flex's log-sum-exp [1, H_kv, T * G]
+            sinks = repeat(sinks.view(self.num_kv_heads, g), "hk g -> 1 hk (t g)", t=padded)
         args = (x, k, v, mask, self.scale, self.sparse_options, self.score_mod, sinks)
         if not self.compiled:
             y = attend(*args)
@@ -290,7 +297,7 @@ class FlexBackend(AttentionBackend):
             y, seconds = attend_compiling("sparse", args, RECOMPILE_LIMIT)
             self.compile_seconds += seconds
         state.sparse_mask = (mask, selected)
-        return rearrange(y[0, :, : q.shape[0]], "h t d -> t h d")
+        return rearrange(y[0], "hk (t g) d -> t (hk g) d", g=g)[: q.shape[0]]
 
     def _packed(self, call: FlexCall) -> bool:
         return call.kind == "decode" and self.packed_heads > 1
@@ -365,7 +372,7 @@ class FlexBackend(AttentionBackend):
         step's: its last layer's selected slots over the slots of the blocks listed for them."""
         if state.sparse_mask is not None:
             mask, selected = state.sparse_mask
-            return selected_share(selected, mask, state.num_tokens)
+            return selected_share(selected, mask, self.sparse_tokens)
         kept = computed = 0
         for call in state.calls:
             call_kept, call_computed = self._masks.tile_counts(call.block_mask, call.kind, call.real_rows)

@@ -203,4 +203,9 @@ def test_flex_lists_only_the_selected_blocks_and_keeps_only_the_selected_slots()
     assert kept[0].nonzero().flatten().tolist() == [5, 40, 41] and kept[1].nonzero().flatten().tolist() == [70]
     assert kept[19].nonzero().flatten().tolist() == [17, 18, 200] and not kept[2:19].any()
     # picks 3 + 1 + 3 = 7; listed: block row 0 has 16 rows x 3 blocks, row 1 has 4 real rows x 2 blocks
-    assert selected_share(selected, mask, 20) == 7 / ((16 * 3 + 4 * 2) * 16)
+    assert selected_share(selected, mask, 16) == 7 / ((16 * 3 + 4 * 2) * 16)
+    # two query heads per KV head packed as rows 2t, 2t + 1: both rows of token 19 keep its picks
+    mask, _, _ = sparse_block_mask(selected, 256, 8, 16, rows_per_token=2)
+    assert mask.BLOCK_SIZE == (16, 16) and mask.kv_num_blocks[0, 0].tolist() == [3, 0, 2]
+    kept = mask.mask_mod(0, 0, torch.arange(48)[:, None], kv)
+    assert kept[38].nonzero().flatten().tolist() == kept[39].nonzero().flatten().tolist() == [17, 18, 200]

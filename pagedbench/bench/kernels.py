@@ -44,7 +44,11 @@ VARIANTS = {
     # DeepSeek-V3's latent attention, absorbed: with --heads 128/1 (16/1 a TP-8 rank) --head-dim 576
     # --block-sizes 64, each query head meets the one latent whose first 512 dims are the values.
     "latent-512": AttentionVariant(value_dim=512),
+    # DeepSeek-V3.2's sparse attention over that latent: each query reads the 2,048 tokens an indexer
+    # picked (64 heads of 128 score them; `indexer` columns time that apart). Decode and mixed points only.
+    "dsa": AttentionVariant(value_dim=512, topk=2048),
 }
+INDEXER_HEADS, INDEXER_DIM = 64, 128  # DeepSeek-V3.2's index_n_heads, index_head_dim
 
 # Spec-sheet HBM bandwidth (TB/s), matched against torch.cuda.get_device_name in order.
 PEAK_BANDWIDTH_TBPS = [
@@ -117,6 +121,8 @@ class KernelGrid:
         ):
             if point[1] == "prefill" and point[2] != 1 or point[2] > point[5]:
                 continue
+            if point[1] == "prefill" and VARIANTS[point[0]].topk is not None:
+                continue  # a random selection per prompt token is too slow to draw at these lengths
             spec = batch_spec(point[1], point[6], point[5], point[2])
             if sum(map(sum, spec)) <= self.max_kv_tokens and sum(q for _, q in spec) <= self.max_query_tokens:
                 yield point
@@ -326,14 +332,37 @@ def run_kernels(
                 continue
             if batch is None:  # built once per point, shared by the backends
                 batch = random_attention_batch(
-                    spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev, value_dim=variant.value_dim
-                )
+                    spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev,
+                    value_dim=variant.value_dim, topk=variant.topk,
+                )  # fmt: skip
+                if variant.topk is not None:  # the selection's time, the same for every backend of the point
+                    indexer = indexer_columns(batch, variant.topk, grid, dev, dt)
+                    point.update(indexer)
+                    head.update(indexer)
             if kv not in pages:  # the same K/V stored as `kv`
                 pages[kv] = quantized_pages(batch, kv)
             out.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv]))
     if world > 1:
         rows += gather_rows(mine) or []
     return rows
+
+
+def indexer_columns(batch, topk: int, grid: KernelGrid, device, dtype) -> dict:
+    """DeepSeek-V3.2's selection at the point, timed apart from attention: 64 index heads of 128 score
+    every cached token of each query's sequence (index keys paged beside the latents) and keep the
+    top-k (model/sparse_index.py, the engine's own step)."""
+    from pagedbench.model.sparse_index import SparseStep, sequence_slots
+
+    meta = batch.metadata
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(*batch.k_cache.shape[:2], INDEXER_DIM, generator=gen).to(device, dtype)
+    step = SparseStep([cache], meta.slot_mapping, sequence_slots(meta), meta.positions, meta.query_start_loc_cpu,
+                      meta.num_decodes, topk, INDEXER_DIM**-0.5)  # fmt: skip
+    q = torch.randn(meta.num_tokens, INDEXER_HEADS, INDEXER_DIM, generator=gen).to(device, dtype)
+    keys = torch.randn(meta.num_tokens, INDEXER_DIM, generator=gen).to(device, dtype)
+    weights = torch.randn(meta.num_tokens, INDEXER_HEADS, generator=gen).to(device)
+    times = time_kernel(lambda: step.select(0, q, keys, weights), device, grid.warmup, grid.repeats)
+    return {"indexer_min_ms": 1e3 * min(times), "indexer_median_ms": 1e3 * statistics.median(times)}
 
 
 def kv_bytes_per_slot(kv_cache_dtype: str, dtype: torch.dtype, grid: KernelGrid) -> float:
@@ -394,6 +423,11 @@ def _shape_columns(
     of `spec` must move and do (only the keys within a window count), and the timing."""
     window, value_dim = variant.sliding_window, variant.value_dim
     kv_tokens = visible_kv_tokens(spec, window)
+    flops = attention_flops(spec, num_heads, grid.head_dim, window, value_dim)
+    if variant.topk is not None:  # sparse: each query reads only its picks (min(topk, past) tokens)
+        reads = sum(min(variant.topk, p + 1) for ctx, q in spec for p in range(ctx, ctx + q))
+        kv_tokens = reads
+        flops = 2 * num_heads * (grid.head_dim + value_dim) * reads
     planes = 1 if value_dim is not None else 2
     return {
         "num_heads": num_heads,
@@ -401,7 +435,7 @@ def _shape_columns(
         "head_dim": grid.head_dim,
         "num_query_tokens": sum(q for _, q in spec),
         "kv_bytes": planes * kv_tokens * num_kv_heads * grid.head_dim * dtype.itemsize,
-        "flops": attention_flops(spec, num_heads, grid.head_dim, window, value_dim),
+        "flops": flops,
         "warmup": grid.warmup,
         "repeats": grid.repeats,
     }
@@ -417,8 +451,10 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
     k_cache, v_cache, scales = pages or (batch.k_cache, batch.v_cache, None)
     quantized = {} if scales is None else {"kv_scales": scales}
 
+    selected = {} if batch.selected is None else {"selected": batch.selected}
+
     def forward(state):
-        return backend.forward(batch.q, k_cache, v_cache, state, **sinks, **quantized)
+        return backend.forward(batch.q, k_cache, v_cache, state, **sinks, **quantized, **selected)
 
     state = backend.prepare(batch.metadata)
     if grid.warmup:

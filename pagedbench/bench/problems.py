@@ -212,11 +212,13 @@ def random_attention_batch(
     spare_blocks: int = 3,
     null_block: bool = True,
     value_dim: int | None = None,
+    topk: int | None = None,
 ) -> AttentionBatch:
     """`seqs` lists (context_len, query_len) per sequence, decodes (query_len 1) first: a random
     problem placed on fragmented block tables, its new tokens' K/V written as the model would
-    (`value_dim`: latent attention's one plane, values a view of the keys' first dims)."""
-    problem = random_problem(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, value_dim=value_dim)
+    (`value_dim`: latent attention's one plane, values a view of the keys' first dims; `topk`: each
+    query's random selection of its past, as cache slots in `selected`)."""
+    problem = random_problem(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, value_dim=value_dim, topk=topk)
     return place(problem, block_size, device, seed, spare_blocks, null_block)
 
 

@@ -230,7 +230,7 @@ def register(sub) -> None:
     kern.add_argument("--phases", help="among decode,prefill,mixed")
     kern.add_argument(
         "--variants",
-        help="attention variants, among plain,window-1024,softcap-50,sinks,gpt-oss,latent-512 (default: plain)",
+        help="attention variants, among plain,window-1024,softcap-50,sinks,gpt-oss,latent-512,dsa (default: plain)",
     )
     kern.add_argument("--head-dim", type=int)
     kern.add_argument("--max-kv-tokens", type=int, help="skip grid points holding more KV tokens than this")
