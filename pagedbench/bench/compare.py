@@ -174,6 +174,7 @@ def device_columns(device: dict[str, float], step_wall: float) -> dict:
     forward, attention = device.get("forward", 0.0), device.get("attention", 0.0)
     moe = device.get("moe")  # MoE layers' time, for a model that has them
     linear = device.get("linear_attention")  # hybrid models' DeltaNet layers (token mixing beside attention)
+    indexer = device.get("indexer")  # DeepSeek-V3.2's selection (scores and top-k), apart from attention
     step = forward + device.get("forward_graph", 0.0) + device.get("sample", 0.0)
     return {
         "time_device_s": step,
@@ -183,6 +184,8 @@ def device_columns(device: dict[str, float], step_wall: float) -> dict:
         "moe_share": moe / forward if moe is not None and forward else np.nan,
         "time_linear_attention_s": np.nan if linear is None else linear,
         "linear_attention_share": linear / forward if linear is not None and forward else np.nan,
+        "time_indexer_s": np.nan if indexer is None else indexer,
+        "indexer_share": indexer / forward if indexer is not None and forward else np.nan,
         "engine_overhead_share": max(0.0, 1 - step / step_wall) if step_wall else np.nan,
     }
 

@@ -82,6 +82,8 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "moe_share",
     "time_linear_attention_s",
     "linear_attention_share",
+    "time_indexer_s",
+    "indexer_share",
     "engine_overhead_share",
     "time_backend_compile_s",
     "time_model_compile_s",
@@ -155,6 +157,8 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "vs_dense",
     "tflops",
     "tile_efficiency",
+    "indexer_min_ms",
+    "indexer_median_ms",
     "kernel_options",
     "cuda_graphs",
 ]

@@ -78,6 +78,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             "attention % of forward": _pct(med, "attention_share"),
             **_moe(med),
             **_linear(med),
+            **_indexer(med),
             "overhead %": _pct(med, "engine_overhead_share"),
             **_launches(med),
             "identical tokens": med["identical_token_share"].round(4),
@@ -112,6 +113,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             "attention % of forward": _pct(ok, "attention_share"),
             **_moe(ok),
             **_linear(ok),
+            **_indexer(ok),
             "overhead %": _pct(ok, "engine_overhead_share"),
             **_launches(ok),
             **_graphs(ok),
@@ -223,6 +225,12 @@ def _linear(df: pd.DataFrame) -> dict[str, pd.Series]:
     """Hybrid models' DeltaNet layers' share of the forward (beside the attention backend's)."""
     share = _column(df, "linear_attention_share")
     return {"linear attention % of forward": (100 * share).round(1)} if share.notna().any() else {}
+
+
+def _indexer(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """DeepSeek-V3.2's indexer (scoring and top-k) as a share of the forward, apart from attention."""
+    share = _column(df, "indexer_share")
+    return {"indexer % of forward": (100 * share).round(1)} if share.notna().any() else {}
 
 
 def _structured(df: pd.DataFrame) -> dict[str, pd.Series]:
@@ -385,7 +393,14 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
             "TFLOP/s": ok["tflops"].round(3),
             "tile eff.": _column(ok, "tile_efficiency").round(3),
         }
+        | _indexer_ms(ok)
     )
+
+
+def _indexer_ms(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Sparse (dsa) rows: the indexer's selection time at the point, timed apart from attention."""
+    ms = _column(df, "indexer_median_ms")
+    return {"indexer ms": ms.round(3)} if ms.notna().any() else {}
 
 
 def bench_serve_table(df: pd.DataFrame) -> pd.DataFrame:
