@@ -209,3 +209,21 @@ def test_flex_lists_only_the_selected_blocks_and_keeps_only_the_selected_slots()
     assert mask.BLOCK_SIZE == (16, 16) and mask.kv_num_blocks[0, 0].tolist() == [3, 0, 2]
     kept = mask.mask_mod(0, 0, torch.arange(48)[:, None], kv)
     assert kept[38].nonzero().flatten().tolist() == kept[39].nonzero().flatten().tolist() == [17, 18, 200]
+
+
+@pytest.mark.slow
+def test_swap_preemption_and_tensor_parallelism_keep_the_tokens(sparse_model, prompts):
+    """Swapped sequences take their index keys out and back with their latents; at TP 2 each rank
+    runs the whole indexer on its replicated index pages and the same selection: HF's tokens."""
+    path, hf = sparse_model
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    swap = LLM(path, backend="sdpa", device="cpu", dtype="float32", preemption_mode="swap", **SETUPS["pressure"])
+    assert [o.outputs[0].token_ids for o in swap.generate(requests, params, use_tqdm=False)] == expected
+    assert swap.engine.stats.swap_outs > 0
+    tp = LLM(path, backend="sdpa", device="cpu", dtype="float32", tensor_parallel_size=2, **SETUPS["pressure"])
+    try:
+        assert [o.outputs[0].token_ids for o in tp.generate(requests, params, use_tqdm=False)] == expected
+    finally:
+        tp.shutdown()
