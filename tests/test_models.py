@@ -90,6 +90,9 @@ def test_presets_parse_as_transformers_reads_them(name):
         assert (cfg.moe.num_experts, cfg.moe.top_k) == (experts, hf.num_experts_per_tok)
     if cfg.linear is not None:
         assert cfg.linear.layers == tuple(t == "linear_attention" for t in hf.layer_types)
+    if cfg.indexer is not None:  # DeepSeek-V3.2's indexer
+        ix = cfg.indexer
+        assert (ix.n_heads, ix.head_dim, ix.topk) == (hf.index_n_heads, hf.index_head_dim, hf.index_topk)
 
 
 def test_tiny_preset_generates_from_token_ids():
