@@ -168,6 +168,12 @@ class EngineConfig:
         "int8 (a scale per token and KV head); each backend dequantizes where it reads",
         KV_CACHE_DTYPE_NAMES,
     )
+    index_cache_dtype: str = setting(
+        "auto",
+        "DeepSeek-V3.2's index keys (its sparse-attention indexer's cache): auto (the model's dtype) or fp8 "
+        "(e4m3 with a scale per token, as DeepSeek stores them)",
+        ("auto", "fp8"),
+    )
     calculate_kv_scales: bool = setting(
         False, "fp8 KV: set each layer's K and V scales from the first step's K/V (default: 1.0, as vLLM)"
     )

@@ -133,7 +133,7 @@ def test_the_selection_is_the_top_k_of_the_causal_past_over_fragmented_pages():
     cache = torch.randn(num_blocks, block, dim)  # earlier steps' keys; this step's are written by select
     meta = SimpleMeta(block_table, torch.tensor(seq_lens), torch.tensor(slot_mapping), torch.tensor(positions),
                       qsl, seq_lens, block)  # fmt: skip
-    step = SparseStep([cache], meta.slot_mapping, sequence_slots(meta), meta.positions, qsl, 3, topk, dim**-0.5)
+    step = SparseStep([(cache, None)], meta.slot_mapping, sequence_slots(meta), meta.positions, qsl, 3, topk, dim**-0.5)
     q, k, w = torch.randn(qsl[-1], heads, dim), torch.randn(qsl[-1], dim), torch.randn(qsl[-1], heads)
     selected = step.select(0, q, k, w)
     flat = cache.view(-1, dim)
@@ -168,8 +168,16 @@ def test_index_keys_live_in_the_latent_pages_and_count_in_their_bytes(sparse_mod
     assert kv_bytes_per_block(cfg, 16, torch.float32) == latent + cfg.num_layers * 16 * 16 * 4
     llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", num_blocks=20, block_size=16)
     runner = llm.engine.runner
-    assert runner.index_caches[0].shape == (21, 16, 16)
-    assert any(t.data_ptr() == runner.index_caches[0].data_ptr() for t in runner.paged)  # copied and swapped
+    keys, scales = runner.index_caches[0]
+    assert keys.shape == (21, 16, 16) and scales is None
+    assert any(t.data_ptr() == keys.data_ptr() for t in runner.paged)  # copied and swapped
+    settings = dict(backend="sdpa", device="cpu", dtype="float32", num_blocks=20, block_size=16)
+    fp8 = LLM(path, index_cache_dtype="fp8", **settings)
+    keys, scales = fp8.engine.runner.index_caches[0]
+    assert keys.dtype == torch.float8_e4m3fn and scales.shape == (21, 16)
+    assert {keys.data_ptr(), scales.data_ptr()} <= {t.data_ptr() for t in fp8.engine.runner.paged}
+    fp8_keys = cfg.num_layers * 16 * (16 + 4)  # a byte per dim and an fp32 scale per token
+    assert kv_bytes_per_block(cfg, 16, torch.float32, index_cache_dtype="fp8") == latent + fp8_keys
 
 
 def test_backends_say_whether_they_read_selected_slots():
@@ -227,3 +235,25 @@ def test_swap_preemption_and_tensor_parallelism_keep_the_tokens(sparse_model, pr
         assert [o.outputs[0].token_ids for o in tp.generate(requests, params, use_tqdm=False)] == expected
     finally:
         tp.shutdown()
+
+
+@pytest.mark.slow
+def test_fp8_index_keys_keep_the_top_k(tmp_path):
+    """fp8 index keys with a scale per token (V3.2's 64 index heads of 128 here), teacher-forced over
+    held-out text: where a query's past exceeds its top-256, the fp8 keys keep >= 95 % of its picks
+    (`check --index-cache-dtype fp8`; a wrong scale would keep a random share)."""
+    from pagedbench.bench.kv_quality import index_key_quality
+
+    spec = {
+        "m": ("DeepseekV32Config", SPARSE | dict(index_n_heads=64, index_head_dim=128, index_topk=256, hidden_size=256))
+    }
+    build_hf_model("m", tmp_path / "m", spec)
+    quality = index_key_quality(str(tmp_path / "m"))
+    assert quality["contested_queries"] > 1000 and quality["topk_overlap"] >= 0.95, quality
+
+
+def test_index_key_quality_needs_a_sparse_model(tiny_models):
+    from pagedbench.bench.kv_quality import index_key_quality
+
+    with pytest.raises(ValueError, match="has no sparse-attention indexer"):
+        index_key_quality(tiny_models["llama"][0])

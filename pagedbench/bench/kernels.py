@@ -356,8 +356,8 @@ def indexer_columns(batch, topk: int, grid: KernelGrid, device, dtype) -> dict:
     meta = batch.metadata
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(*batch.k_cache.shape[:2], INDEXER_DIM, generator=gen).to(device, dtype)
-    step = SparseStep([cache], meta.slot_mapping, sequence_slots(meta), meta.positions, meta.query_start_loc_cpu,
-                      meta.num_decodes, topk, INDEXER_DIM**-0.5)  # fmt: skip
+    layout = (sequence_slots(meta), meta.positions, meta.query_start_loc_cpu, meta.num_decodes)
+    step = SparseStep([(cache, None)], meta.slot_mapping, *layout, topk, INDEXER_DIM**-0.5)
     q = torch.randn(meta.num_tokens, INDEXER_HEADS, INDEXER_DIM, generator=gen).to(device, dtype)
     keys = torch.randn(meta.num_tokens, INDEXER_DIM, generator=gen).to(device, dtype)
     weights = torch.randn(meta.num_tokens, INDEXER_HEADS, generator=gen).to(device)

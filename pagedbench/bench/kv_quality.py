@@ -49,6 +49,7 @@ def teacher_forced_logprobs(
     dtype=None,
     chunk: int = 128,
     resolved=None,
+    index_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """Log-probabilities [positions, vocab] (fp32, on the host) of the next token at every position
     but each segment's last, the segments run side by side in chunks of `chunk` tokens. `resolved`:
@@ -58,6 +59,7 @@ def teacher_forced_logprobs(
     config = EngineConfig(
         model=model, backend=backend, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
         block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False, seed=0,
+        index_cache_dtype=index_cache_dtype,
     )  # fmt: skip
     engine = LLMEngine(config, model=resolved)
     runner, bm = engine.runner, engine.block_manager
@@ -131,3 +133,37 @@ def kv_quality(
                 continue
             rows.append({**heads[kv], "status": "ok", **compare(quantized, exact, next_tokens)})
     return rows
+
+
+def index_key_quality(model: str, backend: str = "sdpa", device=None, dtype=None, segments=None) -> dict:
+    """DeepSeek-V3.2's fp8 index keys (a scale per token) against keys in the model's dtype, the model
+    teacher-forced over held-out text: the share of each query's top-k the fp8 keys still pick (mean
+    and worst over every layer's queries whose past exceeds the top-k), and the next-token
+    distributions' KL and top-1 agreement."""
+    from pagedbench.model.loader import resolve_model_config
+    from pagedbench.model.sparse_index import observe_selections
+
+    resolved = resolve_model_config(model)
+    if resolved[0].indexer is None:
+        raise ValueError(f"{model} has no sparse-attention indexer (DeepSeek-V3.2's): no index keys to store as fp8")
+    segments = segments or held_out_segments(model, resolved=resolved)
+    runs = {}
+    for index_dtype in ("auto", "fp8"):
+        with observe_selections() as picks:
+            logprobs = teacher_forced_logprobs(model, backend, "auto", segments, device, dtype, resolved=resolved,
+                                               index_cache_dtype=index_dtype)  # fmt: skip
+        runs[index_dtype] = (logprobs, torch.cat(picks))
+    (exact, exact_picks), (fp8, fp8_picks) = runs["auto"], runs["fp8"]
+    # only queries whose past exceeds the top-k choose (the others keep every token, whatever the keys)
+    contested = (exact_picks >= 0).all(dim=1)
+    kept = torch.tensor([_overlap(a, b) for a, b in zip(exact_picks[contested], fp8_picks[contested])])
+    return {"model": model, "backend": backend, "index_cache_dtype": "fp8", "queries": len(exact_picks),
+            "contested_queries": len(kept), "topk_overlap": float(kept.mean()) if len(kept) else float("nan"),
+            "min_topk_overlap": float(kept.min()) if len(kept) else float("nan"),
+            **compare(fp8, exact, targets(segments))}  # fmt: skip
+
+
+def _overlap(exact: torch.Tensor, other: torch.Tensor) -> float:
+    """The share of one query's picks (slots, -1: none) that the other selection also made."""
+    want = exact[exact >= 0]
+    return float(torch.isin(want, other[other >= 0]).float().mean()) if len(want) else 1.0

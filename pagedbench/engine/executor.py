@@ -42,7 +42,9 @@ def page_bytes(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None
     stage_layers = max(layer_partition(cfg.num_layers, config.pipeline_parallel_size, config.pipeline_layer_partition))
     if cfg.linear is not None:  # a hybrid (one stage): its DeltaNet layers keep no pages
         stage_layers = cfg.num_kv_layers
-    per_block = kv_bytes_per_block(cfg, config.block_size, dtype, tp, config.kv_cache_dtype, stage_layers)
+    per_block = kv_bytes_per_block(
+        cfg, config.block_size, dtype, tp, config.kv_cache_dtype, stage_layers, config.index_cache_dtype
+    )
     if draft is not None:
         per_block += kv_bytes_per_block(draft, config.block_size, dtype, NO_TP, config.kv_cache_dtype)
     return per_block
@@ -251,7 +253,7 @@ class Executor:
             self.num_cpu_blocks = int(config.swap_space * 2**30) // per_block
         runner = ModelRunner(
             self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks,
-            config.kv_cache_dtype, config.calculate_kv_scales, self.num_state_slots,
+            config.kv_cache_dtype, config.calculate_kv_scales, self.num_state_slots, config.index_cache_dtype,
         )  # fmt: skip
         if self.workers is None:
             return runner

@@ -12,6 +12,7 @@ The selection runs in plain torch, one batched call for the step's decodes and o
 chunk, bounded in memory: the swappable step the report times as `indexer`.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,20 @@ from torch import nn
 from pagedbench.backends.base import AttentionMetadata
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.fused import EAGER, LayerOps
+
+_observers: list[list] = []  # observe_selections(): lists each selection is appended to (on the host)
+
+
+@contextlib.contextmanager
+def observe_selections():
+    """Every selection made inside, as [T, topk] slot tensors on the host in order (quality checks)."""
+    picks: list = []
+    _observers.append(picks)
+    try:
+        yield picks
+    finally:
+        _observers.remove(picks)
+
 
 INDEX_NORM_EPS = 1e-6  # transformers' k_norm LayerNorm
 SCORE_ELEMENTS = 1 << 24  # fp32 scores held at once (query rows x heads x keys): 64 MiB
@@ -68,7 +83,9 @@ class SparseStep:
     """One step's view of the index-key pages: every sequence's cache slots by position, built once
     per step and read by every layer's selection."""
 
-    index_caches: list  # per layer [num_blocks, block_size, D] (None: another stage's layer)
+    # per layer (keys [num_blocks, block_size, D], fp8 keys' scales [num_blocks, block_size] or None);
+    # None: another stage's layer
+    index_caches: list
     slot_mapping: torch.Tensor  # [T] where this step's index keys go
     seq_slots: torch.Tensor  # [B, max_seq_len] int64: sequence b's slot at each position, -1 past its end
     positions: torch.Tensor  # [T] int64
@@ -88,8 +105,16 @@ class SparseStep:
         """Write this step's index keys k [T, D], then score: q [T, H, D], weights [T, H] fp32 ->
         the slots [T, topk] each query reads (-1: its past is shorter than topk)."""
         start = self.timer.mark() if self.timer is not None else None
-        cache = self.index_caches[layer].view(-1, k.shape[-1])
-        cache.index_copy_(0, self.slot_mapping, k.to(cache.dtype))
+        keys, scales = self.index_caches[layer]
+        cache = keys.view(-1, k.shape[-1])
+        if scales is None:
+            cache.index_copy_(0, self.slot_mapping, k.to(cache.dtype))
+        else:  # fp8: a scale per token, its largest magnitude at e4m3's largest
+            scale = (k.abs().amax(-1).float() / torch.finfo(cache.dtype).max).clamp(min=1e-12)
+            fp8 = (k.float() / scale[:, None]).to(cache.dtype)  # as bytes: CPU torch has no fp8 index_copy_
+            cache.view(torch.uint8).index_copy_(0, self.slot_mapping, fp8.view(torch.uint8))
+            scales.view(-1).index_copy_(0, self.slot_mapping, scale)
+            scales = scales.view(-1)
         selected = torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=q.device)
         qsl, rows = self.query_start_loc, max(1, SCORE_ELEMENTS // (q.shape[1] * self.seq_slots.shape[1]))
         # The decodes batched (query t is sequence t's), each prefill's queries against its own slots,
@@ -99,15 +124,22 @@ class SparseStep:
             groups += [(t, min(t + rows, qsl[i + 1]), i) for t in range(qsl[i], qsl[i + 1], rows)]
         for t0, t1, seq in groups:
             slots = self.seq_slots[t0:t1] if seq is None else self.seq_slots[seq : seq + 1]
-            selected[t0:t1] = self._top(cache, q[t0:t1], weights[t0:t1], self.positions[t0:t1], slots)
+            selected[t0:t1] = self._top(cache, scales, q[t0:t1], weights[t0:t1], self.positions[t0:t1], slots)
         if start is not None:
             self.timer.span("indexer", start)
+        for picks in _observers:
+            picks.append(selected.cpu())
         return selected
 
-    def _top(self, cache, q, weights, positions, slots) -> torch.Tensor:
+    def _top(self, cache, scales, q, weights, positions, slots) -> torch.Tensor:
         """The topk of `slots` (one row per query [T, L], or one row all T queries share [1, L]) for
-        queries q [T, H, D] at `positions` [T]: transformers' fp32 scores, then top-k of the seen."""
-        keys = cache[slots.clamp(min=0)].float()  # [T or 1, L, D]
+        queries q [T, H, D] at `positions` [T]: transformers' fp32 scores, then top-k of the seen
+        (`scales` [slots]: fp8 keys' per-token scales, else None)."""
+        at = slots.clamp(min=0)
+        if scales is None:
+            keys = cache[at].float()  # [T or 1, L, D]
+        else:  # fp8 gathered as bytes (CPU torch cannot index fp8), then scaled per token
+            keys = cache.view(torch.uint8)[at].view(cache.dtype).float() * scales[at][..., None]
         if slots.shape[0] == 1:
             scores = torch.einsum("thd,ld->thl", q.float(), keys[0])
         else:

@@ -32,14 +32,19 @@ def kv_bytes_per_block(
     tp: TPShard = NO_TP,
     kv_cache_dtype: str = "auto",
     num_layers: int | None = None,
+    index_cache_dtype: str = "auto",
 ) -> int:
     """K and V (or latent attention's one latent) of one page in every layer (`num_layers`: a
     pipeline stage's), on one tensor-parallel rank, as stored (`kv_cache_dtype`; int8 pages add an
-    fp16 scale per token and KV head; DeepSeek-V3.2's index keys, in the model's dtype, beside them)."""
+    fp16 scale per token and KV head; DeepSeek-V3.2's index keys beside them, in the model's dtype or fp8
+    with an fp32 scale per token: `index_cache_dtype`)."""
     storage = kv_storage_dtype(kv_cache_dtype, dtype)
     layers = num_layers or cfg.num_kv_layers
     slots = cfg.kv_planes * layers * block_size * tp.local_heads(cfg)[1]
-    index_keys = 0 if cfg.indexer is None else layers * block_size * cfg.indexer.head_dim * dtype.itemsize
+    index_keys = 0
+    if cfg.indexer is not None:
+        per_key = cfg.indexer.head_dim + 4 if index_cache_dtype == "fp8" else cfg.indexer.head_dim * dtype.itemsize
+        index_keys = layers * block_size * per_key
     return slots * (cfg.head_dim * storage.itemsize + scale_bytes_per_slot(storage)) + index_keys
 
 
@@ -68,6 +73,7 @@ class ModelRunner(RunsWhole):
         kv_cache_dtype: str = "auto",
         calculate_kv_scales: bool = False,
         num_state_slots: int = 0,
+        index_cache_dtype: str = "auto",
     ):
         cfg = model.config
         self.model, self.backend = model, backend
@@ -115,12 +121,16 @@ class ModelRunner(RunsWhole):
             else:
                 self.calibrate_kv = calculate_kv_scales
         # DeepSeek-V3.2's index keys: a plane of their own under the same block ids, moved with the pages.
+        # fp8 (index_cache_dtype): e4m3 keys and an fp32 scale per token, its own plane of the same block ids.
         self.index_caches = [None] * cfg.num_layers
         if cfg.indexer is not None:
-            index_cache = torch.zeros((len(layers), 1, *shape[2:4], cfg.indexer.head_dim), device=device, dtype=dtype)
+            fp8 = index_cache_dtype == "fp8"
+            keys = (len(layers), 1, *shape[2:4], cfg.indexer.head_dim)
+            index_cache = torch.zeros(keys, device=device, dtype=torch.float8_e4m3fn if fp8 else dtype)
+            scales = torch.ones(keys[:-1], device=device, dtype=torch.float32) if fp8 else None
             for i, layer in enumerate(layers):
-                self.index_caches[layer] = index_cache[i, 0]
-            self.paged.append(index_cache)
+                self.index_caches[layer] = (index_cache[i, 0], None if scales is None else scales[i, 0])
+            self.paged += [index_cache] + ([scales] if fp8 else [])
         # Swap space: the same layout in (pinned, on CUDA) CPU memory.
         pin = device.type == "cuda" and num_cpu_blocks > 0
         self.cpu_paged = [

@@ -104,7 +104,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         form_stage_groups(tp_size, pp_size)
         runner = ModelRunner(
             model, backend, num_blocks, config.block_size, device, dtype, num_cpu_blocks,
-            config.kv_cache_dtype, config.calculate_kv_scales,
+            config.kv_cache_dtype, config.calculate_kv_scales, index_cache_dtype=config.index_cache_dtype,
         )  # fmt: skip
         if pp_size > 1:
             runner = StageRunner(runner, StageLink(stage, tp.rank, tp_size))

@@ -80,6 +80,8 @@ def cmd_check(args) -> int:
         return check_loglikelihood(args)
     if args.kv_cache_dtype:
         return check_kv_quality(args)
+    if args.index_cache_dtype:
+        return check_index_quality(args)
     device, _ = resolve_device_dtype(args.device, None)
     names = args.dtypes or ("fp32,bf16" if device.type == "cpu" else "bf16,fp16,fp32")
     dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
@@ -157,6 +159,27 @@ def check_kv_quality(args) -> int:
     )
     print(table.drop(columns=["model"]).round(5).to_markdown(index=False))
     return write_quality_table(table, args, "check-kv", "KV quality")
+
+
+def check_index_quality(args) -> int:
+    """`check --index-cache-dtype fp8`: a sparse (DeepSeek-V3.2) model's selections with fp8 index keys
+    against 16-bit ones, per backend."""
+    from pagedbench.bench.kv_quality import index_key_quality
+
+    if args.index_cache_dtype != "fp8":
+        raise ValueError(f"--index-cache-dtype {args.index_cache_dtype!r}: only fp8 is measured (against auto)")
+    model = args.model or "deepseek-v3.2"
+    dtype = (args.dtypes or "fp32").split(",")[0]
+    rows = [index_key_quality(model, name, args.device, dtype) | {"status": "ok", "kv_cache_dtype": "auto"}
+            for name in backend_names(args.backends or "sdpa")]  # fmt: skip
+    table = pd.DataFrame(rows)
+    print(
+        f"Index-key quality, {model} teacher-forced over held-out text, {dtype}: the top-k each query keeps with "
+        "fp8 index keys (a scale per token) against keys in the model's dtype, where its past exceeds the top-k"
+    )
+    shown = ["backend", "queries", "contested_queries", "topk_overlap", "min_topk_overlap", "mean_kl", "top1_agreement"]
+    print(table[shown].round(4).to_markdown(index=False))
+    return write_quality_table(table, args, "check-index", "index-key quality")
 
 
 def write_quality_table(table: pd.DataFrame, args, stem: str, what: str) -> int:
@@ -281,6 +304,12 @@ def register(sub) -> None:
         default=None,
         help="instead of the grid: KV quality of these page dtypes (e.g. fp8,int8) per backend, teacher-forced: "
         "KL, top-1 agreement and perplexity against the unquantized cache",
+    )
+    chk.add_argument(
+        "--index-cache-dtype",
+        default=None,
+        help="instead of the grid: a sparse model's (--model, default deepseek-v3.2) selections with fp8 index "
+        "keys against 16-bit ones: top-k overlap, KL and top-1 agreement (backend: --backends, default sdpa)",
     )
     chk.add_argument(
         "--loglikelihood",
