@@ -157,7 +157,8 @@ def index_key_quality(model: str, backend: str = "sdpa", device=None, dtype=None
     # only queries whose past exceeds the top-k choose (the others keep every token, whatever the keys)
     contested = (exact_picks >= 0).all(dim=1)
     kept = torch.tensor([_overlap(a, b) for a, b in zip(exact_picks[contested], fp8_picks[contested])])
-    return {"model": model, "backend": backend, "index_cache_dtype": "fp8", "queries": len(exact_picks),
+    return {"model": model, "backend": backend, "index_cache_dtype": "fp8", "topk": resolved[0].indexer.topk,
+            "queries": len(exact_picks),
             "contested_queries": len(kept), "topk_overlap": float(kept.mean()) if len(kept) else float("nan"),
             "min_topk_overlap": float(kept.min()) if len(kept) else float("nan"),
             **compare(fp8, exact, targets(segments))}  # fmt: skip

@@ -177,7 +177,16 @@ def check_index_quality(args) -> int:
         f"Index-key quality, {model} teacher-forced over held-out text, {dtype}: the top-k each query keeps with "
         "fp8 index keys (a scale per token) against keys in the model's dtype, where its past exceeds the top-k"
     )
-    shown = ["backend", "queries", "contested_queries", "topk_overlap", "min_topk_overlap", "mean_kl", "top1_agreement"]
+    shown = [
+        "backend",
+        "topk",
+        "queries",
+        "contested_queries",
+        "topk_overlap",
+        "min_topk_overlap",
+        "mean_kl",
+        "top1_agreement",
+    ]
     print(table[shown].round(4).to_markdown(index=False))
     return write_quality_table(table, args, "check-index", "index-key quality")
 
