@@ -219,7 +219,7 @@ FA3_QV_ROPE_MAX, FA3_QV_LATENT = 64, (256, 512)  # hopper/flash_api.cpp's checks
 
 
 def latent_reason(
-    found: Provider, capability: tuple[int, int], head_dim: int, value_dim: int, sliding_window, softcap, sinks
+    found: Provider, capability: tuple[int, int], head_dim: int, value_dim: int, sliding_window, softcap, sinks, **_
 ) -> str | None:
     """Why this provider cannot run absorbed latent attention over `head_dim` = latent
     `value_dim` + rope dims, or None (FA3's qv path only)."""

@@ -91,6 +91,7 @@ def test_compare_csv_has_exactly_the_schema(compared):
     spec = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_acceptance_per_position"}
     moe = {"num_experts", "experts_per_token", "moe_kernel", "time_moe_s", "moe_share"}
     moe |= {"time_linear_attention_s", "linear_attention_share"}  # empty without a hybrid model's DeltaNet layers
+    moe |= {"time_indexer_s", "indexer_share"}  # empty without a sparse (DeepSeek-V3.2) model's indexer
     interval = {"output_throughput_ci_low", "output_throughput_ci_high"}  # 2 runs: none (noise.py)
     own = {"dataset_name", "dataset_path"}  # empty without a dataset of the user's
     assert (
