@@ -257,3 +257,19 @@ def test_index_key_quality_needs_a_sparse_model(tiny_models):
 
     with pytest.raises(ValueError, match="has no sparse-attention indexer"):
         index_key_quality(tiny_models["llama"][0])
+
+
+@pytest.mark.slow
+def test_compare_reports_the_indexer_apart_from_attention(sparse_model, tmp_path):
+    """compare on the tiny V3.2: the indexer's share of the forward (its timer span), apart from
+    attention's, in the CSV and the table; both backends' tokens the same."""
+    import pandas as pd
+
+    from pagedbench.entrypoints.cli.main import main
+
+    args = ["compare", "--model", sparse_model[0], "--scenario", "synthetic", "--scale", "0.125", "--repeats", "1"]
+    assert main([*args, "--backends", "reference,sdpa", "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / "compare-synthetic.csv")
+    assert (df["indexer_share"] > 0).all() and (df["attention_share"] > 0).all()
+    assert (df["identical_token_share"] == 1).all()
+    assert "indexer % of forward" in (tmp_path / "compare-synthetic.md").read_text()
