@@ -59,6 +59,9 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
     decode += ["--warmup", "3", "--repeats", "20", "--max-kv-tokens", "1100000"]
     compare = ["compare", "--model", "qwen3-0.6b", "--scenario", "mixed", "--scale", str(scale)]
     compare += ["--num-blocks", str(num_blocks), "--repeats", "1"]
+    dsa = ["--phases", "decode", "--batch-sizes", "16,64", "--context-lens", "16384,32768", "--block-sizes", "64"]
+    dsa += ["--heads", "128/1", "--head-dim", "576", "--variants", "latent-512,dsa", "--warmup", "3", "--repeats", "20"]
+    dsa += ["--max-kv-tokens", "2200000"]
     profile = ["profile", "--model", "qwen3-0.6b", "--backends", "triton,flex", "--batch-sizes", "64,256"]
     pytest = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-n", "8", "--timeout", "150", "-p", "no:cacheprovider"]
     failed_before = [*pytest, "--tb=long", "-k", "cuda and (MLA or graph)", *LAST_FAILED]
@@ -72,6 +75,12 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
             "compare-mixed",
             pagedbench_cmd(*compare, "--backends", "triton,flex", "--out", f"{r}/compare-mixed"),
             200,
+        ),
+        # DeepSeek-V3.2's sparse decode against the dense latent one, at its shape (top-2048 of 16k-32k)
+        SuiteStep(
+            "kernels-dsa",
+            pagedbench_cmd("kernels", *dsa, "--backends", "sdpa,flex,triton", "--out", f"{r}/kernels-dsa"),
+            100,
         ),
         SuiteStep(
             "kernels-decode-graphs",
