@@ -249,11 +249,12 @@ def read_selected(
     num_tokens, topk = selected.shape
     k_scale, v_scale = kv_scales or (None, None)
     rows = max(1, SELECTED_ELEMENTS // (topk * k_cache.shape[-2] * k_cache.shape[-1]))
+    latent = v_cache.data_ptr() == k_cache.data_ptr()  # values a view of the keys' first dims: gathered once
     for t0 in range(0, num_tokens, rows):
         chunk = selected[t0 : t0 + rows]
         slots = chunk.clamp(min=0)
         k = read_kv(k_cache, slots, k_scale, dtype).transpose(1, 2)  # [t, K, H_kv, D] -> [t, H_kv, K, D]
-        v = read_kv(v_cache, slots, v_scale, dtype).transpose(1, 2)
+        v = k[..., : v_cache.shape[-1]] if latent else read_kv(v_cache, slots, v_scale, dtype).transpose(1, 2)
         yield t0, t0 + chunk.shape[0], k, v, (chunk >= 0)[:, None, None, :]
 
 

@@ -289,7 +289,7 @@ class FlexBackend(AttentionBackend):
         mask, _, padded = sparse_block_mask(selected, k.shape[2], per_block, self.kv_block_size, g)
         x = rearrange(F.pad(q, (0, 0, 0, 0, 0, padded - q.shape[0])), "t (hk g) d -> 1 hk (t g) d", g=g)
         if sinks is not None:  # [H] -> like flex's log-sum-exp [1, H_kv, T * G]
-            sinks = repeat(sinks.view(self.num_kv_heads, g), "hk g -> 1 hk (t g)", t=padded)
+            sinks = repeat(sinks.view(-1, g), "hk g -> 1 hk (t g)", t=padded)
         args = (x, k, v, mask, self.scale, self.sparse_options, self.score_mod, sinks)
         if not self.compiled:
             y = attend(*args)

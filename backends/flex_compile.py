@@ -67,14 +67,18 @@ def prefill_tiles(q_block_size: int, kv_block_size: int, head_dim: int, itemsize
     """flex's Triton prefill tiles, the widest that fit `shared_bytes`: the query tile once and a K tile
     per pipeline stage, each as wide as the head padded to a power of two (the H200 reported 262,144 bytes
     for 32 x 32 fp32 tiles of a 576-wide head at one stage). Fewer stages first, then halved tiles;
-    the template's own stage count (3) where it fits. Tiles divide the mask's blocks."""
+    the template's own stage count (3) where it fits; the larger tile halved first, each down to 16
+    rows. Tiles divide the mask's blocks."""
     width = 1 << (head_dim - 1).bit_length()
     m, n = min(64, q_block_size), min(64, kv_block_size)
     for stages in (3, 2):
         if (m + n * stages) * width * itemsize <= shared_bytes:
             return {"BLOCK_M": m, "BLOCK_N": n} | ({} if stages == 3 else {"num_stages": stages})
-    while (m + n) * width * itemsize > shared_bytes and min(m, n) > 16:
-        m, n = m // 2, n // 2
+    while (m + n) * width * itemsize > shared_bytes and max(m, n) > 16:
+        if m >= n:
+            m //= 2
+        else:
+            n //= 2
     return {"BLOCK_M": m, "BLOCK_N": n, "num_stages": 1}
 
 

@@ -55,6 +55,7 @@ def sparse_block_mask(
         BLOCK_SIZE=(tokens_per_block * rows_per_token, kv_block),
         mask_mod=keep_selected,
         seq_lengths=(padded * rows_per_token, num_slots),
+        compute_q_blocks=False,  # the transposed listing serves only a backward pass
     )
     return mask, words, padded
 

@@ -129,3 +129,12 @@ def test_cuda_prefill_tiles_fit_hopper_shared_memory_at_every_head_width(head_di
         assert (prefill["BLOCK_M"], prefill["BLOCK_N"], stages) == (64, 64, 3)  # unchanged for common heads
     if head_dim > flex_compile.WIDE_HEAD_DIM:
         assert options["decode"] == {"BLOCK_M": 16, "BLOCK_N": prefill["BLOCK_N"], "num_stages": 1}
+
+
+@pytest.mark.parametrize("q_block,kv_block", [(16, 64), (128, 16), (16, 16)])
+def test_narrow_query_blocks_still_get_tiles_that_fit(q_block, kv_block):
+    """A sparse call's 16-row query blocks over pages of 64 (MLA-16 in fp32) once kept 16 x 64 tiles of
+    1024 padded dims, 320 KiB: the larger tile is halved until the pair fits."""
+    tiles = flex_compile.prefill_tiles(q_block, kv_block, 576, 4, flex_compile.HOPPER_SHARED_MEMORY)
+    assert (tiles["BLOCK_M"] + tiles["BLOCK_N"]) * 1024 * 4 <= flex_compile.HOPPER_SHARED_MEMORY
+    assert min(tiles["BLOCK_M"], tiles["BLOCK_N"]) >= 16 and q_block % tiles["BLOCK_M"] == 0

@@ -181,10 +181,10 @@ def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
     with _spans(runner, counter), profile(activities=activities) as prof:
         with counter.active() if not cuda else contextlib.nullcontext():
             for _ in range(steps):
-                engine.step()
-                seqs = engine.scheduler.running
+                seqs = engine.scheduler.running  # what the step will run (before it, finished ones still count)
                 running.append(len(seqs))
                 kv_tokens.append(sum(s.num_computed_tokens for s in seqs))
+                engine.step()
         if cuda:
             torch.cuda.synchronize(device)
     events = prof.events()

@@ -117,29 +117,39 @@ class SparseStep:
             scales = scales.view(-1)
         selected = torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=q.device)
         qsl, rows = self.query_start_loc, max(1, SCORE_ELEMENTS // (q.shape[1] * self.seq_slots.shape[1]))
-        # The decodes batched (query t is sequence t's), each prefill's queries against its own slots,
-        # in chunks of query rows that bound the fp32 scores.
-        groups = [(t, min(t + rows, self.num_decodes), None) for t in range(0, self.num_decodes, rows)]
+        # The decodes batched (query t is sequence t's), each prefill's queries against its own keys
+        # (gathered once), in chunks of query rows that bound the fp32 scores.
+        for t0 in range(0, self.num_decodes, rows):
+            t1 = min(t0 + rows, self.num_decodes)
+            slots = self.seq_slots[t0:t1]
+            keys = self._keys(cache, scales, slots)
+            selected[t0:t1] = self._top(keys, q[t0:t1], weights[t0:t1], self.positions[t0:t1], slots)
         for i in range(self.num_decodes, len(qsl) - 1):
-            groups += [(t, min(t + rows, qsl[i + 1]), i) for t in range(qsl[i], qsl[i + 1], rows)]
-        for t0, t1, seq in groups:
-            slots = self.seq_slots[t0:t1] if seq is None else self.seq_slots[seq : seq + 1]
-            selected[t0:t1] = self._top(cache, scales, q[t0:t1], weights[t0:t1], self.positions[t0:t1], slots)
+            slots = self.seq_slots[i : i + 1]
+            keys = self._keys(cache, scales, slots)
+            for t0 in range(qsl[i], qsl[i + 1], rows):
+                t1 = min(t0 + rows, qsl[i + 1])
+                selected[t0:t1] = self._top(keys, q[t0:t1], weights[t0:t1], self.positions[t0:t1], slots)
         if start is not None:
             self.timer.span("indexer", start)
         for picks in _observers:
             picks.append(selected.cpu())
         return selected
 
-    def _top(self, cache, scales, q, weights, positions, slots) -> torch.Tensor:
-        """The topk of `slots` (one row per query [T, L], or one row all T queries share [1, L]) for
-        queries q [T, H, D] at `positions` [T]: transformers' fp32 scores, then top-k of the seen
-        (`scales` [slots]: fp8 keys' per-token scales, else None)."""
+    @staticmethod
+    def _keys(cache, scales, slots) -> torch.Tensor:
+        """The index keys at `slots` [n, L] in fp32 -> [n, L, D] (`scales` [slots]: fp8 keys' per-token
+        scales, else None)."""
         at = slots.clamp(min=0)
         if scales is None:
-            keys = cache[at].float()  # [T or 1, L, D]
-        else:  # fp8 gathered as bytes (CPU torch cannot index fp8), then scaled per token
-            keys = cache.view(torch.uint8)[at].view(cache.dtype).float() * scales[at][..., None]
+            return cache[at].float()
+        # fp8 gathered as bytes (CPU torch cannot index fp8), then scaled per token
+        return cache.view(torch.uint8)[at].view(cache.dtype).float() * scales[at][..., None]
+
+    def _top(self, keys, q, weights, positions, slots) -> torch.Tensor:
+        """The topk of `slots` (one row per query [T, L], or one row all T queries share [1, L]), whose
+        keys are `keys` [T or 1, L, D], for queries q [T, H, D] at `positions` [T]: transformers' fp32
+        scores, then top-k of the seen."""
         if slots.shape[0] == 1:
             scores = torch.einsum("thd,ld->thl", q.float(), keys[0])
         else:
