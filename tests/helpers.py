@@ -44,3 +44,21 @@ def rows_with_pid(case, backends, device):
     if case.batch == "dies" and multiprocessing.parent_process() is not None:
         os._exit(3)
     return [{"case": case.name, "backend": name, "pid": os.getpid()} for name in backends]
+
+
+def assert_swap_and_tp2_keep_the_tokens(path: str, prompts: list, expected: list, max_new: int, **setup) -> None:
+    """The model at `path` under swap preemption (it must swap) and at tensor-parallel size 2 (sdpa,
+    CPU, fp32, `setup`) gives `expected` greedy tokens for `prompts`."""
+    from pagedbench import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    settings = dict(backend="sdpa", device="cpu", dtype="float32") | setup
+    swap = LLM(path, preemption_mode="swap", **settings)
+    assert [o.outputs[0].token_ids for o in swap.generate(requests, params, use_tqdm=False)] == expected
+    assert swap.engine.stats.swap_outs > 0
+    tp = LLM(path, tensor_parallel_size=2, **settings)
+    try:
+        assert [o.outputs[0].token_ids for o in tp.generate(requests, params, use_tqdm=False)] == expected
+    finally:
+        tp.shutdown()

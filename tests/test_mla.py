@@ -16,7 +16,7 @@ from pagedbench import LLM, SamplingParams
 from pagedbench.model.config import ModelConfig
 from pagedbench.worker.model_runner import kv_bytes_per_block
 from tests.conftest import VOCAB, build_hf_model, hf_greedy
-from tests.helpers import DEVICES, backend_id
+from tests.helpers import DEVICES, assert_swap_and_tp2_keep_the_tokens, backend_id
 
 LATENT = dict(
     num_attention_heads=4,
@@ -153,16 +153,7 @@ def test_swap_preemption_and_tensor_parallelism_keep_the_tokens(mla_models, prom
     replicates the latent (as vLLM does): both give Hugging Face's greedy tokens."""
     path, hf = mla_models["deepseek-v3"]
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    swap = LLM(path, backend="sdpa", device="cpu", dtype="float32", preemption_mode="swap", **SETUPS["pressure"])
-    assert [o.outputs[0].token_ids for o in swap.generate(requests, params, use_tqdm=False)] == expected
-    assert swap.engine.stats.swap_outs > 0
-    tp = LLM(path, backend="sdpa", device="cpu", dtype="float32", tensor_parallel_size=2, **SETUPS["pressure"])
-    try:
-        assert [o.outputs[0].token_ids for o in tp.generate(requests, params, use_tqdm=False)] == expected
-    finally:
-        tp.shutdown()
+    assert_swap_and_tp2_keep_the_tokens(path, prompts, expected, MAX_NEW, **SETUPS["pressure"])
 
 
 @pytest.mark.parametrize("kv_cache_dtype,floor", [("int8", 0.97), ("fp8", 0.9)])

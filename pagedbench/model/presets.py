@@ -141,50 +141,6 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "eos_token_id": 1,
     },
-    # DeepSeek-V3.2 (-Exp): V3's shape and cut, plus DeepSeek Sparse Attention: each layer's lightning
-    # indexer (64 heads of 128, one 128-dim index key per token paged beside the 576-number latent)
-    # picks the 2,048 tokens attention reads. Its main attention always rotates interleaved dims.
-    "deepseek-v3.2": {
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "num_hidden_layers": 2,
-        "first_k_dense_replace": 1,
-        "n_routed_experts": 16,
-        "num_experts_per_tok": 8,
-        "moe_intermediate_size": 2048,
-        "n_shared_experts": 1,
-        "n_group": 8,
-        "topk_group": 4,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
-        "num_attention_heads": 128,
-        "num_key_value_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "index_topk": 2048,
-        "index_head_dim": 128,
-        "index_n_heads": 64,
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 40.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 163840,
-        "tie_word_embeddings": False,
-        "eos_token_id": 1,
-    },
     # Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128, q/k norms) and experts (128 of 768,
     # top-8, renormalized), 2 of its 48 layers: 1.9B parameters, 7.5 GB in fp32.
     "qwen3-30b-a3b": {
@@ -320,6 +276,17 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "eos_token_id": 151645,
     },
+}
+
+# DeepSeek-V3.2 (-Exp): V3's shape and cut, plus DeepSeek Sparse Attention: each layer's lightning
+# indexer (64 heads of 128, one 128-dim index key per token paged beside the 576-number latent)
+# picks the 2,048 tokens attention reads. Its main attention always rotates interleaved dims.
+PRESETS["deepseek-v3.2"] = {k: v for k, v in PRESETS["deepseek-v3"].items() if k != "rope_interleave"} | {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
 }
 
 # Presets cut to a few of the real model's layers (to fit a CPU): name -> the real model's count of
