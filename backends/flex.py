@@ -143,9 +143,11 @@ class FlexBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         self.sparse_rows = group if group & (group - 1) == 0 else 1
         self.sparse_tokens = max(1, SPARSE_Q_ROWS // self.sparse_rows)
-        rows = self.sparse_rows * self.sparse_tokens
-        tiles = prefill_tiles(rows, self.kv_block_size, head_dim, dtype.itemsize, shared_memory_bytes(device))
-        self.sparse_options = {"BACKEND": "TRITON"} | tiles if cuda else None
+        self.sparse_options = None  # CPU: the template's own; CUDA: Triton tiles that fit its shared memory
+        if cuda:
+            rows, smem = self.sparse_rows * self.sparse_tokens, shared_memory_bytes(self.device)
+            self.sparse_options = {"BACKEND": "TRITON"} | prefill_tiles(rows, self.kv_block_size, head_dim,
+                                                                         dtype.itemsize, smem)  # fmt: skip
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs):
