@@ -49,6 +49,16 @@ def test_bandwidth_plot_has_a_panel_per_phase_and_batch_with_every_backend_and_p
     assert "NVIDIA H200" in figures[0]._suptitle.get_text()
 
 
+def test_bandwidth_plot_gives_each_variant_its_own_line(figures, tmp_path):
+    """Dense latent and sparse (dsa) rows of one backend are two lines, not one zigzag between them."""
+    rows = kernel_rows(block_sizes=(64,))
+    both = pd.concat([rows.assign(variant="latent-512"), rows.assign(variant="dsa")])
+    report_plots.plot_kernel_bandwidth(both, tmp_path / "k.png")
+    labels = [t.get_text() for t in visible_axes(figures[0])[0].get_legend().get_texts()]
+    assert labels == ["flex · latent-512", "triton · latent-512", "flex · dsa", "triton · dsa"]
+    assert all(len(line.get_xdata()) == 2 for line in visible_axes(figures[0])[0].get_lines())
+
+
 def test_bandwidth_plot_falls_back_to_gbps_without_a_copy_yardstick(figures, tmp_path):
     rows = kernel_rows(block_sizes=(16,))
     rows.loc[0, "pct_of_copy_bandwidth"] = float("nan")

@@ -148,8 +148,10 @@ def _kernel_measure(rows: pd.DataFrame) -> tuple[str, str]:
 
 
 def _kernel_labels(rows: pd.DataFrame, *, pages: bool = True) -> pd.Series:
-    """backend (and CUDA graphs, page size, heads where they vary among `rows`)."""
+    """backend (and variant, CUDA graphs, page size, heads where they vary among `rows`)."""
     label = _labels(rows)
+    if "variant" in rows and rows["variant"].nunique(dropna=False) > 1:  # e.g. dense latent beside sparse
+        label = label + " · " + rows["variant"].astype(str)
     if "cuda_graphs" in rows and rows["cuda_graphs"].nunique(dropna=False) > 1:
         label = label + rows["cuda_graphs"].map({True: " · graphed"}).fillna("")
     if pages and rows["block_size"].nunique() > 1:
