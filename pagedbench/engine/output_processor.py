@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pagedbench.device.transfer import to_device, to_list
+from pagedbench.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from pagedbench.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import Scheduler
@@ -19,6 +20,8 @@ from pagedbench.sample.sampler import SamplerOutput
 
 class OutputProcessor:
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, scheduler: Scheduler):
+        if tokenizer is not None:
+            backend_tokenizer(tokenizer)  # a tokenizer DecodeStream cannot use fails here, not mid-step
         self.tokenizer, self.model_config, self.max_model_len = tokenizer, model_config, max_model_len
         self.scheduler = scheduler
 
@@ -26,15 +29,16 @@ class OutputProcessor:
         """`seq`'s next token: its text, and whether it stops `seq`."""
         seq.token_ids.append(token)
         grammar_ended = seq.grammar is not None and not advance(seq, token)
-        tokenizer = self._detokenizer(seq)
-        new_text = detokenize_incrementally(tokenizer, seq) if tokenizer is not None else ""
+        detokenizer = self._detokenizer(seq)
+        new_text = detokenizer.step(token) if detokenizer is not None else ""
+        seq.output_text += new_text
         stop = stop_check(seq, token, new_text, self.model_config.eos_token_ids, self.max_model_len)
         if stop is None and grammar_ended:  # the constrained output is complete: nothing may follow
             stop = ("stop", None)
         if stop is not None:
             self.scheduler.finish(seq, *stop)
-            if tokenizer is not None and not isinstance(seq.stop_reason, str):
-                detokenize_incrementally(tokenizer, seq, flush=True)  # text held back for a partial character
+            if detokenizer is not None and not isinstance(seq.stop_reason, str):
+                seq.output_text += detokenizer.flush()  # text held back for a partial character
 
     def record_logprobs(self, seqs: list[Sequence], rows: list[int], out: SamplerOutput) -> None:
         """For the batch rows `rows` (of `seqs`): cumulative logprobs, and where the request asks
@@ -84,35 +88,23 @@ class OutputProcessor:
     def output(self, group: SequenceGroup) -> RequestOutput:
         return request_output(group, self._decode)
 
-    def _detokenizer(self, seq: Sequence):
-        """The tokenizer, unless there is none or the request asked for token ids only."""
-        return self.tokenizer if getattr(seq.params, "detokenize", True) else None
+    def _decodes(self, seq: Sequence) -> bool:
+        """Whether `seq`'s tokens become text: there is a tokenizer and the request did not ask for token ids only."""
+        return self.tokenizer is not None and getattr(seq.params, "detokenize", True)
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
+        """`seq`'s incremental detokenizer (made at its first output token), or None where it is not decoded."""
+        if seq.detokenizer is None and self._decodes(seq):
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
+            )
+        return seq.detokenizer
 
     def _token_text(self, token: int, seq: Sequence) -> str | None:
-        tokenizer = self._detokenizer(seq)
-        return tokenizer.decode([token]) if tokenizer is not None else None
+        return self.tokenizer.decode([token]) if self._decodes(seq) else None
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-
-def detokenize_incrementally(tokenizer, seq: Sequence, flush: bool = False) -> str:
-    """Append the text of `seq`'s newest output token to `seq.output_text`; return the new text.
-
-    Decodes only a short window of recent tokens, and holds text back while it ends in an
-    incomplete UTF-8 character (decoded as U+FFFD), as vLLM does, unless `flush` (the end).
-    """
-    tokens = seq.output_token_ids
-    skip = seq.params.skip_special_tokens
-    prefix = tokenizer.decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(tokens[seq.prefix_offset :], skip_special_tokens=skip)
-    if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
-        new_text = full[len(prefix) :]
-        seq.prefix_offset = seq.read_offset
-        seq.read_offset = len(tokens)
-        seq.output_text += new_text
-        return new_text
-    return ""
 
 
 def completions(group: SequenceGroup, decode: Callable[[list[int]], str] | None) -> list[CompletionOutput]:

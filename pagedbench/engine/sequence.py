@@ -39,9 +39,7 @@ class Sequence:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     output_text: str = ""
-    # Incremental detokenization offsets into the output tokens (see tokenizer.py).
-    prefix_offset: int = 0
-    read_offset: int = 0
+    detokenizer: object | None = None  # its IncrementalDetokenizer, from its first output token (detokenizer.py)
     num_preemptions: int = 0
     state_slot: int = -1  # hybrid models: its linear-attention state slot while it holds pages (-1: none)
     priority: int = 0  # lower runs first under the "priority" scheduling policy
@@ -71,11 +69,8 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.block_keys = list(self.block_keys)
         child.status = self.status
-        child.output_text, child.prefix_offset, child.read_offset = (
-            self.output_text,
-            self.prefix_offset,
-            self.read_offset,
-        )
+        child.output_text = self.output_text
+        child.detokenizer = None if self.detokenizer is None else self.detokenizer.fork()
         child.index = index
         child.priority = self.priority
         child.cumulative_logprob = self.cumulative_logprob
