@@ -141,6 +141,19 @@ class EngineConfig:
         ("mp", "external_launcher"),
     )
     enable_prefix_caching: bool = setting(True, "share the KV pages of common prompt prefixes (vLLM v1's default)")
+    mamba_block_size: int | None = setting(
+        None,
+        "hybrid models' prefix caching: tokens between snapshots of the DeltaNet state, a multiple of block_size "
+        "(vLLM's name; None: vLLM's align rule, the fewest pages whose K/V in one attention layer outweighs one "
+        "DeltaNet layer's state, so snapshots cost at most what the pages they stand for cost per layer)",
+        minimum=1,
+    )
+    num_state_snapshots: int | None = setting(
+        None,
+        "hybrid models' prefix caching: DeltaNet state snapshots kept, least recently used evicted first (None: "
+        "one per max_num_seqs, within a quarter of the KV cache budget; 0 turns prefix caching off for them)",
+        minimum=0,
+    )
     scheduling_policy: str = setting("fcfs", "fcfs, or priority: lowest value first", ("fcfs", "priority"))
     preemption_mode: str = setting("recompute", "what preemption does with K/V", ("recompute", "swap"))
     swap_space: float = setting(4.0, "GiB of CPU memory for swapped-out pages", minimum=0)

@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedbench.engine.block_manager import BlockManager, blocks_needed
+from pagedbench.engine.prefix_cache import chained_key
 from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
 from pagedbench.engine.sequence import Sequence, SequenceStatus
+from pagedbench.engine.state_snapshots import SnapshotPlan
 from pagedbench.sample.sampling_params import SamplingParams
 
 
@@ -371,6 +373,96 @@ class HybridBlockManagerMachine(BlockManagerMachine):
 
 HybridBlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 test_hybrid_state_slots_state_machine = HybridBlockManagerMachine.TestCase
+
+
+class HybridPrefixCachingMachine(HybridBlockManagerMachine):
+    """Hybrid prefix caching: a prefix hit resumes from a DeltaNet state snapshot. A model of the
+    state tensors records, per slot, the tokens whose state it holds (a step's run writes its
+    sequences' slots and the snapshots it was given; queued copies run first, as the engine runs
+    them). Checked after every operation: a sequence about to continue finds exactly its computed
+    tokens' state in its slot, a ready snapshot holds the state of the prefix its key names, and
+    the snapshot slots are never lost, shared with a running slot, or counted twice."""
+
+    SNAPSHOTS, INTERVAL = 3, 4  # every 2 pages of 2
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(12, 2, num_state_slots=self.SLOTS, state_snapshots=SnapshotPlan(3, self.INTERVAL))
+        self.state: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its state has seen
+
+    def _compute(self, seq: Sequence, n: int) -> bool:
+        if not self._schedule(seq, n):
+            return False
+        self._run([seq], [n])
+        return True
+
+    def _schedule(self, seq: Sequence, n: int) -> bool:
+        """As the scheduler: allocate, and register the pages the step will write (so that a request
+        admitted in the same step shares them, while the state snapshots are not written yet)."""
+        if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
+            return False
+        self.bm.allocate(seq, seq.num_computed_tokens + n)
+        self.bm.cache_computed_blocks(seq, seq.num_computed_tokens + n)
+        return True
+
+    def _run(self, seqs: list[Sequence], ns: list[int]) -> None:
+        for src, dst in self.bm.take_state_copies():
+            self.state[dst] = self.state[src]
+        for seq, n in zip(seqs, ns):
+            start = seq.num_computed_tokens
+            assert self.state.get(seq.state_slot, ()) == tuple(seq.token_ids[:start]) or not start, "resumed wrongly"
+            for boundary, snapshot in seq.state_snapshots:
+                assert start < boundary <= start + n
+                assert boundary % self.INTERVAL == 0 or boundary == seq.snapshot_junction
+                self.state[snapshot] = tuple(seq.token_ids[:boundary])
+            self.state[seq.state_slot] = tuple(seq.token_ids[: start + n])
+        self.kv.run_step(self.bm, SchedulerOutput(seqs, ns))
+        for seq, n in zip(seqs, ns):
+            seq.num_computed_tokens += n
+            self.bm.cache_computed_blocks(seq)
+
+    @rule(family=st.integers(0, 2), lengths=st.lists(st.integers(1, 9), min_size=2, max_size=3))
+    def admit_together(self, family, lengths):
+        """Requests of one family admitted in one step: later ones share the first's pages, not its
+        snapshots (written by the step), and each resumes only from a snapshot written before."""
+        batch = []
+        for length in lengths:
+            seq = Sequence(str(self.ids), None, [family * 50 + t for t in range(length)], SamplingParams())
+            self.ids += 1
+            self.bm.match_prefix(seq)
+            if not self._schedule(seq, seq.num_uncomputed_tokens):
+                self.bm.free(seq)
+                break
+            batch.append(seq)
+        if batch:
+            self._run(batch, [s.num_uncomputed_tokens for s in batch])
+            self.seqs += batch
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.seqs))
+        if self.bm.num_free_state_slots:
+            child = parent.fork(parent.index + 1)
+            self.bm.fork(parent, child)
+            for src, dst in self.bm.take_state_copies():
+                self.state[dst] = self.state[src]
+            self.seqs.append(child)
+
+    @invariant()
+    def snapshots_hold_their_prefixes(self):
+        snaps = self.bm.snapshots
+        for key, slot in snaps.ready.items():
+            assert slot >= self.SLOTS, "a snapshot in a running sequence's slot"
+            prefix, chain = self.state[slot], None
+            for i in range(0, len(prefix), 2):
+                chain = chained_key(chain, prefix[i : i + 2])
+            assert chain == key, "a snapshot holds another prefix's state"
+        assert snaps.num_slots == self.SNAPSHOTS and len(set(snaps.ready.values())) == len(snaps.ready)
+
+
+HybridPrefixCachingMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+test_hybrid_prefix_caching_state_machine = HybridPrefixCachingMachine.TestCase
 
 
 def test_pages_released_behind_a_window_are_never_cached_after_a_swap():

@@ -80,6 +80,42 @@ def test_every_attention_backend_gives_the_tokens(qwen35, backend):
     assert generate(path, backend, **SETTINGS["chunked"])[1] == want
 
 
+@pytest.fixture(scope="module", params=["qwen3.5", "qwen3-next"])
+def hybrid(hybrid_models, request):
+    """(model directory, Hugging Face's model) of each tiny hybrid model."""
+    return hybrid_models[request.param]
+
+
+def test_prefix_caching_resumes_from_state_snapshots(hybrid):
+    """A shared 45-token prefix, pages of 4, snapshots every 12 tokens: a warm-up request snapshots
+    12/24/36/48; a batch admitted together resumes at 36 (its pages match to 44, the junction, which
+    one of them snapshots); the next batch resumes at 44. Tokens equal Hugging Face's and prefix
+    caching off; most prompt tokens hit; every slot comes back."""
+    path, hf = hybrid
+    prefix = [(7 * i + 3) % 240 + 5 for i in range(45)]
+    warm, *batches = [
+        [prefix + [100 + 9 * j + t for t in range(1 + j % 5)] for j in range(k, k + 3)] for k in (0, 3, 6)
+    ]
+    settings = dict(block_size=4, num_blocks=128, mamba_block_size=12, max_num_seqs=4)
+    runs = {}
+    for caching in (True, False):
+        llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", enable_prefix_caching=caching, **settings)
+        outs = [
+            llm.generate([{"prompt_token_ids": p} for p in group], GREEDY, use_tqdm=False)
+            for group in (warm[:1], *batches)
+        ]
+        runs[caching] = llm, outs
+    llm, outs = runs[True]
+    assert [[o.outputs[0].token_ids for o in g] for g in outs] == [
+        [o.outputs[0].token_ids for o in g] for g in runs[False][1]
+    ]
+    assert [o.num_cached_tokens for o in outs[1]] == [36, 36, 36] and [o.num_cached_tokens for o in outs[2]] == [44] * 3
+    assert outs[2][0].outputs[0].token_ids == hf_greedy(hf, batches[1][0], MAX_TOKENS)
+    bm = llm.engine.block_manager
+    assert bm.prefix_hits >= 0.5 * bm.prefix_queries and bm.snapshots.restored == 6
+    assert bm.num_free_state_slots == bm.num_state_slots  # every running slot back
+
+
 def test_forked_samples_continue_their_parents_state(qwen35):
     """n=3 seeded samples fork after the prompt: each equals the same seed run alone."""
     path, _ = qwen35
@@ -100,7 +136,7 @@ def test_what_hybrid_models_refuse_or_turn_off(qwen35, caplog):
     with pytest.raises(ValueError, match="roll its DeltaNet state back"):
         LLM(path, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with caplog.at_level(logging.WARNING):
-        llm = LLM(path, device="cpu", num_blocks=32)
+        llm = LLM(path, device="cpu", num_blocks=32, num_state_snapshots=0)
     assert not llm.engine.config.enable_prefix_caching and "prefix caching off" in caplog.text
     assert llm.engine.cuda_graphs.startswith("off")
     caches = llm.engine.runner.kv_caches  # pages for the attention layer only: the DeltaNet layers keep states
@@ -142,7 +178,8 @@ def test_compare_reports_the_deltanet_share_and_the_hf_peer(qwen35, tmp_path):
     # (test_greedy_matches_hf holds every token on chosen prompts); most tokens must still agree.
     assert hf["identical_token_share"] >= 0.9
     assert (engine["linear_attention_share"] > 0).all() and (engine["attention_share"] > 0).all()
-    assert not engine["enable_prefix_caching"].any()
+    assert engine["enable_prefix_caching"].all()  # resumed from DeltaNet state snapshots
+    assert (engine["state_snapshot_bytes"] > 0).all() and (engine["mamba_block_size"] % engine["block_size"] == 0).all()
 
 
 def delta_rule_oracle(layer, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from pagedbench.model.config import ModelConfig
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.moe import experts_kernel
 from pagedbench.model.parallel import TPShard
+from pagedbench.worker.linear_state import state_bytes_per_sequence
 from pagedbench.worker.model_runner import kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_kv_utilization": st.peak_blocks_used / engine.num_blocks,
         "peak_running_seqs": st.peak_running,
         "world_size": engine.world_size,  # processes (GPUs) the engine runs on: dp x tp x pp
-        # as the engine ran it (a hybrid model turns prefix caching off), not as the scenario asked
+        # as the engine ran it (a hybrid model keeping no state snapshots turns it off), not as the scenario asked
         "enable_prefix_caching": engine.config.enable_prefix_caching,
         # Pipeline parallelism: steps in flight when each was launched (1: the stages never overlap).
         "mean_steps_in_flight": st.in_flight_steps / max(st.steps, 1) if pipelined else 1.0,
@@ -151,6 +152,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "cuda_graphs": engine.cuda_graphs,  # "on: sizes, capture time, MiB" or "off: why"
         "prefix_cache_queries": counters.prefix_queries,  # prompt tokens looked up
         "prefix_cache_hits": counters.prefix_hits,  # of which cached
+        **snapshot_columns(engine),
         "peak_shared_blocks": st.peak_shared_blocks,
         "block_copies": st.block_copies,  # copy-on-write page copies (forked samples)
         "mean_kv_utilization": st.used_block_steps / max(st.steps, 1) / engine.num_blocks,
@@ -165,6 +167,20 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
     ]
     timeline = kv_timeline(st.timeline, engine.num_blocks)
     return Measurement(row, [ids for samples in output_ids for ids in samples], per_request, timeline)
+
+
+def snapshot_columns(engine) -> dict:
+    """A hybrid model's prefix caching: tokens between DeltaNet state snapshots, how many it keeps
+    and the bytes they take (engine/state_snapshots.py); nothing for other models."""
+    plan = getattr(getattr(engine, "executor", None), "state_snapshots", None)
+    if plan is None:
+        return {"mamba_block_size": np.nan, "state_snapshots": 0, "state_snapshot_bytes": 0}
+    per_snapshot = state_bytes_per_sequence(engine.model_config, engine.dtype)
+    return {
+        "mamba_block_size": plan.interval,
+        "state_snapshots": plan.count,
+        "state_snapshot_bytes": plan.count * per_snapshot,
+    }
 
 
 def device_columns(device: dict[str, float], step_wall: float) -> dict:

@@ -9,6 +9,7 @@ import pandas as pd
 import torch
 
 from pagedbench.engine.block_manager import blocks_needed
+from pagedbench.engine.executor import default_mamba_block_size
 from pagedbench.model.config import ModelConfig
 from pagedbench.worker.linear_state import state_bytes_per_sequence
 from pagedbench.worker.model_runner import kv_bytes_per_block
@@ -50,6 +51,8 @@ def kv_table(
                 "seq len": length,
                 "blocks per seq": per_seq,
                 **({"state MiB per seq": state / 2**20} if state else {}),
+                # prefix caching resumes a hybrid's state only where it was snapshotted: every this many tokens
+                **({"snapshot every": default_mamba_block_size(cfg, bs, dtype, kv)} if state else {}),
                 "concurrent seqs": memory_bytes // (per_seq * per_token * bs + state),
                 "wasted slots per seq": per_seq * bs - length,
                 "wasted %": round(100 * (per_seq * bs - length) / (per_seq * bs), 2),

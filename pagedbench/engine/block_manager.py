@@ -31,6 +31,7 @@ from collections import deque
 
 from pagedbench.engine.prefix_cache import PrefixCache, block_key
 from pagedbench.engine.sequence import Sequence
+from pagedbench.engine.state_snapshots import SnapshotPlan, StateSnapshots
 
 
 def _needs_prompt_logits(seq: Sequence) -> bool:
@@ -65,13 +66,18 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         sliding_window: int | None = None,
         num_state_slots: int = 0,
+        state_snapshots: SnapshotPlan | None = None,
     ):
         self.num_blocks = num_blocks
         # Hybrid models: a sequence holding pages also holds one linear-attention state slot (a
         # swapped-out one keeps it: its state stays on the device); a fork's slot starts as a copy.
         self.num_state_slots = num_state_slots
         self._free_slots: deque[int] = deque(range(num_state_slots))
-        self.pending_state_copies: list[tuple[int, int]] = []  # (parent slot, child slot), for the engine
+        self.pending_state_copies: list[tuple[int, int]] = []  # (source slot, slot), for the engine
+        # Their prefix caching: DeltaNet state snapshots at block boundaries, in slots after the running ones.
+        self.snapshots = None
+        if num_state_slots and enable_prefix_caching and state_snapshots is not None and state_snapshots.count:
+            self.snapshots = StateSnapshots(num_state_slots, state_snapshots, block_size)
         self.sliding_window = sliding_window  # set only when every layer is windowed
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
@@ -164,6 +170,11 @@ class BlockManager:
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
         self._take_slot(seq)
+        if seq.restore_from >= 0:  # a prefix hit resumes from a state snapshot: copied before the step
+            self.pending_state_copies.append((seq.restore_from, seq.state_slot))
+            seq.restore_from = -1
+        if self.snapshots is not None:
+            self.snapshots.plan(seq, num_tokens)
         for index in self._shared_writes(seq, num_tokens):
             shared = seq.block_table[index]
             self._unref(shared)
@@ -202,6 +213,8 @@ class BlockManager:
         if seq.state_slot >= 0:
             self._free_slots.append(seq.state_slot)
             seq.state_slot = -1
+        if self.snapshots is not None:
+            self.snapshots.release(seq)
 
     # ---- swap space ---------------------------------------------------------------------------
 
@@ -288,9 +301,21 @@ class BlockManager:
             self._num_shared += self.ref_counts[block] == 2
             seq.block_table.append(block)
             seq.block_keys.append(key)
+        if self.num_state_slots:  # a hybrid resumes only where its DeltaNet state was snapshotted
+            self._trim_to_snapshot(seq)
         hit = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = hit
         return hit
+
+    def _trim_to_snapshot(self, seq: Sequence) -> None:
+        """Keep a hybrid's prefix hit up to its longest block with a state snapshot; past it, the
+        matched pages' end becomes the junction its step snapshots for the next request."""
+        matched = len(seq.block_table)
+        keep = self.snapshots.resume_point(seq, matched) if self.snapshots is not None else 0
+        seq.snapshot_junction = matched * self.block_size if matched > keep else 0
+        for block in reversed(seq.block_table[keep:]):
+            self._unref(block)
+        del seq.block_table[keep:], seq.block_keys[keep:]
 
     def count_lookup(self, seq: Sequence, hit: int) -> None:
         """Record one admitted request's prefix-cache lookup (its prompt tokens, and the hits)."""
@@ -305,6 +330,8 @@ class BlockManager:
         every layer writes the step's K/V before any attention reads the cache."""
         if not self.enable_prefix_caching:
             return
+        if self.snapshots is not None:
+            self.snapshots.promote(seq)
         upto = seq.num_computed_tokens if num_tokens is None else num_tokens
         upto = min(upto, seq.num_tokens)  # verified tokens are computed a moment before they are appended
         for index in range(len(seq.block_keys), upto // self.block_size):
@@ -316,3 +343,5 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (evictable ones become fresh); blocks in use stay allocated."""
         self._fresh.extend(self.prefix_cache.reset())
+        if self.snapshots is not None:
+            self.snapshots.reset()

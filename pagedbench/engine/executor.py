@@ -20,6 +20,7 @@ from pagedbench.device.timer import DeviceTimer
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.engine.kv_budget import cuda_kv_budget, num_kv_blocks
 from pagedbench.engine.sequence import Sequence
+from pagedbench.engine.state_snapshots import SnapshotPlan
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.loader import ResolvedModel, build_model, resolve_model_config, weights_path
@@ -53,6 +54,30 @@ def page_bytes(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None
 def num_state_slots(config: EngineConfig, cfg: ModelConfig) -> int:
     """Hybrid models: one linear-attention state slot per sequence that can run at once."""
     return config.max_num_seqs if cfg.linear is not None else 0
+
+
+def snapshot_plan(
+    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, budget: int | None
+) -> SnapshotPlan | None:
+    """A hybrid model's snapshots (None: not a hybrid, or no prefix caching): how many
+    (num_state_snapshots; by default one per max_num_seqs, within a quarter of `budget`, the bytes
+    the KV pages would get, where known) and how far apart (mamba_block_size; by default vLLM's
+    align rule: the fewest pages whose K/V in one attention layer outweighs one DeltaNet layer's state)."""
+    if cfg.linear is None or not config.enable_prefix_caching:
+        return None
+    state = state_bytes_per_sequence(cfg, dtype)
+    count = config.num_state_snapshots
+    if count is None:
+        count = config.max_num_seqs if budget is None else min(config.max_num_seqs, max(0, budget) // 4 // state)
+    interval = config.mamba_block_size or default_mamba_block_size(cfg, config.block_size, dtype, config.kv_cache_dtype)
+    return SnapshotPlan(count, interval)
+
+
+def default_mamba_block_size(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """vLLM's align rule: the fewest pages whose K/V in one attention layer outweighs one DeltaNet
+    layer's state, in tokens (528 for Qwen3.5-0.8B in bf16 at pages of 16)."""
+    page = kv_bytes_per_block(cfg, block_size, dtype, kv_cache_dtype=kv_cache_dtype, num_layers=1)
+    return block_size * blocks_needed(state_bytes_per_sequence(cfg, dtype) // sum(cfg.linear.layers), page)
 
 
 class Executor:
@@ -206,6 +231,7 @@ class Executor:
         """(num_blocks, max_model_len): max_model_len None is as long as the model allows and the
         cache holds; an explicit one the cache cannot hold is an error."""
         config, bs = self.config, self.config.block_size
+        self.state_snapshots = snapshot_plan(config, self.model_config, self.dtype, None)  # with num_blocks given
         num_blocks = config.num_blocks or self._auto_num_blocks(backend, config.max_model_len or max_len_cap)
         # A sequence holds its whole length in pages, or, when every layer is windowed, only the pages
         # of its window and the step's chunk (the rest are released as it goes).
@@ -238,10 +264,16 @@ class Executor:
             args = (per_block, rows, self.device, self.dtype)
             budget = cuda_kv_budget(config, self.model, backend, max_model_len, *args)
         slots = num_state_slots(config, self.model_config)
-        if slots:  # hybrid models: the DeltaNet state slots share the budget
-            state = slots * state_bytes_per_sequence(self.model_config, self.dtype)
-            logger.info("linear-attention state: %d slots, %.2f GiB", slots, state / 2**30)
-            budget -= state
+        if slots:  # hybrid models: the DeltaNet state slots (and prefix caching's snapshots) share the budget
+            per_slot = state_bytes_per_sequence(self.model_config, self.dtype)
+            budget -= slots * per_slot
+            self.state_snapshots = snapshot_plan(config, self.model_config, self.dtype, budget)
+            snapshots = self.state_snapshots.count if self.state_snapshots is not None else 0
+            budget -= snapshots * per_slot
+            logger.info(
+                "linear-attention state: %d slots and %d prefix-cache snapshots, %.2f GiB",
+                slots, snapshots, (slots + snapshots) * per_slot / 2**30,
+            )  # fmt: skip
         return num_kv_blocks(config, budget, per_block, max_model_len)
 
     def _start_runner(self, backend: LayerAttention) -> ModelRunner | ParallelRunner:
@@ -253,7 +285,8 @@ class Executor:
             self.num_cpu_blocks = int(config.swap_space * 2**30) // per_block
         runner = ModelRunner(
             self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks,
-            config.kv_cache_dtype, config.calculate_kv_scales, self.num_state_slots, config.index_cache_dtype,
+            config.kv_cache_dtype, config.calculate_kv_scales, self.num_state_slots + self.num_state_snapshots,
+            config.index_cache_dtype,
         )  # fmt: skip
         if self.workers is None:
             return runner
@@ -268,6 +301,11 @@ class Executor:
     @property
     def num_state_slots(self) -> int:
         return num_state_slots(self.config, self.model_config)
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """Hybrid models' prefix-cache snapshots: slots after the running ones in the same state tensors."""
+        return self.state_snapshots.count if self.state_snapshots is not None else 0
 
     def _graph_off_reason(self, backend: LayerAttention) -> str | None:
         if self.config.enforce_eager:

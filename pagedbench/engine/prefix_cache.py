@@ -18,10 +18,15 @@ def key_digest(key: BlockKey) -> bytes:
     return hashlib.sha256(key[0] + repr(key[1]).encode()).digest()
 
 
+def chained_key(parent: BlockKey | None, token_ids) -> BlockKey:
+    """The key of a block holding `token_ids` after the block keyed `parent` (None: the first block)."""
+    return (b"" if parent is None else key_digest(parent)), tuple(token_ids)
+
+
 def block_key(seq: Sequence, index: int, block_size: int) -> BlockKey:
     """The key of `seq`'s logical block `index` (its keys before it must be in seq.block_keys)."""
-    parent = key_digest(seq.block_keys[index - 1]) if index else b""
-    return parent, tuple(seq.token_ids[index * block_size : (index + 1) * block_size])
+    parent = seq.block_keys[index - 1] if index else None
+    return chained_key(parent, seq.token_ids[index * block_size : (index + 1) * block_size])
 
 
 class PrefixCache:

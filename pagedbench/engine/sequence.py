@@ -42,6 +42,11 @@ class Sequence:
     detokenizer: object | None = None  # its IncrementalDetokenizer, from its first output token (detokenizer.py)
     num_preemptions: int = 0
     state_slot: int = -1  # hybrid models: its linear-attention state slot while it holds pages (-1: none)
+    # Hybrid models' prefix caching (engine/state_snapshots.py): the (boundary, snapshot slot) pairs its
+    # next step writes, the snapshot a prefix hit resumes from (-1: none) and the hit's junction.
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    restore_from: int = -1
+    snapshot_junction: int = 0
     priority: int = 0  # lower runs first under the "priority" scheduling policy
     index: int = 0  # which of its request's samples or beams this is
     cumulative_logprob: float = 0.0  # sum of the model's log-probabilities of its output tokens
@@ -59,10 +64,12 @@ class Sequence:
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
 
-    def fork(self, index: int) -> "Sequence":
+    def fork(self, index: int, into: "Sequence | None" = None) -> "Sequence":
         """A copy sharing this sequence's progress (tokens, computed count, text); its block
-        table is filled by BlockManager.fork, which shares the pages."""
-        child = Sequence(self.request_id, self.prompt, self.prompt_token_ids, self.params, self.arrival_time)
+        table is filled by BlockManager.fork, which shares the pages. `into`: an earlier fork of
+        this sequence, not yet scheduled (a sample that drew its first token before the step's
+        bookkeeping), brought up to date; it keeps its generator."""
+        child = into or Sequence(self.request_id, self.prompt, self.prompt_token_ids, self.params, self.arrival_time)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.draft_computed = self.draft_computed

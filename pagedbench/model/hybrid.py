@@ -4,7 +4,8 @@ fixed-size state per sequence instead of pages (their gated full attention is ll
 A DeltaNet layer reads and writes each sequence's state in its slot of the step's
 `LinearStateCache` (worker/linear_state.py): the conv window (the last conv_kernel - 1 inputs) and
 the recurrent state [value heads, key dim, value dim]. A sequence's first chunk starts from zeros;
-a later chunk (chunked prefill) or a decode continues from its slot. The recurrences are the torch
+a later chunk (chunked prefill), a decode, or a prefix hit (its slot restored from a snapshot)
+continues from its slot; a chunk is cut where prefix caching snapshots the state. The recurrences are the torch
 forms transformers ships (chunked for several tokens, recurrent for one), so the tokens are
 Hugging Face's; each sequence of the step runs on its own (a loop over the batch, host indices).
 """
@@ -98,7 +99,7 @@ class GatedDeltaNet(nn.Module):
         chunked, recurrent = delta_rule_kernels()
         out = x.new_empty(x.shape[0], lin.num_value_heads, lin.value_head_dim)
         weight = self.conv1d.weight  # [C, 1, K]
-        for _, slot, start, end, continues in step.sequences():
+        for slot, start, end, continues, snapshot in step.segments():
             # The conv over this chunk, its window starting with the previous chunk's last inputs.
             window = conv_states[slot] if continues else mixed.new_zeros(lin.conv_dim, lin.conv_kernel - 1)
             inputs = torch.cat((window, mixed[start:end].T), dim=-1)  # [C, K-1+L]
@@ -116,6 +117,8 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
             states[slot] = final[0]
             out[start:end] = o[0]
+            if snapshot is not None:  # prefix caching: the state after these rows, kept for a later prompt
+                conv_states[snapshot], states[snapshot] = conv_states[slot], states[slot]
         out = self.norm(out.reshape(-1, lin.value_head_dim), z.reshape(-1, lin.value_head_dim))
         return self.out_proj(out.reshape(x.shape[0], lin.value_dim))
 
@@ -128,8 +131,8 @@ def _grouped(t: torch.Tensor, heads: int, sizes: list[int]) -> list[torch.Tensor
 
 def hybrid_engine_config(config):
     """The engine settings a hybrid model runs with so far: one device (the DeltaNet layers are not
-    sharded), no speculative decoding (a rejected token would have to roll the state back), and no
-    prefix caching (a cached prefix's pages come without the linear layers' state at that point)."""
+    sharded) and no speculative decoding (a rejected token would have to roll the state back).
+    Prefix caching resumes from DeltaNet state snapshots; with none kept (num_state_snapshots 0) it is off."""
     import dataclasses
     import logging
 
@@ -137,9 +140,9 @@ def hybrid_engine_config(config):
         raise ValueError("hybrid (gated DeltaNet) models run on one device so far: no tensor or pipeline parallelism")
     if config.speculative_config is not None:
         raise ValueError("speculative decoding on a hybrid model would have to roll its DeltaNet state back: refused")
-    if config.enable_prefix_caching:
+    if config.enable_prefix_caching and config.num_state_snapshots == 0:
         logging.getLogger(__name__).warning(
-            "prefix caching off: a hybrid model's cached prefix has no DeltaNet state to resume from yet"
+            "prefix caching off: num_state_snapshots=0 keeps no DeltaNet state for a cached prefix to resume from"
         )
         config = dataclasses.replace(config, enable_prefix_caching=False)
     return config

@@ -5,7 +5,7 @@ sequence holds one slot while it holds pages (the block manager hands them out);
 each DeltaNet layer which slot each of its sequences reads and whether it continues a state."""
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,15 +49,24 @@ def state_bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype) -> int:
 @dataclass(slots=True)
 class LinearStep:
     """One step's view of the state cache: each scheduled sequence's slot, its rows in the flat
-    batch, and whether it continues its state (it has computed tokens) or starts from zeros."""
+    batch, whether it continues its state (it has computed tokens) or starts from zeros, and the
+    snapshots (prefix caching) its chunk writes on the way."""
 
     cache: LinearStateCache
     slots: list[int]  # [S]
     query_start_loc: list[int]  # [S + 1]
     context_lens: list[int]  # [S]
+    snapshots: list[list[tuple[int, int]]] = field(default_factory=list)  # [S] (rows of its chunk, slot)
 
-    def sequences(self) -> Iterator[tuple[int, int, int, int, bool]]:
-        """(sequence, slot, first row, end row, continues) for each scheduled sequence."""
+    def segments(self) -> Iterator[tuple[int, int, int, bool, int | None]]:
+        """(slot, first row, end row, continues, snapshot slot or None) for each run of rows a
+        DeltaNet layer computes at once: a sequence's chunk, cut after each row its state is
+        snapshotted at (that run's end state is copied to the snapshot slot)."""
         qsl = self.query_start_loc
         for i, slot in enumerate(self.slots):
-            yield i, slot, qsl[i], qsl[i + 1], self.context_lens[i] > 0
+            first, start = qsl[i], qsl[i]
+            cuts = self.snapshots[i] if self.snapshots else []
+            for rows, snapshot in [*cuts, (qsl[i + 1] - first, None)]:
+                if first + rows > start:  # (the last cut may end the chunk)
+                    yield slot, start, first + rows, start > first or self.context_lens[i] > 0, snapshot
+                start = first + rows

@@ -197,14 +197,15 @@ class ModelRunner(RunsWhole):
         if self.linear_states is None:
             return None
         qsl, ctx = plan.query_start_loc.tolist(), plan.context_lens.tolist()
-        return LinearStep(self.linear_states, plan.state_slots, qsl, ctx)
+        return LinearStep(self.linear_states, plan.state_slots, qsl, ctx, plan.state_snapshots)
 
     def _sparse_step(self, meta, timer) -> SparseStep | None:
         cfg = self.model.config
         return None if cfg.indexer is None else SparseStep.build(meta, self.index_caches, cfg, timer)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        """Linear-attention state of slot src -> slot dst (a fork's sample continues its parent's)."""
+        """Linear-attention state of slot src -> slot dst (a fork's sample continues its parent's; a
+        prefix hit resumes from a snapshot)."""
         self.linear_states.copy(pairs)
 
     @property

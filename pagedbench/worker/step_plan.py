@@ -60,6 +60,8 @@ class StepPlan:
     # per sampling row: proposed tokens it verifies (its logits rows are 1 + that many, in order)
     num_spec: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # [S] hybrid models: each sequence's state slot
+    # [S] hybrid models: (rows of the sequence's chunk after which, snapshot slot) its state is copied to
+    state_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_sampling_logits(self) -> int:
@@ -166,6 +168,10 @@ def plan_step(seqs: list[ScheduledSequence], num_new: list[int], block_size: int
         sampling_rows=sampling_rows,
         num_spec=num_spec,
         state_slots=[getattr(s, "state_slot", -1) for s in seqs],
+        state_snapshots=[
+            [(boundary - int(context[i]), slot) for boundary, slot in getattr(s, "state_snapshots", ())]
+            for i, s in enumerate(seqs)
+        ],
         prompt_logprob_rows=prompt_logprob_rows,
         block_size=block_size,
         num_cache_blocks=num_cache_blocks,
