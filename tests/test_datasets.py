@@ -128,7 +128,7 @@ def test_a_trace_drives_bench_serve_arrivals_within_5_percent(monkeypatch):
     requests = [Request([1, 2, 3], SamplingParams(max_tokens=2), t) for t in stamps]
     launched = []
 
-    async def record(session, url, model, request, api_key):
+    async def record(client, model, request):
         launched.append(time.perf_counter())
         return None
 

@@ -510,6 +510,32 @@ def test_bench_serve_against_our_server(server, tmp_path, capsys):
     assert "--request-rate must be > 0" in capsys.readouterr().err
 
 
+def test_bench_serve_client_measures_each_request_and_counts_failures(server, chat_model):
+    """bench-serve's openai client, per request: the first chunk's time, a gap per later token, the
+    usage's token count and the whole time; a refused request (a wrong key, a prompt past the
+    512-token context, a server that is not there) is a failure with its reason, not an exception."""
+    from pagedbench.bench.scenario import Request
+    from pagedbench.bench.serve_client import replay, summarize
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    requests = [Request(list(range(3, 3 + k)), params, 0.0) for k in (4, 9, 17)]
+    model = str(chat_model)
+    results, duration = asyncio.run(replay(server, model, requests, float("inf"), None, KEY, 0))
+    for r in results:
+        assert r.ok and r.error == "" and r.output_len == 6 and len(r.itl_s) == 5
+        assert r.ttft_s > 0 and all(gap > 0 for gap in r.itl_s) and r.e2el_s >= r.ttft_s + sum(r.itl_s) - 1e-6
+        assert r.tpot_s > 0
+    too_long = Request(list(range(3, 3 + 600)), params, 0.0)
+    failed, _ = asyncio.run(replay(server, model, [requests[0], too_long], 20.0, 1, "wrong-key", 0))
+    assert [r.ok for r in failed] == [False, False] and all(r.error.startswith("HTTP 401: ") for r in failed)
+    failed, _ = asyncio.run(replay(server, model, [requests[0], too_long], 20.0, None, KEY, 0))
+    assert [r.ok for r in failed] == [True, False] and failed[1].error.startswith("HTTP 400: ")
+    gone, _ = asyncio.run(replay("http://127.0.0.1:9", model, requests[:1], 20.0, None, None, 0))
+    assert not gone[0].ok and gone[0].error.startswith("APIConnectionError")
+    row = summarize([*results, *failed, *gone], duration, {})
+    assert row["completed"] == 4 and row["failed"] == 2 and row["median_ttft_ms"] > 0 and row["p99_itl_ms"] > 0
+
+
 def test_max_tokens_defaults_chat_to_the_context_and_completions_to_16(client, chat_model):
     """vLLM's defaults: a chat reply may fill the context (max_model_len 512 here); a completion stops at 16."""
     messages = [{"role": "user", "content": "hello world"}]

@@ -3,11 +3,11 @@
 TTFT, TPOT, ITL and E2EL (mean, median, p90, p99), request and token throughput, and goodput
 (requests per second that met every stated SLO). Definitions as vLLM's benchmark_serving:
 TTFT is the first streamed chunk, ITL the gaps between chunks, TPOT (E2EL - TTFT) / (tokens - 1).
-Prompts are sent as token ids, so every server gets exactly the scenario's lengths."""
+Prompts are sent as token ids, so every server gets exactly the scenario's lengths; requests go
+through the openai client's streaming completions."""
 
 import asyncio
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -46,52 +46,47 @@ def structured_outputs_body(params) -> dict:
     return {name: value for name, value in fields.items() if value is not None and value is not False}
 
 
-async def send(session, url: str, model: str, request: Request, api_key: str | None) -> ClientResult:
+async def send(client, model: str, request: Request) -> ClientResult:
+    """One streamed completion through the openai client (an openai.AsyncOpenAI); a failure (an
+    HTTP error, an error event mid-stream, a dropped connection) is the result's error, not raised."""
+    import openai
+
     p = request.params
-    body = {
-        "model": model,
-        "prompt": request.prompt_token_ids,
-        "max_tokens": p.max_tokens,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "n": p.n,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": p.ignore_eos,  # vLLM's extension; exact output lengths
-    }
+    extra = {"ignore_eos": p.ignore_eos}  # vLLM's extension; exact output lengths
     if p.structured_outputs is not None:  # vLLM's structured_outputs request field
-        body["structured_outputs"] = structured_outputs_body(p.structured_outputs)
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        extra["structured_outputs"] = structured_outputs_body(p.structured_outputs)
     result = ClientResult(False, len(request.prompt_token_ids))
     start = last = time.perf_counter()
     try:
-        async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return result
-            chunks = 0
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                now = time.perf_counter()
-                if chunk.get("choices"):
-                    if chunks == 0:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    chunks += 1
-                    last = now
-                if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
-            result.e2el_s = time.perf_counter() - start
-            result.output_len = result.output_len or chunks
-            result.ok = True
-    except Exception as e:  # noqa: BLE001 (a connection error is a failed request, not a crash)
+        stream = await client.completions.create(
+            model=model,
+            prompt=request.prompt_token_ids,
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            n=p.n,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+        chunks = 0
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices:
+                if chunks == 0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                chunks += 1
+                last = now
+            if chunk.usage:
+                result.output_len = chunk.usage.completion_tokens
+        result.e2el_s = time.perf_counter() - start
+        result.output_len = result.output_len or chunks
+        result.ok = True
+    except openai.APIStatusError as e:
+        result.error = f"HTTP {e.status_code}: {e.response.text[:200]}"
+    except Exception as e:  # noqa: BLE001 (an error event or a connection error is a failed request, not a crash)
         result.error = f"{type(e).__name__}: {e}"
     return result
 
@@ -108,7 +103,7 @@ async def replay(
     """Send `requests` with Poisson arrivals at `rate` per second (inf: all at once; None: at each
     request's own arrival_time, a trace's), at most `max_concurrency` in flight; returns the results
     in request order and the wall time."""
-    import aiohttp
+    import openai
 
     rng = np.random.default_rng(seed)
     if rate is None:  # a trace: the gaps between its timestamps
@@ -120,11 +115,15 @@ async def replay(
 
     async def one(request):
         async with limit:
-            return await send(session, url, model, request, api_key)
+            return await send(client, model, request)
 
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
-    ) as session:
+    # No retries (a failure is measured, not hidden), no timeout, no cap on connections (the semaphore is the
+    # cap); the Limits class is that of whichever httpx the openai client is built on.
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=None, max_keepalive_connections=None)
+    http_client = openai.DefaultAsyncHttpxClient(limits=limits, timeout=None)
+    async with openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key=api_key or "EMPTY", max_retries=0, timeout=None, http_client=http_client
+    ) as client:
         start = time.perf_counter()
         tasks, due = [], 0.0
         for request, gap in zip(requests, gaps):
