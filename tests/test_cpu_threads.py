@@ -1,6 +1,6 @@
 """CPU threads for a command: the usable cores less those other work keeps busy at start."""
 
-import os
+import sys
 
 import pytest
 import torch
@@ -8,37 +8,47 @@ import torch
 from pagedbench.device import cpu_threads
 
 
-def _fake_proc_stat(monkeypatch, busy_shares: list[float], cores: list[int]):
-    """Two /proc/stat samples 1000 jiffies apart in which core i was busy busy_shares[i] of the time."""
-    samples = iter(
-        [
-            {i: (0, 0) for i in range(len(busy_shares))},
-            {i: (int(1000 * share), 1000) for i, share in enumerate(busy_shares)},
-        ]
-    )
-    monkeypatch.setattr(cpu_threads, "_cpu_times", lambda: next(samples))
+def _fake_psutil(monkeypatch, busy_shares: list[float], cores: list[int]):
+    """psutil's per-core sample, in which core i was busy busy_shares[i] of the time."""
+    psutil = pytest.importorskip("psutil")
+    asked = []
+
+    def cpu_percent(interval=None, percpu=False):
+        asked.append((interval, percpu))
+        return [100.0 * share for share in busy_shares]
+
+    monkeypatch.setattr(psutil, "cpu_percent", cpu_percent)
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: cores)
-    monkeypatch.setattr(cpu_threads.time, "sleep", lambda s: None)
+    return asked
 
 
 def test_a_busy_core_gets_no_thread(monkeypatch):
-    _fake_proc_stat(monkeypatch, [1.0, 0.1], [0, 1])
+    asked = _fake_psutil(monkeypatch, [1.0, 0.1], [0, 1])
     assert cpu_threads.default_threads() == (1, "2 usable cores, 1 busy at start")
+    assert asked == [(cpu_threads.SAMPLE_SECONDS, True)]  # one short per-core sample
+
+
+def test_without_psutil_every_usable_core_gets_a_thread(monkeypatch):
+    """`pip install --no-deps` (the GPU machine) may leave psutil out: no error, no busy-core check."""
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil raises ImportError
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: [0, 1, 2])
+    assert cpu_threads.busy_cores([0, 1, 2]) is None
+    assert cpu_threads.default_threads() == (3, "3 usable cores, busy ones unknown (no psutil)")
 
 
 def test_light_background_work_takes_no_core(monkeypatch):
-    _fake_proc_stat(monkeypatch, [0.2, 0.2, 0.05, 0.0], [0, 1, 2, 3])
+    _fake_psutil(monkeypatch, [0.2, 0.2, 0.05, 0.0], [0, 1, 2, 3])
     assert cpu_threads.default_threads()[0] == 4
 
 
 def test_only_the_cores_this_process_may_use_count(monkeypatch):
     """Core 0 is busy but outside the affinity mask (taskset, a cgroup): it takes nothing."""
-    _fake_proc_stat(monkeypatch, [1.0, 0.0, 0.0], [1, 2])
+    _fake_psutil(monkeypatch, [1.0, 0.0, 0.0], [1, 2])
     assert cpu_threads.default_threads() == (2, "2 usable cores, 0 busy at start")
 
 
 def test_every_core_busy_still_leaves_one_thread(monkeypatch):
-    _fake_proc_stat(monkeypatch, [1.0, 1.0], [0, 1])
+    _fake_psutil(monkeypatch, [1.0, 1.0], [0, 1])
     assert cpu_threads.default_threads()[0] == 1
 
 
@@ -48,18 +58,17 @@ def test_omp_num_threads_wins(monkeypatch):
     try:
         assert cpu_threads.choose_threads() is None and torch.get_num_threads() == before
         monkeypatch.delenv("OMP_NUM_THREADS")
-        _fake_proc_stat(monkeypatch, [1.0, 0.0], [0, 1])
+        _fake_psutil(monkeypatch, [1.0, 0.0], [0, 1])
         assert cpu_threads.choose_threads() == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux's /proc/stat")
-def test_usable_cores_and_proc_stat_on_this_machine():
+def test_usable_cores_and_busy_cores_on_this_machine():
+    pytest.importorskip("psutil")
     cores = cpu_threads.usable_cores()
     assert cores and all(isinstance(c, int) for c in cores)
-    times = cpu_threads._cpu_times()
-    assert set(cores) <= set(times) and all(0 <= busy <= total for busy, total in times.values())
+    assert 0 <= cpu_threads.busy_cores(cores, seconds=0.05) <= len(cores)
 
 
 def test_the_python_api_chooses_threads_as_the_cli_does(monkeypatch, capsys):

@@ -8,7 +8,6 @@ slower than 1 thread (docs/benchmarks.md; 10x has been seen). So a busy core get
 
 import logging
 import os
-import time
 
 logger = logging.getLogger(__name__)
 
@@ -23,34 +22,19 @@ def usable_cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def _cpu_times() -> dict[int, tuple[int, int]]:
-    """cpu index -> (busy jiffies, total jiffies) from /proc/stat; {} where there is none."""
-    times = {}
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                name, *fields = line.split()
-                if not name.startswith("cpu") or name == "cpu":
-                    continue
-                values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-                idle = values[3] + values[4]
-                times[int(name[3:])] = (sum(values) - idle, sum(values))
-    except (OSError, ValueError):
-        return {}
-    return times
-
-
-def busy_cores(cores: list[int], seconds: float = SAMPLE_SECONDS) -> int:
+def busy_cores(cores: list[int], seconds: float = SAMPLE_SECONDS) -> int | None:
     """How many of `cores` other work keeps busy now: each core's busy share over a short sample
-    (this process sleeps through it), summed and rounded."""
-    before = _cpu_times()
-    time.sleep(seconds)
-    after = _cpu_times()
-    busy = 0.0
-    for cpu in cores:
-        if cpu in before and cpu in after:
-            total = after[cpu][1] - before[cpu][1]
-            busy += (after[cpu][0] - before[cpu][0]) / total if total > 0 else 0.0
+    (psutil's per-core percentages; this process sleeps through it), summed and rounded. None where
+    it cannot be measured (psutil is not installed, as under `pip install --no-deps`)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        percents = psutil.cpu_percent(interval=seconds, percpu=True)
+    except (OSError, RuntimeError, NotImplementedError):
+        return None
+    busy = sum(percents[cpu] for cpu in cores if cpu < len(percents)) / 100
     return int(busy + 0.5)
 
 
@@ -58,6 +42,8 @@ def default_threads() -> tuple[int, str]:
     """(threads, why): the usable cores less the busy ones, at least 1."""
     cores = usable_cores()
     busy = busy_cores(cores)
+    if busy is None:
+        return len(cores), f"{len(cores)} usable cores, busy ones unknown (no psutil)"
     threads = max(1, len(cores) - busy)
     return threads, f"{len(cores)} usable cores, {busy} busy at start"
 
