@@ -116,6 +116,32 @@ def test_prefix_caching_resumes_from_state_snapshots(hybrid):
     assert bm.num_free_state_slots == bm.num_state_slots  # every running slot back
 
 
+@pytest.mark.slow
+def test_tensor_parallel_2_splits_the_deltanet_heads(qwen35):
+    """TP 2: each rank holds one of the two key heads with its two value heads (their q/k/v rows and
+    conv channels, z/b/a, A_log/dt_bias; out_proj row-parallel) and those heads' states. Under
+    recompute preemption with prefix caching (restores from snapshots on every rank), and for a
+    forked request: Hugging Face's tokens, and every slot back on rank 0."""
+    path, want = qwen35
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", tensor_parallel_size=2, **SETTINGS["recompute"])
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+        pair = llm.generate(
+            [{"prompt_token_ids": PROMPTS[2]}],
+            SamplingParams(temperature=0, max_tokens=8, n=2, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert [c.token_ids for c in pair[0].outputs] == [want[2][:8]] * 2
+        recurrent = llm.engine.runner.local.linear_states.recurrent[0]
+        assert recurrent.shape[1] == 2  # this rank's two value heads of four
+        bm = llm.engine.block_manager
+        assert bm.num_free_state_slots == bm.num_state_slots
+    finally:
+        llm.shutdown()
+
+
 def test_forked_samples_continue_their_parents_state(qwen35):
     """n=3 seeded samples fork after the prompt: each equals the same seed run alone."""
     path, _ = qwen35
@@ -131,8 +157,8 @@ def test_forked_samples_continue_their_parents_state(qwen35):
 
 def test_what_hybrid_models_refuse_or_turn_off(qwen35, caplog):
     path, _ = qwen35
-    with pytest.raises(ValueError, match="one device so far"):
-        LLM(path, device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="one pipeline stage"):
+        LLM(path, device="cpu", pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="roll its DeltaNet state back"):
         LLM(path, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with caplog.at_level(logging.WARNING):

@@ -57,15 +57,15 @@ def num_state_slots(config: EngineConfig, cfg: ModelConfig) -> int:
 
 
 def snapshot_plan(
-    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, budget: int | None
+    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, budget: int | None, tp: TPShard = NO_TP
 ) -> SnapshotPlan | None:
     """A hybrid model's snapshots (None: not a hybrid, or no prefix caching): how many
     (num_state_snapshots; by default one per max_num_seqs, within a quarter of `budget`, the bytes
-    the KV pages would get, where known) and how far apart (mamba_block_size; by default vLLM's
+    a rank's KV pages would get, where known) and how far apart (mamba_block_size; by default vLLM's
     align rule: the fewest pages whose K/V in one attention layer outweighs one DeltaNet layer's state)."""
     if cfg.linear is None or not config.enable_prefix_caching:
         return None
-    state = state_bytes_per_sequence(cfg, dtype)
+    state = state_bytes_per_sequence(cfg, dtype, tp)
     count = config.num_state_snapshots
     if count is None:
         count = config.max_num_seqs if budget is None else min(config.max_num_seqs, max(0, budget) // 4 // state)
@@ -265,9 +265,9 @@ class Executor:
             budget = cuda_kv_budget(config, self.model, backend, max_model_len, *args)
         slots = num_state_slots(config, self.model_config)
         if slots:  # hybrid models: the DeltaNet state slots (and prefix caching's snapshots) share the budget
-            per_slot = state_bytes_per_sequence(self.model_config, self.dtype)
+            per_slot = state_bytes_per_sequence(self.model_config, self.dtype, self.tp)
             budget -= slots * per_slot
-            self.state_snapshots = snapshot_plan(config, self.model_config, self.dtype, budget)
+            self.state_snapshots = snapshot_plan(config, self.model_config, self.dtype, budget, self.tp)
             snapshots = self.state_snapshots.count if self.state_snapshots is not None else 0
             budget -= snapshots * per_slot
             logger.info(
@@ -290,7 +290,7 @@ class Executor:
         )  # fmt: skip
         if self.workers is None:
             return runner
-        self.workers.start(self.device, self.num_blocks, self.num_cpu_blocks)
+        self.workers.start(self.device, self.num_blocks, self.num_cpu_blocks, runner.num_state_slots)
         weakref.finalize(self, self.workers.shutdown)
         if self.stage.size > 1:
             return PipelineRunner(runner, self.workers, StageLink(self.stage, 0, self.tp.size))

@@ -18,7 +18,8 @@ from einops import rearrange
 from torch import nn
 
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.layers import AttentionContext
+from pagedbench.model.layers import AttentionContext, column_parallel, row_parallel
+from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, local_linear, shard_param, shard_param_parts
 
 
 @functools.cache
@@ -50,24 +51,38 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear-attention layer, under Hugging Face's parameter names."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPShard = NO_TP):
         super().__init__()
-        lin = cfg.linear
-        self.layer_idx, self.lin = layer_idx, lin
-        h = cfg.hidden_size
+        full = cfg.linear
+        lin = local_linear(full, tp)  # this rank's key heads, each with its value heads (all at tp=1)
+        self.layer_idx, self.lin, self.tp = layer_idx, lin, tp
+        h, dk, dv = cfg.hidden_size, lin.key_head_dim, lin.value_head_dim
+        k0, v0 = tp.rank * lin.num_key_heads, tp.rank * lin.num_value_heads  # first key / value head
+        # q | k | v rows (the conv's channels): this rank's heads of each part
+        qkv_parts = [
+            (k0 * dk, lin.key_dim),
+            (full.key_dim + k0 * dk, lin.key_dim),
+            (2 * full.key_dim + v0 * dv, lin.value_dim),
+        ]
         if lin.projection == "grouped":  # Qwen3-Next: two projections laid out per key head
-            self.in_proj_qkvz = nn.Linear(h, lin.conv_dim + lin.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(h, 2 * lin.num_value_heads, bias=False)
+            per_key = lin.conv_dim + lin.value_dim  # rows of one rank's key heads, contiguous
+            self.in_proj_qkvz = column_parallel(h, full.conv_dim + full.value_dim, tp.rank * per_key, per_key, False)
+            ba = 2 * lin.num_value_heads
+            self.in_proj_ba = column_parallel(h, 2 * full.num_value_heads, tp.rank * ba, ba, False)
         else:
             self.in_proj_qkv = nn.Linear(h, lin.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(h, lin.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(h, lin.num_value_heads, bias=False)
-            self.in_proj_a = nn.Linear(h, lin.num_value_heads, bias=False)
+            shard_param_parts(self.in_proj_qkv.weight, 0, qkv_parts, full.conv_dim)
+            self.in_proj_z = column_parallel(h, full.value_dim, v0 * dv, lin.value_dim, False)
+            self.in_proj_b = column_parallel(h, full.num_value_heads, v0, lin.num_value_heads, False)
+            self.in_proj_a = column_parallel(h, full.num_value_heads, v0, lin.num_value_heads, False)
         self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False)
+        shard_param_parts(self.conv1d.weight, 0, qkv_parts, full.conv_dim)
         self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
-        self.norm = GatedRMSNorm(lin.value_head_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(lin.value_dim, h, bias=False)
+        for param in (self.dt_bias, self.A_log):
+            shard_param(param, 0, v0, lin.num_value_heads, full.num_value_heads)
+        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
+        self.out_proj = row_parallel(full.value_dim, h, v0 * dv, lin.value_dim, False, tp.rank)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x [T, hidden] (the step's flat tokens) -> [T, hidden]; each sequence's slot updated."""
@@ -120,7 +135,7 @@ class GatedDeltaNet(nn.Module):
             if snapshot is not None:  # prefix caching: the state after these rows, kept for a later prompt
                 conv_states[snapshot], states[snapshot] = conv_states[slot], states[slot]
         out = self.norm(out.reshape(-1, lin.value_head_dim), z.reshape(-1, lin.value_head_dim))
-        return self.out_proj(out.reshape(x.shape[0], lin.value_dim))
+        return all_reduce(self.out_proj(out.reshape(x.shape[0], lin.value_dim)), self.tp)
 
 
 def _grouped(t: torch.Tensor, heads: int, sizes: list[int]) -> list[torch.Tensor]:
@@ -130,14 +145,15 @@ def _grouped(t: torch.Tensor, heads: int, sizes: list[int]) -> list[torch.Tensor
 
 
 def hybrid_engine_config(config):
-    """The engine settings a hybrid model runs with so far: one device (the DeltaNet layers are not
-    sharded) and no speculative decoding (a rejected token would have to roll the state back).
-    Prefix caching resumes from DeltaNet state snapshots; with none kept (num_state_snapshots 0) it is off."""
+    """The engine settings a hybrid model runs with so far: one pipeline stage (tensor parallelism
+    splits its DeltaNet layers by key heads) and no speculative decoding (a rejected token would
+    have to roll the state back). Prefix caching resumes from DeltaNet state snapshots; with none
+    kept (num_state_snapshots 0) it is off."""
     import dataclasses
     import logging
 
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-        raise ValueError("hybrid (gated DeltaNet) models run on one device so far: no tensor or pipeline parallelism")
+    if config.pipeline_parallel_size > 1:
+        raise ValueError("hybrid (gated DeltaNet) models run in one pipeline stage (tensor parallelism splits them)")
     if config.speculative_config is not None:
         raise ValueError("speculative decoding on a hybrid model would have to roll its DeltaNet state back: refused")
     if config.enable_prefix_caching and config.num_state_snapshots == 0:

@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
         # hybrid model's linear layers, gated DeltaNet (hybrid.py).
         self.mixer_name = "linear_attn" if cfg.is_linear_layer(layer_idx) else "self_attn"
         if cfg.is_linear_layer(layer_idx):
-            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx, tp)
         else:
             self.self_attn = (Attention if cfg.mla is None else MLAAttention)(cfg, layer_idx, tp)
         # The feed-forward block, under the checkpoint's name: a dense MLP or an MoE layer (moe.py).

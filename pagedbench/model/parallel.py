@@ -2,7 +2,9 @@
 weight a rank holds, and the two collectives the model needs.
 
 Column-parallel: q/k/v (by heads) and gate/up (by intermediate rows). Row-parallel, followed by
-an all-reduce: o_proj and down_proj. Vocab-parallel: the embedding (masked lookup, all-reduce)
+an all-reduce: o_proj and down_proj. A hybrid model's DeltaNet layers split by key heads (each with
+its value heads): q/k/v/z/b/a and the conv channels column-parallel, out_proj row-parallel, and
+each rank keeps its heads' states. Vocab-parallel: the embedding (masked lookup, all-reduce)
 and the LM head (local vocabulary slice, gathered on rank 0). With fewer KV heads than ranks,
 each KV head is replicated on tp / num_kv_heads ranks, as in vLLM. Norms are replicated.
 
@@ -10,6 +12,7 @@ Pipeline parallelism (PPStage) gives each stage a contiguous run of layers; the 
 embedding, the last the final norm and the LM head. With both, a stage's tensor-parallel ranks
 are their own group (`group_ranks`), and world rank = stage x tp + tensor-parallel rank."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +63,8 @@ class TPShard:
             problems.append(f"intermediate_size={cfg.intermediate_size}")
         if cfg.moe is not None and cfg.moe.intermediate_size % n:
             problems.append(f"each expert's intermediate size {cfg.moe.intermediate_size}")
+        if cfg.linear is not None and cfg.linear.num_key_heads % n:
+            problems.append(f"linear_num_key_heads={cfg.linear.num_key_heads}")
         if problems:
             raise ValueError(f"tensor_parallel_size={n} does not divide the model's {', '.join(problems)}")
 
@@ -167,6 +172,13 @@ def shard_param(param: torch.nn.Parameter, dim: int, start: int, length: int, fu
     param.tp_slice = (dim, start, length, tuple(full_shape))
 
 
+def shard_param_parts(param: torch.nn.Parameter, dim: int, parts: list[tuple[int, int]], full_size: int) -> None:
+    """Mark `param` as the (start, length) row ranges `parts` along `dim` of a full tensor, side by
+    side: a rank's share of a merged projection (a DeltaNet layer's q | k | v rows)."""
+    shard_param(param, dim, 0, param.shape[dim], full_size)
+    param.tp_parts = parts
+
+
 def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     """The checkpoint's shape of this (possibly sharded) parameter."""
     return param.tp_slice[3] if hasattr(param, "tp_slice") else tuple(param.shape)
@@ -177,7 +189,17 @@ def local_part(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     if not hasattr(param, "tp_slice"):
         return full
     dim, start, length, _ = param.tp_slice
+    if hasattr(param, "tp_parts"):
+        return torch.cat([full.narrow(dim, s, n) for s, n in param.tp_parts], dim)
     return full.narrow(dim, start, length)
+
+
+def local_linear(lin, tp: TPShard):
+    """A hybrid model's LinearAttention as one rank holds it: its share of the key and value heads
+    (value head i reads key head i // (value heads per key head), so a rank's are contiguous)."""
+    return dataclasses.replace(
+        lin, num_key_heads=tp.heads(lin.num_key_heads)[1], num_value_heads=tp.heads(lin.num_value_heads)[1]
+    )
 
 
 def all_reduce(x: torch.Tensor, tp: TPShard) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedbench.model.config import ModelConfig
+from pagedbench.model.parallel import NO_TP, TPShard, local_linear
 
 
 @dataclass(slots=True)
@@ -18,8 +19,10 @@ class LinearStateCache:
     recurrent: dict[int, torch.Tensor]  # layer -> [slots, value heads, key dim, value dim] fp32
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, layers: list[int], num_slots: int, device, dtype) -> "LinearStateCache":
-        lin = cfg.linear
+    def allocate(
+        cls, cfg: ModelConfig, layers: list[int], num_slots: int, device, dtype, tp: TPShard = NO_TP
+    ) -> "LinearStateCache":
+        lin = local_linear(cfg.linear, tp)  # this tensor-parallel rank's heads
         conv = (num_slots, lin.conv_dim, lin.conv_kernel - 1)
         rec = (num_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
         linear = [i for i in layers if cfg.is_linear_layer(i)]
@@ -36,11 +39,12 @@ class LinearStateCache:
                 t[dst] = t[src]
 
 
-def state_bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """What one sequence's slot holds across the linear layers (conv windows and fp32 recurrent states)."""
-    lin = cfg.linear
-    if lin is None:
+def state_bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype, tp: TPShard = NO_TP) -> int:
+    """What one sequence's slot holds across the linear layers (conv windows and fp32 recurrent
+    states), on one tensor-parallel rank."""
+    if cfg.linear is None:
         return 0
+    lin = local_linear(cfg.linear, tp)
     per_layer = lin.conv_dim * (lin.conv_kernel - 1) * dtype.itemsize
     per_layer += lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * 4
     return per_layer * sum(lin.layers)

@@ -87,8 +87,11 @@ class ModelRunner(RunsWhole):
         # Hybrid models: pages only for the attention layers, and a DeltaNet state slot per sequence the
         # block manager can admit (engine: num_state_slots).
         layers = [i for i in stage_layers if not cfg.is_linear_layer(i)]
+        self.num_state_slots = num_state_slots  # (with prefix caching's snapshot slots after the running ones)
         self.linear_states = (
-            LinearStateCache.allocate(cfg, stage_layers, num_state_slots, device, dtype) if cfg.linear else None
+            LinearStateCache.allocate(cfg, stage_layers, num_state_slots, device, dtype, model.tp)
+            if cfg.linear
+            else None
         )
         shape = (len(layers), cfg.kv_planes, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(kv_cache_dtype, dtype)
