@@ -9,7 +9,7 @@ from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.sequence import Sequence
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.config import ModelConfig
-from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams, is_int
+from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams, is_int
 
 
 class InputProcessor:
@@ -174,3 +174,22 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
             if ids and ids not in out:
                 out.append(ids)
     return out
+
+
+def engine_logits_processors(processors) -> list[BatchLogitsProcessor]:
+    """LLM(logits_processors=...): BatchLogitsProcessor instances, or subclasses to build; TypeError otherwise."""
+    if processors is None:
+        return []
+    if not isinstance(processors, (list, tuple)):
+        raise TypeError(f"logits_processors must be a list, got {type(processors).__name__}")
+    built = []
+    for p in processors:
+        if isinstance(p, type) and issubclass(p, BatchLogitsProcessor):
+            p = p()
+        if not isinstance(p, BatchLogitsProcessor):
+            raise TypeError(
+                "LLM(logits_processors=...) takes BatchLogitsProcessor instances or subclasses (batch-wise, every "
+                f"row); got {p!r} (a per-request function goes in SamplingParams.logits_processors)"
+            )
+        built.append(p)
+    return built

@@ -1,7 +1,8 @@
-"""LLMEngine: requests in, one step at a time, RequestOutputs out. It only orchestrates: the
-InputProcessor turns a prompt into a request, the Scheduler picks the step's work (the
-BlockManager its pages), the Executor runs the model, the TokenPicker samples, and the
-OutputProcessor turns new tokens into text, stops and outputs.
+"""LLMEngine: requests in, one step at a time, RequestOutputs out. It holds the requests and
+orchestrates: the InputProcessor turns a prompt into a request, and EngineCore.step (engine_core.py)
+runs a step: the Scheduler picks the work (the BlockManager its pages), the Executor runs the
+model, the TokenPicker samples (the Speculator verifying proposals), Scheduler.update_from_output
+applies the step to its sequences, and the OutputProcessor makes the outputs.
 
 Under pipeline parallelism a step is launched and completed later: each request runs in one of
 as many lanes as stages (the least loaded when it arrives), one step per lane is in flight, and
@@ -11,40 +12,26 @@ import dataclasses
 import itertools
 import secrets
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from pagedbench.config import EngineConfig
 from pagedbench.engine.block_manager import BlockManager
+from pagedbench.engine.engine_core import EngineCore
 from pagedbench.engine.executor import Executor
-from pagedbench.engine.input_processor import InputProcessor
+from pagedbench.engine.input_processor import InputProcessor, engine_logits_processors
 from pagedbench.engine.output_processor import OutputProcessor
 from pagedbench.engine.outputs import RequestOutput
-from pagedbench.engine.proposers import DraftModelProposer, NgramProposer
 from pagedbench.engine.request import SequenceGroup
-from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
-from pagedbench.engine.sequence import SequenceStatus
-from pagedbench.engine.speculator import Speculator
-from pagedbench.engine.stats import EngineStats, RunCounters, wasted_slots
+from pagedbench.engine.scheduler import Scheduler
+from pagedbench.engine.speculator import make_speculator
+from pagedbench.engine.stats import EngineStats, RunCounters, gauges
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.engine.token_picker import TokenPicker
 from pagedbench.model.fused import dynamo_seconds
 from pagedbench.model.hybrid import hybrid_engine_config
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
-from pagedbench.sample.sampling_params import BatchLogitsProcessor, BeamSearchParams, SamplingParams
-
-
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step whose model call has started: what it scheduled, the executor's handle, and the wall
-    times (start, scheduled, proposed) so far."""
-
-    sched: SchedulerOutput
-    launched: tuple
-    times: tuple[float, float, float]
-    lane: int | None
+from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLMEngine:
@@ -73,15 +60,14 @@ class LLMEngine:
             ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks,
             cfg.window_of_every_layer, ex.num_state_slots, ex.state_snapshots,
         )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.scheduling_policy,
-            config.preemption_mode,
-        )
         self.stats = EngineStats()
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
+            config.preemption_mode, requests=self.requests, outputs=self.output_processor, stats=self.stats,
+            model_config=cfg, max_model_len=self.max_model_len,
+        )  # fmt: skip
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer,
             cfg.vocab_size,
@@ -94,38 +80,19 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             config, cfg, self.tokenizer, self.max_model_len, self.device, self.structured_outputs
         )
-        self.output_processor = OutputProcessor(self.tokenizer, cfg, self.max_model_len, self.scheduler)
         self.token_picker = TokenPicker(
-            self.requests,
-            self.scheduler,
-            self.input_processor,
-            self.output_processor,
-            cfg,
-            self.device,
-            config.seed,
-            self.stats,
-            ex.timer,
-            self.structured_outputs,
+            self.requests, self.input_processor, cfg, self.device, config.seed, ex.timer, self.structured_outputs,
             logits_processors,
+        )  # fmt: skip
+        self.speculator = make_speculator(
+            config.speculative, ex, self.scheduler, cfg, self.token_picker.sampler, self.max_model_len,
+            self.structured_outputs,
+        )  # fmt: skip
+        self.core = EngineCore(
+            self.scheduler, ex, self.token_picker, self.speculator, self.output_processor, self.stats, self.requests
         )
-        self.speculator = self._speculator()
+        self.lane_load = self.core.lane_load  # pipeline parallelism: unfinished requests per lane
         self._ids = itertools.count()
-        # Pipeline parallelism: unfinished requests per lane, the steps in flight (oldest first),
-        # and aborts that wait for their request's step to come back.
-        self.lane_load = [0] * ex.pipeline_depth
-        self.in_flight: deque[LaunchedStep] = deque()
-        self._pending_aborts: set[str] = set()
-
-    def _speculator(self) -> Speculator | None:
-        spec = self.config.speculative
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            proposer = NgramProposer(spec)
-        else:
-            proposer = DraftModelProposer(self.executor.draft_runner)
-        args = (self.model_config, self.token_picker.sampler, self.stats, self.max_model_len, self.structured_outputs)
-        return Speculator(spec, proposer, self.scheduler, self.output_processor, self.requests, *args)
 
     @classmethod
     def from_engine_args(cls, args: EngineConfig) -> "LLMEngine":
@@ -156,33 +123,8 @@ class LLMEngine:
         self.timer.enabled = enabled
 
     def gauges(self) -> dict[str, float]:
-        """What the server's /metrics reads now: requests by queue (a request's samples count once),
-        KV use, the token, preemption and prefix-cache counters and, when speculating, the
-        proposals' counters (a data-parallel front sums its replicas' gauges)."""
-        sched, bm, st = self.scheduler, self.block_manager, self.stats
-
-        def requests(queue) -> int:
-            return len({s.request_id for s in queue})
-
-        spec = {}
-        if self.speculator is not None:
-            spec = {
-                "spec_drafts": st.spec.num_drafts,
-                "spec_draft_tokens": st.spec.num_draft_tokens,
-                "spec_accepted_tokens": st.spec.num_accepted_tokens,
-            } | {f"spec_accepted_at_{j}": n for j, n in enumerate(st.spec.accepted_per_position)}
-        return spec | {
-            "running": requests(sched.running),
-            "waiting": requests(sched.waiting),
-            "swapped": requests(sched.swapped),
-            "used_blocks": bm.num_used_blocks,
-            "num_blocks": bm.num_blocks,
-            "prompt_tokens": st.prompt_tokens,
-            "generation_tokens": st.generation_tokens,
-            "preemptions": st.preemptions,
-            "prefix_queries": bm.prefix_queries,
-            "prefix_hits": bm.prefix_hits,
-        }
+        """What the server's /metrics reads now (stats.gauges; a data-parallel front sums its replicas')."""
+        return gauges(self.scheduler, self.stats, speculating=self.speculator is not None)
 
     def reset_counters(self) -> None:
         """Start counting a run: stats, device spans, prefix-cache and compile counters from zero."""
@@ -238,32 +180,13 @@ class LLMEngine:
         group = self.input_processor.process(request_id, prompt, params or SamplingParams(), arrival_time, priority)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        lane = min(range(len(self.lane_load)), key=self.lane_load.__getitem__)
-        group.lane = group.seqs[0].lane = lane
-        self.lane_load[lane] += 1
-        self.requests[request_id] = group
-        self.scheduler.add(group.seqs[0])
+        self.core.add_request(group)
         return request_id
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one request or several (vLLM v1 takes a list); unknown ids are ignored. A request
         whose step is in flight is aborted when the step comes back."""
-        busy = {step.lane for step in self.in_flight}
-        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            group = self.requests.get(rid)
-            if group is not None and group.lane in busy:
-                self._pending_aborts.add(rid)
-                continue
-            self._forget(rid)
-            for seq in group.seqs if group is not None else []:
-                if not seq.finished:
-                    self.scheduler.finish(seq, "abort")
-
-    def _forget(self, request_id: str) -> None:
-        """A request leaves the engine (finished or aborted)."""
-        group = self.requests.pop(request_id, None)
-        if group is not None:
-            self.lane_load[group.lane] -= 1
+        self.core.abort_requests([request_id] if isinstance(request_id, str) else list(request_id))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -306,131 +229,7 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns outputs of the requests that progressed. Under
-        pipeline parallelism: launch every idle lane's batch, then complete the oldest in flight."""
-        if self.executor.pipeline_depth > 1:
-            return self._pipelined_step()
-        launched = self._launch(None)
-        return [] if launched is None else self._complete(launched)
-
-    def _pipelined_step(self) -> list[RequestOutput]:
-        try:
-            busy = {step.lane for step in self.in_flight}
-            for lane in range(self.executor.pipeline_depth):
-                if lane not in busy and (launched := self._launch(lane)) is not None:
-                    self.in_flight.append(launched)
-                    self.stats.in_flight_steps += len(self.in_flight)
-            if not self.in_flight:
-                return []
-            outputs = self._complete(self.in_flight.popleft())
-        except BaseException:
-            while self.in_flight:  # the stages hold steps nobody will collect: the pipeline is gone
-                self._abandon(self.in_flight.popleft().sched)
-            self.executor.shutdown(broken=True)
-            raise
-        for rid in [r for r in self._pending_aborts if r not in self.requests or not self._lane_busy(r)]:
-            self._pending_aborts.discard(rid)
-            self.abort_request(rid)
-        return outputs
-
-    def _lane_busy(self, request_id: str) -> bool:
-        return self.requests[request_id].lane in {step.lane for step in self.in_flight}
-
-    def _launch(self, lane: int | None) -> LaunchedStep | None:
-        """Schedule (`lane`'s sequences, under pipeline parallelism) and start the model call."""
-        t_start = time.perf_counter()
-        if self.speculator is not None:
-            self.speculator.before_schedule()
-        sched = self.scheduler.schedule(lane)
-        self.stats.preemptions += sched.num_preempted
-        if sched.empty:
-            return None
-        t_schedule = time.perf_counter()
-        try:
-            self._move_pages()
-            if self.speculator is not None:
-                self.speculator.propose(sched)
-            t_propose = time.perf_counter()
-            launched = self.executor.launch(sched.seqs, sched.num_tokens)
-        except BaseException:
-            self._abandon(sched)
-            raise
-        return LaunchedStep(sched, launched, (t_start, t_schedule, t_propose), lane)
-
-    def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Wait for a launched step's logits, sample, and turn new tokens into outputs."""
-        sched = step.sched
-        try:
-            inputs, logits, forward_times = self.executor.collect(step.launched)
-        except BaseException:
-            self._abandon(sched)
-            raise
-        for seq, n in zip(sched.seqs, sched.num_tokens):
-            self.stats.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
-        plan = inputs.plan
-        num_sampling = plan.num_sampling_logits
-        sampling, sampling_logits = [sched.seqs[i] for i in plan.sampling_rows], logits[:num_sampling]
-        verdicts = []
-        if any(plan.num_spec):  # verifying sequences computed only the tokens they emit
-            sampling, plain_logits, verdicts = self.speculator.verify(sampling, plan.num_spec, sampling_logits)
-            emitted = {id(v.seq): len(v.tokens) for v in verdicts}
-            sched.num_tokens = [emitted.get(id(s), n) for s, n in zip(sched.seqs, sched.num_tokens)]
-        self.scheduler.computed(sched)
-        if plan.prompt_logprob_rows:
-            self.output_processor.record_prompt_logprobs(sched.seqs, plan.prompt_logprob_rows, logits[num_sampling:])
-        progressed = {}  # id -> (request, tokens it got: one, or with speculation up to k + 1)
-        if verdicts:
-            self.speculator.rollback(verdicts)
-            progressed = self.speculator.emit(verdicts, sampling_logits)
-            sampling_logits = plain_logits
-        if sampling:
-            progressed.update((id(g), (g, 1)) for g in self.token_picker(sampling, sampling_logits))
-        t_end = time.perf_counter()
-        bm = self.block_manager
-        wasted = wasted_slots(self.scheduler.running, self.config.block_size)
-        times = (*step.times, *forward_times, t_end)
-        running = len(self.scheduler.running)
-        self.stats.record_step(times, bm.num_used_blocks, bm.num_shared_blocks, wasted, running)
-        for group, count in progressed.values():
-            group.token_times += [t_end] * count  # tokens verified together arrive together
-            if group.finished:
-                self._forget(group.request_id)
-        return [self.output_processor.output(group) for group, _ in progressed.values()]
-
-    def _move_pages(self) -> None:
-        """The page moves the block manager queued for this step: swaps and copy-on-write copies."""
-        swap_out, swap_in = self.block_manager.take_swaps()
-        copies = self.block_manager.take_copies()
-        self.executor.move_pages(swap_out, copies, swap_in, self.block_manager.take_state_copies())
-        self.stats.swap_outs += bool(swap_out)
-        self.stats.block_copies += len(copies)
-
-    def _abandon(self, sched: SchedulerOutput) -> None:
-        """A step that raised (an interrupt, out of memory, a worker) left K/V unwritten: forget
-        every cached prefix (pages registered for this step among them) and send the step's
-        sequences back to recompute, so nothing later reads what was never written."""
-        self.block_manager.reset_prefix_cache()
-        self.block_manager.take_copies()  # moves planned for the abandoned step, if not yet taken
-        self.block_manager.take_swaps()
-        for seq in sched.seqs:
-            if seq.status is SequenceStatus.RUNNING:
-                self.scheduler.preempt(seq, swap=False)
-
-
-def engine_logits_processors(processors) -> list[BatchLogitsProcessor]:
-    """LLM(logits_processors=...): BatchLogitsProcessor instances, or subclasses to build; TypeError otherwise."""
-    if processors is None:
-        return []
-    if not isinstance(processors, (list, tuple)):
-        raise TypeError(f"logits_processors must be a list, got {type(processors).__name__}")
-    built = []
-    for p in processors:
-        if isinstance(p, type) and issubclass(p, BatchLogitsProcessor):
-            p = p()
-        if not isinstance(p, BatchLogitsProcessor):
-            raise TypeError(
-                "LLM(logits_processors=...) takes BatchLogitsProcessor instances or subclasses (batch-wise, every "
-                f"row); got {p!r} (a per-request function goes in SamplingParams.logits_processors)"
-            )
-        built.append(p)
-    return built
+        """Run one scheduled batch (EngineCore.step: schedule, execute, update_from_output, make
+        outputs); returns outputs of the requests that progressed. Under pipeline parallelism:
+        launch every idle lane's batch, then complete the oldest in flight."""
+        return self.core.step()

@@ -1,6 +1,6 @@
 """OutputProcessor: what a step's new tokens mean for their requests. It detokenizes them
-incrementally, checks stop conditions (finishing sequences through the scheduler), records
-logprobs and prompt logprobs, and builds each request's RequestOutput."""
+incrementally and records logprobs and prompt logprobs (for Scheduler.update_from_output, which
+appends the tokens and checks stops), and builds each request's RequestOutput."""
 
 from collections.abc import Callable
 
@@ -10,35 +10,27 @@ from pagedbench.device.transfer import to_device, to_list
 from pagedbench.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from pagedbench.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedbench.engine.request import SequenceGroup
-from pagedbench.engine.scheduler import Scheduler
 from pagedbench.engine.sequence import Sequence
-from pagedbench.engine.stopping import stop_check
-from pagedbench.engine.structured_outputs import advance
-from pagedbench.model.config import ModelConfig
 from pagedbench.sample.sampler import SamplerOutput
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, scheduler: Scheduler):
+    def __init__(self, tokenizer):
         if tokenizer is not None:
             backend_tokenizer(tokenizer)  # a tokenizer DecodeStream cannot use fails here, not mid-step
-        self.tokenizer, self.model_config, self.max_model_len = tokenizer, model_config, max_model_len
-        self.scheduler = scheduler
+        self.tokenizer = tokenizer
 
-    def append_token(self, seq: Sequence, token: int) -> None:
-        """`seq`'s next token: its text, and whether it stops `seq`."""
-        seq.token_ids.append(token)
-        grammar_ended = seq.grammar is not None and not advance(seq, token)
+    def new_text(self, seq: Sequence, token: int) -> str:
+        """The text `seq`'s new output `token` adds to its output_text ("" where it is not decoded)."""
         detokenizer = self._detokenizer(seq)
         new_text = detokenizer.step(token) if detokenizer is not None else ""
         seq.output_text += new_text
-        stop = stop_check(seq, token, new_text, self.model_config.eos_token_ids, self.max_model_len)
-        if stop is None and grammar_ended:  # the constrained output is complete: nothing may follow
-            stop = ("stop", None)
-        if stop is not None:
-            self.scheduler.finish(seq, *stop)
-            if detokenizer is not None and not isinstance(seq.stop_reason, str):
-                seq.output_text += detokenizer.flush()  # text held back for a partial character
+        return new_text
+
+    def flush_text(self, seq: Sequence) -> None:
+        """`seq` has stopped: the text held back for a partial character, unless a stop string ended it."""
+        if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+            seq.output_text += seq.detokenizer.flush()
 
     def record_logprobs(self, seqs: list[Sequence], rows: list[int], out: SamplerOutput) -> None:
         """For the batch rows `rows` (of `seqs`): cumulative logprobs, and where the request asks
@@ -87,6 +79,13 @@ class OutputProcessor:
 
     def output(self, group: SequenceGroup) -> RequestOutput:
         return request_output(group, self._decode)
+
+    def process_outputs(self, progressed: list, now: float) -> list[RequestOutput]:
+        """The outputs of the requests a step progressed (RequestProgress, from update_from_output),
+        whose new tokens arrived `now` (tokens verified together arrive together)."""
+        for p in progressed:
+            p.group.token_times += [now] * p.num_new_tokens
+        return [self.output(p.group) for p in progressed]
 
     def _decodes(self, seq: Sequence) -> bool:
         """Whether `seq`'s tokens become text: there is a tokenizer and the request did not ask for token ids only."""

@@ -10,15 +10,24 @@ and waits in the queue without being readmitted until it resumes.
 
 Under pipeline parallelism each request runs in one lane, and a step schedules one lane's
 sequences (`schedule(lane)`): the other lanes' steps may be in flight, so their sequences are
-neither scheduled nor preempted; pages and max_num_seqs are shared by every lane."""
+neither scheduled nor preempted; pages and max_num_seqs are shared by every lane.
 
+After the step, `update_from_output` (step_update.py, mixed in) applies what the model and the
+sampler produced: computed tokens, appended tokens, rollback, stops, forks."""
+
+import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedbench.engine.block_manager import BlockManager
+from pagedbench.engine.output_processor import OutputProcessor
 from pagedbench.engine.queue_order import QueueOrder
+from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.sequence import Sequence, SequenceStatus
+from pagedbench.engine.stats import EngineStats
+from pagedbench.engine.step_update import StepUpdate
+from pagedbench.model.config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -42,8 +51,10 @@ class SchedulerOutput:
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-class Scheduler:
-    """Owns the waiting, running and swapped queues; the engine calls its methods, never edits them."""
+class Scheduler(StepUpdate):
+    """Owns the waiting, running and swapped queues; the engine calls its methods, never edits them.
+    `requests` (the engine's, by id), `outputs` (text and logprob entries), `stats`, `model_config`
+    (its EOS ids, read at each stop check) and `max_model_len` serve update_from_output."""
 
     def __init__(
         self,
@@ -52,6 +63,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "fcfs",
         preemption_mode: str = "recompute",
+        *,
+        requests: dict[str, SequenceGroup] | None = None,
+        outputs: OutputProcessor | None = None,
+        stats: EngineStats | None = None,
+        model_config: ModelConfig | None = None,
+        max_model_len: int = sys.maxsize,
     ):
         self.order = QueueOrder(policy)
         if preemption_mode not in PREEMPTION_MODES:
@@ -68,6 +85,10 @@ class Scheduler:
         # pages are allocated with it); None without speculation.
         self.lookahead: Callable[[Sequence], int] | None = None
         self.lane: int | None = None  # the lane being scheduled (None: every sequence)
+        self.requests = {} if requests is None else requests
+        self.outputs = OutputProcessor(None) if outputs is None else outputs
+        self.stats = EngineStats() if stats is None else stats
+        self.model_config, self.max_model_len = model_config, max_model_len
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -238,9 +259,10 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def fork(self, parent: Sequence, index: int) -> Sequence:
-        """A new sequence sharing `parent`'s tokens and pages, queued beside it."""
-        child = parent.fork(index)
+    def fork(self, parent: Sequence, index: int, into: Sequence | None = None) -> Sequence:
+        """A new sequence sharing `parent`'s tokens and pages, queued beside it (`into`: a sample
+        that drew its first token from `parent`'s row before the step's bookkeeping, see Sequence.fork)."""
+        child = parent.fork(index, into)
         if parent.status is SequenceStatus.SWAPPED:  # its pages are in swap space: the child recomputes
             child.status, child.num_computed_tokens, child.block_keys = SequenceStatus.WAITING, 0, []
             child.draft_computed = 0
@@ -252,13 +274,6 @@ class Scheduler:
         elif parent.status is SequenceStatus.WAITING:
             self.waiting.insert(self.waiting.index(parent) + 1, child)
         return child
-
-    def computed(self, out: SchedulerOutput) -> None:
-        """The scheduled tokens of `out` went through the model: their K/V are in the cache."""
-        for seq, n in zip(out.seqs, out.num_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
-            self.block_manager.release_out_of_window(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Stop `seq` for good (stop, length, abort), wherever it is queued, and free its blocks."""

@@ -1,39 +1,25 @@
 """Speculator: speculative decoding's part of an engine step. A decoding sequence may verify up to
 k proposed tokens beyond its next one: the scheduler allocates their pages with it (`lookahead`),
 the proposer fills them in (`propose`), the target runs all k + 1 positions in one forward (a
-query of k + 1 tokens through the attention backend), `verify` accepts a prefix of them by exact
-rejection sampling and adds the target's own next token, and `rollback` returns the pages of the
-rejected ones. Greedy output is token-identical to decoding without speculation; sampled output
-keeps the target's distribution (sample/rejection.py)."""
-
-from dataclasses import dataclass
+query of k + 1 tokens through the attention backend), and `verify` accepts a prefix of them by exact
+rejection sampling and adds the target's own next token; Scheduler.update_from_output then returns
+the pages of the rejected ones (step_update.py). Greedy output is token-identical to decoding
+without speculation; sampled output keeps the target's distribution (sample/rejection.py)."""
 
 import numpy as np
 import torch
 
 from pagedbench.config import SpeculativeConfig
 from pagedbench.device.transfer import to_device, to_list
-from pagedbench.engine.output_processor import OutputProcessor
 from pagedbench.engine.proposers import DraftModelProposer, NgramProposer
-from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
 from pagedbench.engine.sequence import Sequence
-from pagedbench.engine.stats import EngineStats
+from pagedbench.engine.step_update import Sampled, logprob_row
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.config import ModelConfig
 from pagedbench.sample.rejection import positions, verify
 from pagedbench.sample.sampler import Sampler, SamplerOutput, SamplingBatch, fill_logprobs
 from pagedbench.sample.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class Verdict:
-    """A verifying sequence's outcome: the tokens it emits (accepted proposals, then the target's
-    own) and the logits row of each."""
-
-    seq: Sequence
-    tokens: list[int]
-    rows: list[int]
 
 
 class Speculator:
@@ -42,17 +28,13 @@ class Speculator:
         spec: SpeculativeConfig,
         proposer: NgramProposer | DraftModelProposer,
         scheduler: Scheduler,
-        outputs: OutputProcessor,
-        requests: dict[str, SequenceGroup],
         model_config: ModelConfig,
         sampler: Sampler,
-        stats: EngineStats,
         max_model_len: int,
         structured: StructuredOutputManager,
     ):
         self.k, self.proposer = spec.num_speculative_tokens, proposer
-        self.scheduler, self.outputs, self.requests = scheduler, outputs, requests
-        self.model_config, self.sampler, self.stats = model_config, sampler, stats
+        self.scheduler, self.model_config, self.sampler = scheduler, model_config, sampler
         self.max_model_len, self.structured = max_model_len, structured
         scheduler.lookahead = self.lookahead
 
@@ -94,9 +76,10 @@ class Speculator:
 
     def verify(
         self, seqs: list[Sequence], num_spec: list[int], logits: torch.Tensor
-    ) -> tuple[list[Sequence], torch.Tensor, list[Verdict]]:
+    ) -> tuple[list[Sequence], torch.Tensor, list[Sampled]]:
         """Split a step's sampling rows (seqs[i] has 1 + num_spec[i] logits rows, in order): the
-        sequences that sample as usual with their rows, and a Verdict per verifying sequence."""
+        sequences that sample as usual with their rows, and per verifying sequence the tokens it emits
+        (the proposals it accepted, then the target's own) with their logprobs where wanted."""
         plain, plain_rows, verifying, rows, proposed, judged = [], [], [], [], [], []
         offset = 0
         for seq, m in zip(seqs, num_spec):
@@ -119,67 +102,44 @@ class Speculator:
         proposed_ids = to_device(np.array(proposed, dtype=np.int64), logits.device)
         accepted, drawn = verify(self.sampler, logits[rows], batch, proposed_ids)
         accepted, drawn = to_list(torch.stack([accepted.long(), drawn]))  # the step's one wait for the device
-        verdicts, start = [], 0
+        verdicts, token_rows, start = [], [], 0
         for seq in verifying:
             m = len(seq.spec_token_ids)
             a = next((j for j in range(m) if not accepted[start + j]), m)
-            verdicts.append(Verdict(seq, [*seq.spec_token_ids[:a], drawn[start + a]], rows[start : start + a + 1]))
-            self.stats.spec.record(m, a)
+            verdicts.append(Sampled(seq, [*seq.spec_token_ids[:a], drawn[start + a]], num_proposed=m))
+            token_rows.append(rows[start : start + a + 1])
             start += m + 1
+        self._logprobs(verdicts, token_rows, logits)
         return plain, logits[plain_rows], verdicts
 
-    def rollback(self, verdicts: list[Verdict]) -> None:
-        """After the scheduler counted each verifying sequence's emitted tokens as computed: the
-        pages of the rejected proposals go back, and the draft's cache holds no rejected token."""
-        for v in verdicts:
-            seq = v.seq
-            seq.spec_token_ids = []
-            if not seq.finished:
-                self.scheduler.block_manager.trim(seq)
-                seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
-
-    def emit(self, verdicts: list[Verdict], logits: torch.Tensor) -> dict[int, tuple[SequenceGroup, int]]:
-        """Append each verdict's tokens (with their logprobs where asked) until one stops the
-        sequence. Returns the requests that got tokens, by id, with the most any sample got."""
-        logprobs = self._logprobs(verdicts, logits)
-        progressed = {}
-        for v in verdicts:
-            count = 0
-            for j, token in enumerate(v.tokens):
-                self.outputs.append_token(v.seq, token)
-                count += 1
-                if id(v) in logprobs:
-                    self.outputs.record_logprobs([v.seq], [0], logprobs[id(v)][j])
-                if v.seq.finished:
-                    break
-            self.stats.generation_tokens += count
-            group = self.requests[v.seq.request_id]
-            progressed[id(group)] = (group, max(count, progressed.get(id(group), (group, 0))[1]))
-        return progressed
-
-    def _logprobs(self, verdicts: list[Verdict], logits: torch.Tensor) -> dict[int, list[SamplerOutput]]:
-        """Per verdict that needs them (logprobs or best_of asked), one SamplerOutput per emitted token."""
-        wanted = [v for v in verdicts if v.seq.params.logprobs is not None or v.seq.params.best_of > 1]
+    def _logprobs(self, verdicts: list[Sampled], token_rows: list[list[int]], logits: torch.Tensor) -> None:
+        """The logprobs of each verdict's tokens (logits rows `token_rows`), where its request wants
+        them (logprobs or best_of asked): one host row per token."""
+        wanted = [j for j, v in enumerate(verdicts) if v.seq.params.logprobs is not None or v.seq.params.best_of > 1]
         if not wanted:
-            return {}
-        rows = [r for v in wanted for r in v.rows]
-        tokens = to_device(np.array([t for v in wanted for t in v.tokens], dtype=np.int64), logits.device)
+            return
+        rows = [r for j in wanted for r in token_rows[j]]
+        tokens = to_device(np.array([t for j in wanted for t in verdicts[j].tokens], dtype=np.int64), logits.device)
         out = SamplerOutput(tokens)
-        fill_logprobs(out, logits[rows], tokens, max(v.seq.params.logprobs or 0 for v in wanted))
-        host, start, found = out.to_host(), 0, {}
-        for v in wanted:
-            found[id(v)] = [_row(host, start + j) for j in range(len(v.tokens))]
-            start += len(v.tokens)
-        return found
+        fill_logprobs(out, logits[rows], tokens, max(verdicts[j].seq.params.logprobs or 0 for j in wanted))
+        host, start = out.to_host(), 0
+        for j in wanted:
+            verdicts[j].logprobs = [logprob_row(host, start + i, start + i) for i in range(len(verdicts[j].tokens))]
+            start += len(verdicts[j].tokens)
 
 
-def _row(host: SamplerOutput, i: int) -> SamplerOutput:
-    """Row i of a host SamplerOutput as a one-row one."""
-    top = host.top_token_ids is not None
-    return SamplerOutput(
-        [host.tokens[i]],
-        [host.token_logprobs[i]],
-        [host.token_ranks[i]],
-        [host.top_logprobs[i]] if top else None,
-        [host.top_token_ids[i]] if top else None,
-    )
+def make_speculator(
+    spec: SpeculativeConfig | None,
+    executor,
+    scheduler: Scheduler,
+    model_config: ModelConfig,
+    sampler: Sampler,
+    max_model_len: int,
+    structured: StructuredOutputManager,
+) -> Speculator | None:
+    """The engine's Speculator (None without speculative_config): n-gram proposals, or the draft
+    model the executor loaded."""
+    if spec is None:
+        return None
+    proposer = NgramProposer(spec) if spec.method == "ngram" else DraftModelProposer(executor.draft_runner)
+    return Speculator(spec, proposer, scheduler, model_config, sampler, max_model_len, structured)

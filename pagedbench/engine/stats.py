@@ -79,6 +79,36 @@ def wasted_slots(running: list[Sequence], block_size: int) -> int:
     return sum(block_size - n for n in filled.values())
 
 
+def gauges(scheduler, stats: EngineStats, speculating: bool) -> dict[str, float]:
+    """What the server's /metrics reads now of an engine's Scheduler and stats: requests by queue (a
+    request's samples count once), KV use, the token, preemption and prefix-cache counters and, when
+    `speculating`, the proposals' counters."""
+    bm, st = scheduler.block_manager, stats
+
+    def requests(queue) -> int:
+        return len({s.request_id for s in queue})
+
+    spec = {}
+    if speculating:
+        spec = {
+            "spec_drafts": st.spec.num_drafts,
+            "spec_draft_tokens": st.spec.num_draft_tokens,
+            "spec_accepted_tokens": st.spec.num_accepted_tokens,
+        } | {f"spec_accepted_at_{j}": n for j, n in enumerate(st.spec.accepted_per_position)}
+    return spec | {
+        "running": requests(scheduler.running),
+        "waiting": requests(scheduler.waiting),
+        "swapped": requests(scheduler.swapped),
+        "used_blocks": bm.num_used_blocks,
+        "num_blocks": bm.num_blocks,
+        "prompt_tokens": st.prompt_tokens,
+        "generation_tokens": st.generation_tokens,
+        "preemptions": st.preemptions,
+        "prefix_queries": bm.prefix_queries,
+        "prefix_hits": bm.prefix_hits,
+    }
+
+
 @dataclass(slots=True)
 class SpecStats:
     """Speculative decoding as vLLM counts it: a draft is one sequence's proposal in one step."""

@@ -1,0 +1,200 @@
+"""The scheduler's post-step half, as vLLM v1's `Scheduler.update_from_output`: what a step's model
+call and sampling produced (a ModelRunnerOutput, nothing applied yet) is applied to the step's
+sequences in one place. In order: the scheduled tokens count as computed, less the proposals
+verification rejected, and their full pages join the prefix cache; prompt logprobs are recorded;
+the rejected proposals' pages go back; each sequence's new tokens are appended with their logprobs
+and checked for a stop (a stopped sequence finishes and frees its pages); a request's samples fork
+at its first token; beams report their candidates, and a request whose beams have all reported
+forks, continues and prunes them. It returns each request that progressed, for the outputs.
+
+The Scheduler mixes this class in (scheduler.py); `requests`, `outputs` (text and logprob entries),
+`stats` and the stop limits are the Scheduler's."""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedbench.engine.request import SequenceGroup
+from pagedbench.engine.sequence import Sequence, SequenceStatus
+from pagedbench.engine.stopping import stop_check
+from pagedbench.engine.structured_outputs import advance
+from pagedbench.sample.sampler import SamplerOutput
+
+if TYPE_CHECKING:
+    from pagedbench.engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class Sampled:
+    """A sequence's new tokens: the one drawn for it, or (speculating) the proposals it accepted and
+    then the target's own; with their logprobs where the request wants them (or best_of ranks by
+    them), one host row per token (`logprob_row`)."""
+
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list[SamplerOutput] | None = None
+    num_proposed: int = 0  # proposals it verified this step (0: it did not speculate)
+    parent: Sequence | None = None  # a sample its request forks at its first token, drawn from parent's row
+
+    @property
+    def num_rejected(self) -> int:
+        """Proposals verification rejected: computed this step, but not the sequence's tokens."""
+        return self.num_proposed + 1 - len(self.tokens) if self.num_proposed else 0
+
+
+@dataclass(slots=True)
+class BeamCandidates:
+    """A beam's best next tokens and their logprobs, best first."""
+
+    seq: Sequence
+    logprobs: list[float]
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step's model call and sampling produced (vLLM's ModelRunnerOutput): tokens and
+    logprobs of the sequences that sample (verifying ones first), beams' candidates, and the logits
+    rows of the step's prompt chunks that want prompt logprobs."""
+
+    sampled: list[Sampled] = field(default_factory=list)
+    beams: list[BeamCandidates] = field(default_factory=list)
+    prompt_logprob_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (scheduled i, first, count)
+    prompt_logits: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class RequestProgress:
+    """A request that got tokens this step, and how many (the most any of its samples got)."""
+
+    group: SequenceGroup
+    num_new_tokens: int
+
+
+def logprob_row(host: SamplerOutput, row: int, k: int) -> SamplerOutput:
+    """Batch row `row` of a host SamplerOutput (its logprobs at `k`, the row's place among the rows
+    with logprobs) as a one-row one."""
+    top = host.top_token_ids is not None
+    return SamplerOutput(
+        [host.tokens[row]],
+        [host.token_logprobs[k]],
+        [host.token_ranks[k]],
+        [host.top_logprobs[k]] if top else None,
+        [host.top_token_ids[k]] if top else None,
+    )
+
+
+class StepUpdate:
+    def update_from_output(self, sched: "SchedulerOutput", out: ModelRunnerOutput) -> list[RequestProgress]:
+        """Apply step `sched`'s output `out` to its sequences (see the module's docstring); returns the
+        requests that got tokens, in the order their outputs go out."""
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            self.stats.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
+        verified = [s for s in out.sampled if s.num_proposed]
+        drawn = [s for s in out.sampled if not s.num_proposed]
+        self.computed(sched, {id(s.seq): s.num_rejected for s in verified})
+        if out.prompt_logprob_rows:
+            self.outputs.record_prompt_logprobs(sched.seqs, out.prompt_logprob_rows, out.prompt_logits)
+        for s in verified:  # the rejected proposals' pages go back; the draft's cache keeps no rejected token
+            self.stats.spec.record(s.num_proposed, len(s.tokens) - 1)
+            s.seq.spec_token_ids = []
+            if not s.seq.finished:
+                self.block_manager.trim(s.seq)
+                s.seq.draft_computed = min(s.seq.draft_computed, s.seq.num_computed_tokens)
+        progressed: dict[int, tuple[SequenceGroup, int]] = {}
+        for s in verified:
+            count, group = self._append(s), self.requests[s.seq.request_id]
+            progressed[id(group)] = (group, max(count, progressed.get(id(group), (group, 0))[1]))
+        for s in drawn:
+            if s.parent is not None:  # the request's samples appear with its first token, sharing its pages
+                self.fork(s.parent, s.seq.index, into=s.seq)
+                self.requests[s.seq.request_id].seqs.append(s.seq)
+        for s in drawn:
+            self._append(s)
+            group = self.requests[s.seq.request_id]
+            progressed[id(group)] = (group, 1)  # (replaces a verified sample's count, as the engine always did)
+        for group in self._continue_beams(out.beams):
+            progressed[id(group)] = (group, 1)
+        return [RequestProgress(group, count) for group, count in progressed.values()]
+
+    def computed(self, out: "SchedulerOutput", rejected: dict[int, int] | None = None) -> None:
+        """The scheduled tokens of `out` went through the model: their K/V are in the cache (but for
+        `rejected[id(seq)]` proposals of a verifying sequence), and full pages join the prefix cache."""
+        for seq, n in zip(out.seqs, out.num_tokens):
+            seq.num_computed_tokens += n - (rejected.get(id(seq), 0) if rejected else 0)
+            self.block_manager.cache_computed_blocks(seq)
+            self.block_manager.release_out_of_window(seq)
+
+    def abandon(self, out: "SchedulerOutput") -> None:
+        """A step that raised (an interrupt, out of memory, a worker) left K/V unwritten: forget
+        every cached prefix (pages registered for this step among them) and send the step's
+        sequences back to recompute, so nothing later reads what was never written."""
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.take_copies()  # moves planned for the abandoned step, if not yet taken
+        self.block_manager.take_swaps()
+        for seq in out.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.preempt(seq, swap=False)
+
+    def _append(self, s: Sampled) -> int:
+        """Append `s`'s tokens (and their logprobs) until one stops its sequence; returns how many."""
+        count = 0
+        for j, token in enumerate(s.tokens):
+            self._append_token(s.seq, token)
+            count += 1
+            if s.logprobs is not None:
+                self.outputs.record_logprobs([s.seq], [0], s.logprobs[j])
+            if s.seq.finished:
+                break
+        self.stats.generation_tokens += count
+        return count
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        """`seq`'s next token: its grammar and text move on, and a stop finishes `seq` (its pages freed)."""
+        seq.token_ids.append(token)
+        grammar_ended = seq.grammar is not None and not advance(seq, token)
+        new_text = self.outputs.new_text(seq, token)
+        eos_token_ids = self.model_config.eos_token_ids if self.model_config is not None else ()
+        stop = stop_check(seq, token, new_text, eos_token_ids, self.max_model_len)
+        if stop is None and grammar_ended:  # the constrained output is complete: nothing may follow
+            stop = ("stop", None)
+        if stop is not None:
+            self.finish(seq, *stop)
+            self.outputs.flush_text(seq)
+
+    def _continue_beams(self, candidates: list[BeamCandidates]) -> list[SequenceGroup]:
+        """Report each beam's candidates to its search; a request whose live beams have all reported
+        selects its next beams (fork, continue, free). Returns those requests."""
+        reported: dict[int, SequenceGroup] = {}
+        for c in candidates:
+            group = self.requests[c.seq.request_id]
+            group.beam.report(c.seq, c.logprobs, c.token_ids)
+            c.seq.paused = True  # until every live beam of its request has reported
+            reported[id(group)] = group
+        selected = [g for g in reported.values() if g.beam.ready(g.seqs)]
+        for group in selected:
+            self._select_beams(group)
+        return selected
+
+    def _select_beams(self, group: SequenceGroup) -> None:
+        chosen = group.beam.select()
+        self.stats.generation_tokens += len(chosen)
+        kept: set[int] = set()
+        beams = []
+        for rank, c in enumerate(chosen):  # fork before any parent gets its new token
+            if id(c.parent) in kept:
+                beams.append(self.fork(c.parent, rank))
+            else:
+                kept.add(id(c.parent))
+                beams.append(c.parent)
+        group.note_cached_tokens()
+        for seq in group.seqs:
+            if id(seq) not in kept:
+                self.finish(seq, "pruned")
+        for rank, (seq, c) in enumerate(zip(beams, chosen)):
+            seq.token_ids.append(c.token)
+            seq.cumulative_logprob = c.cum_logprob
+            seq.index = rank
+            seq.paused = False
+        group.seqs = beams
