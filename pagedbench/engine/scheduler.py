@@ -182,7 +182,9 @@ class Scheduler(StepUpdate):
             fits = reserved + _width(seq) <= self.max_num_seqs
             hit = self.block_manager.match_prefix(seq) if fits else 0
             n = min(seq.num_uncomputed_tokens, budget)
-            if not fits or not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            # (a hybrid whose prefix's state this step snapshots waits a step to resume there)
+            room = fits and not self.block_manager.awaits_snapshot(seq)
+            if not room or not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self.block_manager.free(seq)  # give the cached blocks back until it fits
                 seq.num_computed_tokens = 0
                 self._free_a_paused(out)
@@ -258,22 +260,6 @@ class Scheduler(StepUpdate):
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-
-    def fork(self, parent: Sequence, index: int, into: Sequence | None = None) -> Sequence:
-        """A new sequence sharing `parent`'s tokens and pages, queued beside it (`into`: a sample
-        that drew its first token from `parent`'s row before the step's bookkeeping, see Sequence.fork)."""
-        child = parent.fork(index, into)
-        if parent.status is SequenceStatus.SWAPPED:  # its pages are in swap space: the child recomputes
-            child.status, child.num_computed_tokens, child.block_keys = SequenceStatus.WAITING, 0, []
-            child.draft_computed = 0
-            self.waiting.appendleft(child)
-            return child
-        self.block_manager.fork(parent, child)
-        if parent.status is SequenceStatus.RUNNING:
-            self.running.append(child)
-        elif parent.status is SequenceStatus.WAITING:
-            self.waiting.insert(self.waiting.index(parent) + 1, child)
-        return child
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Stop `seq` for good (stop, length, abort), wherever it is queued, and free its blocks."""

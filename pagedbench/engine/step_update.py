@@ -2,13 +2,14 @@
 call and sampling produced (a ModelRunnerOutput, nothing applied yet) is applied to the step's
 sequences in one place. In order: the scheduled tokens count as computed, less the proposals
 verification rejected, and their full pages join the prefix cache; prompt logprobs are recorded;
-the rejected proposals' pages go back; each sequence's new tokens are appended with their logprobs
-and checked for a stop (a stopped sequence finishes and frees its pages); a request's samples fork
-at its first token; beams report their candidates, and a request whose beams have all reported
-forks, continues and prunes them. It returns each request that progressed, for the outputs.
+the rejected proposals' pages go back; each sequence's new tokens (verified ones first; a request's
+samples fork at its first token) are appended with their logprobs and checked for a stop (a stopped
+sequence finishes and frees its pages); beams report their candidates, and a request whose beams
+have all reported forks, continues and prunes them. It returns each request that progressed.
 
-The Scheduler mixes this class in (scheduler.py); `requests`, `outputs` (text and logprob entries),
-`stats` and the stop limits are the Scheduler's."""
+The Scheduler mixes StepUpdate in (scheduler.py): it reads the Scheduler's queues and block manager,
+calls its finish and preempt, and uses what the Scheduler was given for it: `requests`, `outputs`
+(text and logprob entries), `stats`, `model_config` (EOS ids) and `max_model_len`."""
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -86,6 +87,9 @@ def logprob_row(host: SamplerOutput, row: int, k: int) -> SamplerOutput:
 
 
 class StepUpdate:
+    """The Scheduler's post-step methods: update_from_output, and the forks, computed tokens and
+    abandoned steps it and the engine use."""
+
     def update_from_output(self, sched: "SchedulerOutput", out: ModelRunnerOutput) -> list[RequestProgress]:
         """Apply step `sched`'s output `out` to its sequences (see the module's docstring); returns the
         requests that got tokens, in the order their outputs go out."""
@@ -113,10 +117,28 @@ class StepUpdate:
         for s in drawn:
             self._append(s)
             group = self.requests[s.seq.request_id]
-            progressed[id(group)] = (group, 1)  # (replaces a verified sample's count, as the engine always did)
+            # 1 even where another of its samples verified several this step: the engine always counted so
+            # (token_times then gets one time for those tokens); kept, this refactor changes no behaviour
+            progressed[id(group)] = (group, 1)
         for group in self._continue_beams(out.beams):
             progressed[id(group)] = (group, 1)
         return [RequestProgress(group, count) for group, count in progressed.values()]
+
+    def fork(self, parent: Sequence, index: int, into: Sequence | None = None) -> Sequence:
+        """A new sequence sharing `parent`'s tokens and pages, queued beside it (`into`: a sample
+        that drew its first token from `parent`'s row before the step's bookkeeping, see Sequence.fork)."""
+        child = parent.fork(index, into)
+        if parent.status is SequenceStatus.SWAPPED:  # its pages are in swap space: the child recomputes
+            child.status, child.num_computed_tokens, child.block_keys = SequenceStatus.WAITING, 0, []
+            child.draft_computed = 0
+            self.waiting.appendleft(child)
+            return child
+        self.block_manager.fork(parent, child)
+        if parent.status is SequenceStatus.RUNNING:
+            self.running.append(child)
+        elif parent.status is SequenceStatus.WAITING:
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+        return child
 
     def computed(self, out: "SchedulerOutput", rejected: dict[int, int] | None = None) -> None:
         """The scheduled tokens of `out` went through the model: their K/V are in the cache (but for
