@@ -67,10 +67,12 @@ class BlockManager:
         sliding_window: int | None = None,
         num_state_slots: int = 0,
         state_snapshots: SnapshotPlan | None = None,
+        num_cpu_state_slots: int = 0,
     ):
         self.num_blocks = num_blocks
-        # Hybrid models: a sequence holding pages also holds one linear-attention state slot (a
-        # swapped-out one keeps it: its state stays on the device); a fork's slot starts as a copy.
+        # Hybrid models: a sequence holding pages also holds one linear-attention state slot; a fork's
+        # slot starts as a copy of its parent's, and a swapped-out sequence's state moves to a CPU slot
+        # (numbered after the device's running and snapshot slots) and back with its pages.
         self.num_state_slots = num_state_slots
         self._free_slots: deque[int] = deque(range(num_state_slots))
         self.pending_state_copies: list[tuple[int, int]] = []  # (source slot, slot), for the engine
@@ -78,6 +80,10 @@ class BlockManager:
         self.snapshots = None
         if num_state_slots and enable_prefix_caching and state_snapshots is not None and state_snapshots.count:
             self.snapshots = StateSnapshots(num_state_slots, state_snapshots, block_size)
+        self.first_cpu_state_slot = num_state_slots + (state_snapshots.count if state_snapshots is not None else 0)
+        self._cpu_state_slots: deque[int] = deque(
+            range(self.first_cpu_state_slot, self.first_cpu_state_slot + num_cpu_state_slots)
+        )
         self.sliding_window = sliding_window  # set only when every layer is windowed
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
@@ -137,7 +143,7 @@ class BlockManager:
         return grow + len(self._shared_writes(seq, num_tokens))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        if self.num_state_slots and seq.state_slot < 0 and not self._free_slots:
+        if self.num_state_slots and not self._on_device(seq) and not self._free_slots:
             return False
         return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
@@ -145,11 +151,18 @@ class BlockManager:
     def num_free_state_slots(self) -> int:
         return len(self._free_slots)
 
+    def _on_device(self, seq: Sequence) -> bool:
+        """Whether `seq` holds a device state slot (not none, not a swapped-out state's CPU slot)."""
+        return 0 <= seq.state_slot < self.first_cpu_state_slot
+
     def _take_slot(self, seq: Sequence) -> None:
-        if self.num_state_slots and seq.state_slot < 0:
+        if self.num_state_slots and not self._on_device(seq):
             if not self._free_slots:
                 raise RuntimeError("out of linear-attention state slots")
-            seq.state_slot = self._free_slots.popleft()
+            cpu, seq.state_slot = seq.state_slot, self._free_slots.popleft()
+            if cpu >= 0:  # swapped back in: its state returns from its CPU slot (read before any reuse)
+                self.pending_state_copies.append((cpu, seq.state_slot))
+                self._cpu_state_slots.append(cpu)
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The (parent slot, child slot) state copies forks queued since the last call."""
@@ -172,6 +185,7 @@ class BlockManager:
         self._take_slot(seq)
         if seq.restore_from >= 0:  # a prefix hit resumes from a state snapshot: copied before the step
             self.pending_state_copies.append((seq.restore_from, seq.state_slot))
+            self.snapshots.restored += 1
             seq.restore_from = -1
         if self.snapshots is not None:
             self.snapshots.plan(seq, num_tokens)
@@ -211,7 +225,7 @@ class BlockManager:
         seq.block_table, seq.cpu_block_table = [], []
         seq.block_keys = []
         if seq.state_slot >= 0:
-            self._free_slots.append(seq.state_slot)
+            (self._free_slots if self._on_device(seq) else self._cpu_state_slots).append(seq.state_slot)
             seq.state_slot = -1
         if self.snapshots is not None:
             self.snapshots.release(seq)
@@ -223,7 +237,8 @@ class BlockManager:
         return len(self._cpu_free)
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < len(_held(seq.block_table)) <= len(self._cpu_free)
+        state_room = not self.num_state_slots or bool(self._cpu_state_slots)
+        return 0 < len(_held(seq.block_table)) <= len(self._cpu_free) and state_room
 
     def swap_out(self, seq: Sequence) -> None:
         """Move `seq`'s pages to swap space (shared pages are copied; its references dropped)."""
@@ -236,6 +251,11 @@ class BlockManager:
             self._unref(block)
         seq.block_table = []
         seq.block_keys = []  # its pages come back as fresh blocks, registered again once cached
+        if self._on_device(seq):  # a hybrid's state moves out with its pages (its device slot is free)
+            cpu = self._cpu_state_slots.popleft()
+            self.pending_state_copies.append((seq.state_slot, cpu))
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = cpu
 
     def swap_in(self, seq: Sequence) -> None:
         """Bring a swapped-out sequence's pages back into fresh device blocks (check can_allocate first)."""
@@ -307,12 +327,20 @@ class BlockManager:
         seq.num_computed_tokens = hit
         return hit
 
+    def awaits_snapshot(self, seq: Sequence) -> bool:
+        """Whether `seq`, just matched, would resume further from a state snapshot the step being
+        scheduled writes: admitted a step later, it skips recomputing that prefix."""
+        return seq.snapshot_junction < 0
+
     def _trim_to_snapshot(self, seq: Sequence) -> None:
         """Keep a hybrid's prefix hit up to its longest block with a state snapshot; past it, the
-        matched pages' end becomes the junction its step snapshots for the next request."""
+        matched pages' end becomes the junction its step snapshots for the next request (-1 when
+        a snapshot being written this step lies past the kept part: see awaits_snapshot)."""
         matched = len(seq.block_table)
         keep = self.snapshots.resume_point(seq, matched) if self.snapshots is not None else 0
         seq.snapshot_junction = matched * self.block_size if matched > keep else 0
+        if matched > keep and self.snapshots is not None and self.snapshots.being_written(seq.block_keys[keep:]):
+            seq.snapshot_junction = -1
         for block in reversed(seq.block_table[keep:]):
             self._unref(block)
         del seq.block_table[keep:], seq.block_keys[keep:]

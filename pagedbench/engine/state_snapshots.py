@@ -3,8 +3,10 @@
 A cached prefix's pages hold K/V for the attention layers only; a DeltaNet layer resumes from its
 recurrent state and conv window at the prefix's end, which the pages do not hold. So, as vLLM's
 "align" mode does, the state a sequence has after token b is copied into a snapshot slot when b is
-a multiple of `interval` (vLLM's mamba_block_size, a multiple of the page size): the DeltaNet
-layers split that step's chunk at b and copy their state out there. A snapshot is keyed by the
+the last multiple of `interval` (vLLM's mamba_block_size, a multiple of the page size) that its
+step reaches: the DeltaNet layers split that step's chunk at b and copy their state out there.
+One per step and sequence: the longest prefix so far is the one a later turn of a conversation
+extends, and each snapshot costs a copy of the whole state. A snapshot is keyed by the
 prefix-cache key of the block ending at b (a chain over every token before b), so a prefix hit
 resumes at the longest matched boundary with a snapshot: the block manager trims the hit there and
 queues a copy of the snapshot into the sequence's own slot before the step runs.
@@ -48,7 +50,7 @@ class StateSnapshots:
         self._key_of: dict[int, BlockKey] = {}  # slot -> key, ready or being written
         self._junctions: set[int] = set()  # slots being written at a junction
         self.saved = 0  # snapshots written (steps that ran)
-        self.restored = 0  # prefix hits that resumed from one
+        self.restored = 0  # admitted prefix hits that resumed from one (counted by the block manager)
 
     @property
     def num_slots(self) -> int:
@@ -70,22 +72,27 @@ class StateSnapshots:
             if slot is not None:
                 self._used[key] = slot  # used: evicted last
                 seq.restore_from = slot
-                self.restored += 1
                 return blocks
         return 0
 
+    def being_written(self, keys: list[BlockKey]) -> bool:
+        """Whether the step being scheduled writes a snapshot of one of these prefixes."""
+        pending = set(self._key_of.values()) - self._unused.keys() - self._used.keys()
+        return not pending.isdisjoint(keys)
+
     def plan(self, seq: Sequence, num_tokens: int) -> None:
         """The snapshots `seq`'s next step (tokens num_computed_tokens..num_tokens) writes, in
-        `seq.state_snapshots` as (boundary, slot): interval boundaries, and its junction."""
+        `seq.state_snapshots` as (boundary, slot): its junction, and the last interval boundary."""
         self._drop_unwritten(seq)
         start, end = seq.num_computed_tokens, min(num_tokens, len(seq.token_ids))
-        bs = self.block_size
-        boundaries = [b for b in range(start - start % bs + bs, end + 1, bs) if b % self.interval == 0]
+        last = end - end % self.interval
+        boundaries = [last] if last > start else []
         junction = seq.snapshot_junction if start < seq.snapshot_junction <= end else None
         if junction is not None and junction not in boundaries:
             boundaries.append(junction)
         if not boundaries:
             return
+        bs = self.block_size
         keys = _chain_keys(seq, max(boundaries) // bs, bs)
         for boundary in sorted(boundaries):
             key = keys[boundary // bs - 1]
