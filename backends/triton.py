@@ -16,6 +16,7 @@ On CUDA the kernels are JIT-compiled; on CPU they run in Triton's interpreter (n
 program at a time): correct and slow, for tests and `check`, never for timings.
 """
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field, replace
@@ -71,25 +72,36 @@ class _Interpreted:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            from triton.language import standard
-            from triton.runtime import interpreter
-            from triton.runtime.jit import JITFunction
-
-            compiled_only, options = JITFunction.__call__, interpreter.interpreter_builder.options
-            patch_tensor = interpreter._patch_lang_tensor
-            JITFunction.__call__ = lambda helper, *a, **k: _interpreted_body(helper.fn)(*a, **k)
-            interpreter.interpreter_builder.options = replace(options, sanitize_overflow=False)
-            interpreter._patch_lang_tensor = functools.partial(_patch_scalar_index, patch_tensor)
-            helpers_scope = interpreter._patch_lang(standard.zeros.fn)  # the helpers' module (tl.core), once
-            try:
+            with interpreting():
                 self.kernel[grid](*args, **kwargs)
-            finally:
-                helpers_scope.restore()
-                interpreter._patch_lang_tensor = patch_tensor
-                interpreter.interpreter_builder.options = options
-                JITFunction.__call__ = compiled_only
 
         return launch
+
+
+@contextlib.contextmanager
+def interpreting():
+    """Triton's interpreter made whole for the launches inside, whatever TRITON_INTERPRET said when
+    triton was imported (`_Interpreted`'s reasons): triton.language's helpers and any other
+    `triton.jit` function a kernel calls run interpreted, the int32 overflow sanitizer is off, and
+    one-element arrays read as scalars. (flash-linear-attention's kernels on CPU run inside it too:
+    model/delta_rule.py.)"""
+    from triton.language import standard
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    compiled_only, options = JITFunction.__call__, interpreter.interpreter_builder.options
+    patch_tensor = interpreter._patch_lang_tensor
+    JITFunction.__call__ = lambda helper, *a, **k: _interpreted_body(helper.fn)(*a, **k)
+    interpreter.interpreter_builder.options = replace(options, sanitize_overflow=False)
+    interpreter._patch_lang_tensor = functools.partial(_patch_scalar_index, patch_tensor)
+    helpers_scope = interpreter._patch_lang(standard.zeros.fn)  # the helpers' module (tl.core), once
+    try:
+        yield
+    finally:
+        helpers_scope.restore()
+        interpreter._patch_lang_tensor = patch_tensor
+        interpreter.interpreter_builder.options = options
+        JITFunction.__call__ = compiled_only
 
 
 def _patch_scalar_index(patch_tensor, tensor, scope) -> None:

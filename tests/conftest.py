@@ -202,7 +202,11 @@ def variant_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hybrid_models(tmp_path_factory):
-    """name -> (model directory, HF model in fp32) of HYBRID_MODELS."""
+    """name -> (model directory, HF model in fp32) of HYBRID_MODELS, on transformers' torch recurrences
+    (with fla installed, transformers would call its GPU kernels)."""
+    from pagedbench.model.delta_rule import pin_transformers_torch_delta_rule
+
+    pin_transformers_torch_delta_rule()
     root = tmp_path_factory.mktemp("hybrid-models")
     return {name: (str(root / name), build_hf_model(name, root / name, HYBRID_MODELS)) for name in HYBRID_MODELS}
 

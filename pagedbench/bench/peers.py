@@ -150,6 +150,10 @@ class HFGenerate:
     peer of models continuous batching cannot run; its throughput is a single-request engine's)."""
 
     def __init__(self, scenario: Scenario, model: ResolvedModel, device: torch.device, dtype: torch.dtype):
+        if device.type != "cuda":  # fla installed, transformers' DeltaNet layers would call its GPU kernels
+            from pagedbench.model.delta_rule import pin_transformers_torch_delta_rule
+
+            pin_transformers_torch_delta_rule()
         self.model = hf_model(scenario.model, model.path, device, dtype, scenario.seed)
         eos = model.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
