@@ -242,13 +242,16 @@ def read_selected(
     selected: torch.Tensor,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     dtype: torch.dtype,
+    tokens_multiple: int = 1,
 ):
     """Sparse attention's gather, in chunks of query tokens: yields (t0, t1, k [t, H_kv, K, D],
     v [t, H_kv, K, D_v], seen [t, 1, 1, K]) for the slots `selected` [T, K] lists (-1: none) — each
-    query's own keys, in `dtype`, dequantized where the pages are."""
+    query's own keys, in `dtype`, dequantized where the pages are. Chunks hold a multiple of
+    `tokens_multiple` tokens (the last one too, where T is one)."""
     num_tokens, topk = selected.shape
     k_scale, v_scale = kv_scales or (None, None)
     rows = max(1, SELECTED_ELEMENTS // (topk * k_cache.shape[-2] * k_cache.shape[-1]))
+    rows = max(tokens_multiple, rows // tokens_multiple * tokens_multiple)
     latent = v_cache.data_ptr() == k_cache.data_ptr()  # values a view of the keys' first dims: gathered once
     for t0 in range(0, num_tokens, rows):
         chunk = selected[t0 : t0 + rows]

@@ -17,13 +17,14 @@ PAGEDBENCH_FLEX_COMPILE, PAGEDBENCH_FLEX_KERNEL=flash).
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
-from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant
+from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant, read_selected
 from pagedbench.backends.flex_compile import (
     attend,
     attend_compiled,
@@ -39,7 +40,15 @@ from pagedbench.backends.flex_compile import (
 )
 from pagedbench.backends.flex_masks import MIN_KV_BLOCK, MIN_TOKEN_CAPACITY, PagedBlockMasks, RowPages
 from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, plan_calls
-from pagedbench.backends.flex_sparse import selected_share, sparse_block_mask
+from pagedbench.backends.flex_sparse import (
+    GatheredMasks,
+    forced_sparse_path,
+    gathered_share,
+    gathered_width,
+    selected_share,
+    sparse_block_mask,
+    sparse_path,
+)
 from pagedbench.backends.flex_tune import (
     DecodeOptionsCache,
     DecodeShape,
@@ -53,11 +62,19 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from pagedbench.device.transfer import to_device
 
+SPARSE_PROVIDER = {
+    "auto": "top-k gathered (page BlockMask where every sequence fits the top-k)",
+    "gather": "top-k gathered (PAGEDBENCH_FLEX_SPARSE=gather)",
+    "pages": "top-k page BlockMask (PAGEDBENCH_FLEX_SPARSE=pages)",
+}
+
 __all__ = ["FlexBackend", "FlexCall", "FlexState", "MAX_DECODE_QUERY", "MIN_TOKEN_CAPACITY", "compile_stats"]
 
 logger = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
 SPARSE_Q_ROWS = 16  # least query rows per BlockMask block in sparse calls (a block lists its tokens' picks)
+GATHER_Q_ROWS = 64  # most query rows per block of a gathered sparse call (MLA-128's decode: two blocks, two cores)
+GATHER_KV_BLOCK = 64  # gathered keys per KV block (the top-k rounded up to a multiple)
 RECOMPILE_LIMIT = 256  # graphs of the compiled function; one more raises instead of running flex unfused
 
 
@@ -80,13 +97,14 @@ class FlexState:
     calls: list[FlexCall]
     num_tokens: int
     shapes_seen: bool = False  # after the step's first layer every layer hits the same compiled graphs
-    sparse_mask: tuple | None = None  # sparse attention: the last layer's (BlockMask, selected), for diagnostics
+    sparse_path: str | None = None  # sparse attention: "gather" or "pages" (flex_sparse.sparse_path)
+    sparse_share: Callable[[], float] | None = None  # sparse attention: the last layer's tile efficiency
 
 
 class FlexBackend(AttentionBackend):
     name = "flex"
     latent_values = True  # flex takes a value head dim other than the keys' (a strided view of their pages)
-    sparse_selection = True  # a BlockMask of each query block's selected blocks, a bitmap mask_mod (flex_sparse.py)
+    sparse_selection = True  # each query's picks gathered, or a BlockMask of their pages (flex_sparse.py)
     quantized_kv_reason = (
         "FlexAttention reads K/V in the query's dtype; over a paged cache it would have to dequantize "
         "every page each layer and step, more work than the attention (vLLM's flex backend refuses "
@@ -143,11 +161,19 @@ class FlexBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         self.sparse_rows = group if group & (group - 1) == 0 else 1
         self.sparse_tokens = max(1, SPARSE_Q_ROWS // self.sparse_rows)
-        self.sparse_options = None  # CPU: the template's own; CUDA: Triton tiles that fit its shared memory
+        # Gathered sparse calls: a token's G query rows in blocks of up to 64 (two blocks of MLA-128's 128 rows
+        # keep two CPU cores busy on one decode), its gathered keys in blocks of 64.
+        self.gather_rows = 1 << (group - 1).bit_length()  # a token's query rows, padded to a power of two
+        self.gather_q_block = min(GATHER_Q_ROWS, max(SPARSE_Q_ROWS, self.gather_rows))
+        self._gathered_masks = GatheredMasks(self.gather_rows, self.gather_q_block, GATHER_KV_BLOCK, self.device,
+                                             full_blocks=self.decode_full_blocks)  # fmt: skip
+        self.sparse_options = self.gather_options = None  # CPU: the template's own; CUDA: tiles that fit
         if cuda:
             rows, smem = self.sparse_rows * self.sparse_tokens, shared_memory_bytes(self.device)
             self.sparse_options = {"BACKEND": "TRITON"} | prefill_tiles(rows, self.kv_block_size, head_dim,
                                                                          dtype.itemsize, smem)  # fmt: skip
+            self.gather_options = {"BACKEND": "TRITON"} | prefill_tiles(self.gather_q_block, GATHER_KV_BLOCK,
+                                                                         head_dim, dtype.itemsize, smem)  # fmt: skip
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs):
@@ -196,6 +222,8 @@ class FlexBackend(AttentionBackend):
         text = f"torch {torch.__version__} flex {mode}" + (", FA4 prefill kernels (BACKEND=FLASH)" if flash else "")
         if mode == "compiled" and device is not None and torch.device(device).type == "cuda":
             text += ", decode options tuned per batch" if tune_enabled() else ", decode options untuned"
+        if settings.get("topk"):
+            text += ", " + SPARSE_PROVIDER[forced_sparse_path()]
         return text
 
     @property
@@ -234,7 +262,9 @@ class FlexBackend(AttentionBackend):
             offset += len(plan.host)
         listings = [self._masks.row_pages(plan, arrays, meta.block_table) for plan, arrays in zip(plans, calls)]
         self._masks.fill_inverse(listings, len(seq_lens), num_pages, full_too=not self.compiled)
-        return FlexState([self._call(*call, num_pages) for call in zip(plans, calls, listings)], meta.num_tokens)
+        calls = [self._call(*call, num_pages) for call in zip(plans, calls, listings)]
+        path = None if self.variant.topk is None else sparse_path(meta.seq_lens_cpu, self.variant.topk)
+        return FlexState(calls, meta.num_tokens, sparse_path=path)
 
     def _check_int32_offsets(self, num_pages: int) -> None:
         slots = num_pages * self.block_size
@@ -264,7 +294,9 @@ class FlexBackend(AttentionBackend):
         k = rearrange(k_cache, "n p h d -> 1 h (n p) d")
         v = rearrange(v_cache, "n p h d -> 1 h (n p) d")
         if selected is not None:
-            return self._sparse(q, k, v, selected, state, sinks)
+            if state.sparse_path == "pages":
+                return self._sparse(q, k, v, selected, state, sinks)
+            return self._gathered(q, k_cache, v_cache, selected, state, sinks)
         out = None
         for call in state.calls:
             rows = q[: call.batch * call.q_len] if call.gather is None else q.index_select(0, call.gather)
@@ -298,8 +330,44 @@ class FlexBackend(AttentionBackend):
         else:
             y, seconds = attend_compiling("sparse", args, RECOMPILE_LIMIT)
             self.compile_seconds += seconds
-        state.sparse_mask = (mask, selected)
+        state.sparse_share = lambda: selected_share(selected, mask, per_block)
         return rearrange(y[0], "hk (t g) d -> t (hk g) d", g=g)[: q.shape[0]]
+
+    def _gathered(self, q, k_cache, v_cache, selected, state: FlexState, sinks) -> torch.Tensor:
+        """Sparse attention over each token's gathered picks, one flat call per chunk of tokens: token t's
+        query heads of a KV head as rows (padded to a power of two) over its K' gathered keys (the top-k in
+        whole KV blocks, picks first); the BlockMask lists only the blocks holding picks (flex_sparse.py).
+        Chunks of whole query blocks bound the buffer."""
+        group, rows, kv_block = self.num_heads // self.num_kv_heads, self.gather_rows, GATHER_KV_BLOCK
+        width = gathered_width(selected.shape[1], kv_block)
+        per_block = self._gathered_masks.tokens_per_block
+        padded = -(-q.shape[0] // per_block) * per_block
+        # picks first, -1 (none) last: the indexer's order already; sorting keeps any other exact
+        picks = selected.sort(dim=1, descending=True).values
+        picks = F.pad(picks, (0, width - picks.shape[1], 0, padded - picks.shape[0]), value=-1)
+        counts = (picks >= 0).sum(dim=1, dtype=torch.int32)
+        x = rearrange(q, "t (hk g) d -> t hk g d", g=group)
+        x = F.pad(x, (0, 0, 0, rows - group, 0, 0, 0, padded - q.shape[0]))  # rows to a power of two, whole blocks
+        if sinks is not None:  # [H] -> like flex's log-sum-exp [1, H_kv, t * rows]
+            sinks = F.pad(sinks.view(self.num_kv_heads, group), (0, rows - group))
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
+        for t0, t1, k, v, _ in read_selected(k_cache, v_cache, picks, None, q.dtype, tokens_multiple=per_block):
+            mask = self._gathered_masks.block_mask(counts[t0:t1], width)
+            k, v = (rearrange(t, "t hk w d -> 1 hk (t w) d") for t in (k, v))  # views where H_kv is 1
+            chunk_sinks = None if sinks is None else repeat(sinks, "hk g -> 1 hk (t g)", t=t1 - t0)
+            args = (rearrange(x[t0:t1], "t hk g d -> 1 hk (t g) d"), k, v, mask, self.scale, self.gather_options,
+                    self.score_mod, chunk_sinks)  # fmt: skip
+            if not self.compiled:
+                y = attend(*args)
+            else:
+                y, seconds = attend_compiling("sparse", args, RECOMPILE_LIMIT)
+                self.compile_seconds += seconds
+            real = min(t1, q.shape[0]) - t0
+            if real > 0:
+                y = rearrange(y[0], "hk (t g) d -> t hk g d", g=rows)[:real, :, :group]
+                out[t0 : t0 + real] = rearrange(y, "t hk g d -> t (hk g) d")
+        state.sparse_share = lambda: gathered_share(counts[: q.shape[0]], kv_block)
+        return out
 
     def _packed(self, call: FlexCall) -> bool:
         return call.kind == "decode" and self.packed_heads > 1
@@ -372,9 +440,8 @@ class FlexBackend(AttentionBackend):
         row, its real query rows x (full blocks x kv_block + kept slots of its masked blocks), over
         its real query rows x (full + masked blocks) x kv_block; from the BlockMasks as built. A sparse
         step's: its last layer's selected slots over the slots of the blocks listed for them."""
-        if state.sparse_mask is not None:
-            mask, selected = state.sparse_mask
-            return selected_share(selected, mask, self.sparse_tokens)
+        if state.sparse_share is not None:
+            return state.sparse_share()
         kept = computed = 0
         for call in state.calls:
             call_kept, call_computed = self._masks.tile_counts(call.block_mask, call.kind, call.real_rows)

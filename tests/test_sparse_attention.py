@@ -219,6 +219,55 @@ def test_flex_lists_only_the_selected_blocks_and_keeps_only_the_selected_slots()
     assert kept[38].nonzero().flatten().tolist() == kept[39].nonzero().flatten().tolist() == [17, 18, 200]
 
 
+def test_flex_gathered_mask_lists_the_top_k_not_the_pages():
+    """The gathered call's BlockMask: token t's rows over its own gathered keys [t * K', (t + 1) * K'),
+    ceil(picks / 64) blocks each, full but the last, which the mask_mod cuts at the pick count;
+    MLA-128's 128 rows in two query blocks of 64. Several tokens to a block (4 rows each): all partial."""
+    from pagedbench.backends.flex_sparse import GatheredMasks, gathered_share
+
+    masks = GatheredMasks(128, 64, 64, torch.device("cpu"), full_blocks=True)
+    counts = torch.tensor([2048, 100, 0], dtype=torch.int32)  # the last a padding token
+    mask = masks.block_mask(counts, 2048)
+    assert mask.BLOCK_SIZE == (64, 64) and mask.full_kv_num_blocks[0, 0].tolist() == [32, 32, 1, 1, 0, 0]
+    assert mask.kv_num_blocks[0, 0].tolist() == [0, 0, 1, 1, 0, 0]
+    assert mask.full_kv_indices[0, 0, 2, :1].tolist() == [32] and mask.kv_indices[0, 0, 2, :1].tolist() == [33]
+    kept = mask.mask_mod(0, 0, torch.arange(3 * 128)[:, None], torch.arange(3 * 2048)[None, :])
+    assert kept[0].nonzero().flatten().tolist() == list(range(2048))
+    assert kept[200].nonzero().flatten().tolist() == list(range(2048, 2148)) and not kept[300].any()
+    assert gathered_share(counts, 64) == (2048 + 100) / (2048 + 128)
+    small = GatheredMasks(4, 16, 16, torch.device("cpu"), full_blocks=True)
+    mask = small.block_mask(torch.tensor([16, 5, 0, 0], dtype=torch.int32), 32)  # 4 tokens of 4 rows: one block
+    assert mask.full_kv_num_blocks is None and mask.kv_num_blocks[0, 0].tolist() == [2]
+    assert mask.kv_indices[0, 0, 0, :2].tolist() == [0, 2]  # token 0's first block, token 1's first (32 / 16)
+
+
+@pytest.mark.parametrize("path", ["gather", "pages"])
+def test_flex_sparse_paths_equal_the_reference(path, monkeypatch):
+    """Both ways flex reads the picks (eager here; compiled in `check`'s sparse cases) give the reference's
+    output on a ragged batch over fragmented pages, with a head group that is not a power of two; the
+    rule picks the page BlockMask only where every sequence fits the top-k."""
+    from pagedbench.backends.flex import FlexBackend
+    from pagedbench.backends.reference import ReferenceBackend
+
+    from pagedbench.bench.problems import random_attention_batch
+
+    cpu, variant = torch.device("cpu"), AttentionVariant(value_dim=32, topk=TOPK)
+    batch = random_attention_batch([(3, 1), (40, 1), (20, 6), (2, 5)], 6, 1, 40, 4, torch.float32, cpu,
+                                   value_dim=32, topk=TOPK)  # fmt: skip
+    ref = ReferenceBackend(6, 1, 40, 0.2, 4, cpu, torch.float32, variant)
+    expected = ref.forward(batch.q, batch.k_cache, batch.v_cache, ref.prepare(batch.metadata), selected=batch.selected)
+    flex = FlexBackend(6, 1, 40, 0.2, 4, cpu, torch.float32, variant, compile=False)
+    assert flex.prepare(batch.metadata).sparse_path == "gather"  # sequences past the top-k
+    monkeypatch.setenv("PAGEDBENCH_FLEX_SPARSE", path)
+    state = flex.prepare(batch.metadata)
+    got = flex.forward(batch.q, batch.k_cache, batch.v_cache, state, selected=batch.selected)
+    assert state.sparse_path == path and 0 < flex.tile_efficiency(state) <= 1
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    short = random_attention_batch([(3, 1), (2, 5)], 6, 1, 40, 4, torch.float32, cpu, value_dim=32, topk=TOPK)
+    monkeypatch.delenv("PAGEDBENCH_FLEX_SPARSE")
+    assert flex.prepare(short.metadata).sparse_path == "pages"  # every query selects its whole past
+
+
 @pytest.mark.slow
 def test_swap_preemption_and_tensor_parallelism_keep_the_tokens(sparse_model, prompts):
     """Swapped sequences take their index keys out and back with their latents; at TP 2 each rank
