@@ -8,6 +8,8 @@ KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 SPEC_METHODS = ("draft_model", "ngram")
 
+INDEX_CACHE_DTYPES = ("auto", "fp8")  # DeepSeek-V3.2's index keys as stored
+
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
@@ -185,7 +187,7 @@ class EngineConfig:
         "auto",
         "DeepSeek-V3.2's index keys (its sparse-attention indexer's cache): auto (the model's dtype) or fp8 "
         "(e4m3 with a scale per token, as DeepSeek stores them)",
-        ("auto", "fp8"),
+        INDEX_CACHE_DTYPES,
     )
     calculate_kv_scales: bool = setting(
         False, "fp8 KV: set each layer's K and V scales from the first step's K/V (default: 1.0, as vLLM)"

@@ -313,3 +313,31 @@ def test_compare_reports_the_indexer_apart_from_attention(sparse_model, tmp_path
     assert (df["indexer_share"] > 0).all() and (df["attention_share"] > 0).all()
     assert (df["identical_token_share"] == 1).all()
     assert "indexer % of forward" in (tmp_path / "compare-synthetic.md").read_text()
+
+
+def test_run_takes_fp8_index_keys(sparse_model, tmp_path):
+    """`run --index-cache-dtype fp8` on the tiny V3.2: the engine stores its index keys in fp8 (a scenario
+    override inside the hash), and the rows say so; the KV budget keeps its memory, so more pages."""
+    import pandas as pd
+
+    from pagedbench.entrypoints.cli.main import main
+
+    args = ["run", "--model", sparse_model[0], "--scenario", "synthetic", "--scale", "0.05", "--no-warmup"]
+    args += ["--num-blocks", "40", "--device", "cpu", "--dtype", "fp32", "--backend", "sdpa"]
+    for stored in ("auto", "fp8"):
+        assert main([*args, "--index-cache-dtype", stored, "--out", str(tmp_path / stored)]) == 0
+    auto, fp8 = (pd.read_csv(tmp_path / stored / "run-synthetic.csv") for stored in ("auto", "fp8"))
+    assert list(auto["index_cache_dtype"]) == ["auto"] and list(fp8["index_cache_dtype"]) == ["fp8"]
+    assert (fp8["status"] == "ok").all() and fp8["num_blocks"].iloc[0] > auto["num_blocks"].iloc[0]
+    assert fp8["scenario_hash"].iloc[0] != auto["scenario_hash"].iloc[0]
+
+
+def test_fp8_index_keys_need_a_sparse_model(tiny_models, tmp_path, capsys):
+    """A model without V3.2's indexer has no index keys to store in fp8: one line on stderr, exit 2."""
+    from pagedbench.entrypoints.cli.main import main
+
+    for command in (["run"], ["compare", "--backends", "sdpa"]):
+        args = [*command, "--model", tiny_models["llama"][0], "--scenario", "synthetic", "--scale", "0.05"]
+        assert main([*args, "--index-cache-dtype", "fp8", "--device", "cpu", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "has no sparse-attention indexer" in err, err

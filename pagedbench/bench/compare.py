@@ -53,19 +53,26 @@ class Comparison:
 
 
 def engine_settings(scenario: Scenario, dtype: torch.dtype, model: ModelConfig) -> dict:
-    """The scenario's engine settings, with the KV budget as blocks (of its kv_cache_dtype)."""
+    """The scenario's engine settings, with the KV budget as blocks (of its kv_cache_dtype and
+    index_cache_dtype)."""
+    if scenario.index_cache_dtype != "auto" and model.indexer is None:
+        raise ValueError(
+            f"index_cache_dtype {scenario.index_cache_dtype}: model {scenario.model} has no sparse-attention "
+            "indexer (DeepSeek-V3.2's) whose index keys it would store"
+        )
     blocks = kv_blocks(scenario, dtype, model)
     return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": blocks}
 
 
 def kv_blocks(scenario: Scenario, dtype: torch.dtype, model: ModelConfig) -> int:
-    """The KV budget in blocks. The scenario gives it as unquantized pages; quantized pages get the
-    same memory, so more of them (twice as many fp8 pages as bf16 ones)."""
-    if scenario.kv_cache_dtype == "auto":
+    """The KV budget in blocks. The scenario gives it as unquantized pages; quantized pages (and
+    fp8 index keys) get the same memory, so more of them (twice as many fp8 pages as bf16 ones)."""
+    if scenario.kv_cache_dtype == "auto" and scenario.index_cache_dtype == "auto":
         return scenario.kv_blocks
     tp = TPShard(0, scenario.tensor_parallel_size)
     memory = scenario.kv_blocks * kv_bytes_per_block(model, scenario.block_size, dtype, tp)
-    return memory // kv_bytes_per_block(model, scenario.block_size, dtype, tp, scenario.kv_cache_dtype)
+    stored = (scenario.kv_cache_dtype, None, scenario.index_cache_dtype)  # None: every layer
+    return memory // kv_bytes_per_block(model, scenario.block_size, dtype, tp, *stored)
 
 
 def engine_config(

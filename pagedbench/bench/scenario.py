@@ -17,7 +17,7 @@ import numpy as np
 
 from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.bench.datasets import DATASET_NAMES, load_dataset
-from pagedbench.config import SpeculativeConfig
+from pagedbench.config import INDEX_CACHE_DTYPES, SpeculativeConfig
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.sample.sampling_params import SamplingParams, is_int, structured_outputs_params
 
@@ -40,6 +40,7 @@ ENGINE_FIELDS = (
     "compile",
     "distributed_executor_backend",
     "kv_cache_dtype",
+    "index_cache_dtype",
     "speculative_config",
 )
 PROMPT_SOURCES = ("random", "python-source", "chat")
@@ -102,6 +103,7 @@ class Scenario:
     # prompt a conversation up to one of its user turns, drawn among those within input_len tokens.
     prompts: str = "random"
     kv_cache_dtype: str = "auto"  # how K/V pages are stored (EngineConfig.kv_cache_dtype)
+    index_cache_dtype: str = "auto"  # DeepSeek-V3.2's index keys as stored (EngineConfig.index_cache_dtype)
     speculative_config: dict | None = None  # vLLM's speculative_config for every backend's engine
     speculation_baseline: bool = False  # also run each backend without speculation, to compare
     # Every request's structured-output constraint: StructuredOutputsParams' fields, e.g. {json = {...}}.
@@ -136,6 +138,10 @@ class Scenario:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            self._fail(
+                "index_cache_dtype", f"must be one of {', '.join(INDEX_CACHE_DTYPES)}, got {self.index_cache_dtype!r}"
+            )
         if self.prompts not in PROMPT_SOURCES:
             self._fail("prompts", f"must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
         if self.dataset_name is not None and self.dataset_name not in DATASET_NAMES:
@@ -257,6 +263,7 @@ class Scenario:
             "dataset_path": None,
             "prompts": "random",
             "kv_cache_dtype": "auto",
+            "index_cache_dtype": "auto",
             "speculative_config": None,
             "structured_outputs": None,
         }

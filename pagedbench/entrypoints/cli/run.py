@@ -9,7 +9,7 @@ import pandas as pd
 
 from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.bench.scenario import ENGINE_FIELDS, LengthRange, Scenario, builtin_scenarios, load_scenario
-from pagedbench.config import EngineConfig, json_object
+from pagedbench.config import INDEX_CACHE_DTYPES, EngineConfig, json_object
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     NothingMeasured,
@@ -109,6 +109,14 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         help="how K/V pages are stored for every backend (default: the scenario's, auto)",
     )
     overrides.add_argument(
+        "--index-cache-dtype",
+        choices=list(INDEX_CACHE_DTYPES),
+        default=None,
+        help="DeepSeek-V3.2's index keys (its sparse-attention indexer's cache) for every backend: auto (the "
+        "model's dtype) or fp8 (e4m3, a scale per token); the KV budget keeps its memory (default: the "
+        "scenario's, auto)",
+    )
+    overrides.add_argument(
         "--speculative-config",
         type=json_object,
         default=None,
@@ -131,7 +139,7 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     add_dataset_args(overrides)
     for flag in SCENARIO_OVERRIDES:
         special = ("model", "enable_prefix_caching", "enforce_eager", "compile", "distributed_executor_backend")
-        special += ("kv_cache_dtype", "dataset_name", "dataset_path")
+        special += ("kv_cache_dtype", "index_cache_dtype", "dataset_name", "dataset_path")
         special += ("speculative_config",)
         if flag not in (*special, "speculation_baseline", "structured_outputs"):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
