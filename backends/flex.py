@@ -63,7 +63,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from pagedbench.device.transfer import to_device
 
 SPARSE_PROVIDER = {
-    "auto": "top-k gathered (page BlockMask where every sequence fits the top-k)",
+    "auto": "top-k gathered (page BlockMask where every sequence fits the top-k, 8+ query tokens)",
     "gather": "top-k gathered (PAGEDBENCH_FLEX_SPARSE=gather)",
     "pages": "top-k page BlockMask (PAGEDBENCH_FLEX_SPARSE=pages)",
 }
@@ -263,7 +263,7 @@ class FlexBackend(AttentionBackend):
         listings = [self._masks.row_pages(plan, arrays, meta.block_table) for plan, arrays in zip(plans, calls)]
         self._masks.fill_inverse(listings, len(seq_lens), num_pages, full_too=not self.compiled)
         calls = [self._call(*call, num_pages) for call in zip(plans, calls, listings)]
-        path = None if self.variant.topk is None else sparse_path(meta.seq_lens_cpu, self.variant.topk)
+        path = None if self.variant.topk is None else sparse_path(meta.seq_lens_cpu, self.variant.topk, meta.num_tokens)
         return FlexState(calls, meta.num_tokens, sparse_path=path)
 
     def _check_int32_offsets(self, num_pages: int) -> None:

@@ -14,8 +14,8 @@
   per cache slot (int32 words), filled by one scatter (`sparse_block_mask`). It reads whole blocks, so
   its cost follows the pages its picks touch: 2,048 random picks over 256 pages of 64 touch nearly all
   of them (tile efficiency 0.125). It runs only where every query of the step selects its whole past
-  (no sequence longer than the top-k, `sparse_path`): there it lists exactly dense attention's pages
-  and copies nothing.
+  (no sequence longer than the top-k) and the step has 8 query tokens or more (`sparse_path`): there
+  it lists exactly dense attention's pages and copies nothing.
 
 The tile efficiency of either is the selected share of the listed blocks' slots.
 """
@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 WORD_BITS = 32
 SPARSE_PATHS = ("auto", "gather", "pages")
+PAGES_MIN_TOKENS = 8  # query tokens from which a step whose sequences fit the top-k takes the page BlockMask
 
 
 def forced_sparse_path() -> str:
@@ -38,14 +39,19 @@ def forced_sparse_path() -> str:
     return forced
 
 
-def sparse_path(seq_lens: list[int], topk: int) -> str:
+def sparse_path(seq_lens: list[int], topk: int, num_tokens: int) -> str:
     """Which way a sparse step reads its picks: "pages" where every sequence fits the top-k (each query
-    selects its whole causal past: the page BlockMask is dense attention's, nothing to copy), else
-    "gather". PAGEDBENCH_FLEX_SPARSE=gather|pages forces one (measurements, tests)."""
+    selects its whole causal past: the page BlockMask lists dense attention's blocks and copies nothing)
+    and the step has PAGES_MIN_TOKENS query tokens or more, else "gather". Fewer tokens give the page
+    call too few query blocks for the cores (one 128-row block per MLA token; the gathered call splits
+    it in two): on 2 CPU cores, MLA-128 top-2048, gather took 7.4 / 10.5 ms against 9.4 / 16.7 for one
+    decode at 1k / 2k, pages 72 / 149 ms against 104 / 178 for 16 (reports/cpu/dsa-flex-gather/fits-*).
+    PAGEDBENCH_FLEX_SPARSE=gather|pages forces one (measurements, tests)."""
     forced = forced_sparse_path()
     if forced != "auto":
         return forced
-    return "pages" if max(seq_lens, default=0) <= topk else "gather"
+    fits = max(seq_lens, default=0) <= topk
+    return "pages" if fits and num_tokens >= PAGES_MIN_TOKENS else "gather"
 
 
 def gathered_width(topk: int, kv_block: int) -> int:

@@ -245,7 +245,7 @@ def test_flex_gathered_mask_lists_the_top_k_not_the_pages():
 def test_flex_sparse_paths_equal_the_reference(path, monkeypatch):
     """Both ways flex reads the picks (eager here; compiled in `check`'s sparse cases) give the reference's
     output on a ragged batch over fragmented pages, with a head group that is not a power of two; the
-    rule picks the page BlockMask only where every sequence fits the top-k."""
+    rule picks the page BlockMask only where every sequence fits the top-k, over 8 query tokens or more."""
     from pagedbench.backends.flex import FlexBackend
     from pagedbench.backends.reference import ReferenceBackend
 
@@ -263,9 +263,10 @@ def test_flex_sparse_paths_equal_the_reference(path, monkeypatch):
     got = flex.forward(batch.q, batch.k_cache, batch.v_cache, state, selected=batch.selected)
     assert state.sparse_path == path and 0 < flex.tile_efficiency(state) <= 1
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    short = random_attention_batch([(3, 1), (2, 5)], 6, 1, 40, 4, torch.float32, cpu, value_dim=32, topk=TOPK)
     monkeypatch.delenv("PAGEDBENCH_FLEX_SPARSE")
-    assert flex.prepare(short.metadata).sparse_path == "pages"  # every query selects its whole past
+    for seqs, expected_path in (([(3, 1), (1, 6), (0, 3)], "pages"), ([(3, 1), (2, 5)], "gather")):
+        short = random_attention_batch(seqs, 6, 1, 40, 4, torch.float32, cpu, value_dim=32, topk=TOPK)
+        assert flex.prepare(short.metadata).sparse_path == expected_path  # every query selects its whole past
 
 
 @pytest.mark.slow
