@@ -303,7 +303,8 @@ def summary(rows: list[dict]) -> str:
         counts["worst error / tolerance"] = (
             (ran["max_abs_error"] / ran["tolerance"]).groupby([ran[k] for k in keys]).max()
         )
-        counts["worst placement diff"] = ran.groupby(keys)["placement_diff"].max()
+        if "placement_diff" in ran:  # (the gated DeltaNet cases have no pages)
+            counts["worst placement diff"] = ran.groupby(keys)["placement_diff"].max()
     lines = [counts.reset_index().to_markdown(index=False)]
     failed = frame[frame["status"] == "fail"]
     if len(failed):

@@ -272,7 +272,7 @@ def _layout(step, width: int, device: torch.device) -> _Layout:
                 snapshot_windows.append(list(range(offset + run_end - first, offset + run_end - first + width)))
                 snapshot_slots.append(snapshot)
     rounds = []
-    for r in range(max(len(runs) for _, runs in seqs)):
+    for r in range(max((len(runs) for _, runs in seqs), default=0)):
         these = [(slot, runs[r]) for slot, runs in seqs if len(runs) > r]
         lengths = [end - start for _, (start, end, _, _) in these]
         cu = torch.tensor([0, *lengths]).cumsum(0)
