@@ -8,6 +8,8 @@ KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 SPEC_METHODS = ("draft_model", "ngram")
 
+# Hybrid models' gated delta rule (model/delta_rule.py): transformers' torch forms, or flash-linear-attention's.
+LINEAR_ATTENTION_KERNELS = ("torch", "fla")
 INDEX_CACHE_DTYPES = ("auto", "fp8")  # DeepSeek-V3.2's index keys as stored
 
 
@@ -155,6 +157,13 @@ class EngineConfig:
         "hybrid models' prefix caching: DeltaNet state snapshots kept, least recently used evicted first (None: "
         "one per max_num_seqs, within a quarter of the KV cache budget; 0 turns prefix caching off for them)",
         minimum=0,
+    )
+    linear_attention_kernel: str = setting(
+        "torch",
+        "hybrid models' gated delta rule (their DeltaNet layers): torch (transformers' torch forms, one sequence "
+        "of a step at a time) or fla (flash-linear-attention's Triton kernels, every sequence of a step in one "
+        "varlen call; pip install 'pagedbench[fla]'; run by Triton's interpreter on CPU)",
+        LINEAR_ATTENTION_KERNELS,
     )
     scheduling_policy: str = setting("fcfs", "fcfs, or priority: lowest value first", ("fcfs", "priority"))
     preemption_mode: str = setting("recompute", "what preemption does with K/V", ("recompute", "swap"))

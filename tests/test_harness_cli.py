@@ -90,8 +90,9 @@ def test_compare_csv_has_exactly_the_schema(compared):
     assert list(ok["backend"]) == ["reference", "reference", "sdpa", "sdpa"] and list(ok["repeat"]) == [0, 1, 0, 1]
     spec = {"spec_acceptance_rate", "spec_mean_acceptance_length", "spec_acceptance_per_position"}
     moe = {"num_experts", "experts_per_token", "moe_kernel", "time_moe_s", "moe_share"}
-    moe |= {"time_linear_attention_s", "linear_attention_share"}  # empty without a hybrid model's DeltaNet layers
+    moe |= {"time_linear_attention_s", "linear_attention_share", "linear_attention_kernel"}  # empty: no DeltaNet
     moe |= {"time_indexer_s", "indexer_share"}  # empty without a sparse (DeepSeek-V3.2) model's indexer
+    moe |= {"mamba_block_size"}  # empty without a hybrid's state snapshots (their count and bytes are 0)
     interval = {"output_throughput_ci_low", "output_throughput_ci_high"}  # 2 runs: none (noise.py)
     own = {"dataset_name", "dataset_path"}  # empty without a dataset of the user's
     assert (

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedbench import LLM, SamplingParams
+from pagedbench.bench.check_linear import delta_rule_oracle
 from pagedbench.model.config import ModelConfig
 from tests.conftest import hf_greedy
 
@@ -72,6 +73,28 @@ def test_tight_budgets_really_preempt(qwen35):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert sum(o.metrics.num_preemptions for o in outs) > 0, setting
+    # swapped out, a sequence's DeltaNet state left its device slot for a CPU one and came back
+    assert llm.engine.stats.swap_outs > 0 and llm.engine.executor.num_cpu_state_slots > 0
+
+
+def test_swap_moves_the_state_to_a_cpu_slot_and_back():
+    from pagedbench.engine.block_manager import BlockManager
+    from pagedbench.engine.sequence import Sequence
+
+    bm = BlockManager(8, 2, num_cpu_blocks=8, num_state_slots=2, num_cpu_state_slots=1)
+    seq = Sequence("a", None, [1, 2, 3], SamplingParams())
+    bm.allocate(seq, 3)
+    device_slot = seq.state_slot
+    assert bm.can_swap_out(seq)
+    bm.swap_out(seq)  # its state goes to CPU slot 2 (after the two device slots); its device slot is free
+    assert bm.take_state_copies() == [(device_slot, 2)] and seq.state_slot == 2 and bm.num_free_state_slots == 2
+    other = Sequence("b", None, [4], SamplingParams())
+    assert not bm.can_swap_out(other)  # (no pages, and the one CPU state slot is taken)
+    bm.swap_in(seq)
+    bm.allocate(seq, 3)
+    assert bm.take_state_copies() == [(2, seq.state_slot)] and 0 <= seq.state_slot < 2
+    bm.free(seq)
+    assert bm.num_free_state_slots == 2 and list(bm._cpu_state_slots) == [2]
 
 
 @pytest.mark.parametrize("backend", ["sdpa", pytest.param("flex", marks=pytest.mark.slow)])
@@ -87,10 +110,11 @@ def hybrid(hybrid_models, request):
 
 
 def test_prefix_caching_resumes_from_state_snapshots(hybrid):
-    """A shared 45-token prefix, pages of 4, snapshots every 12 tokens: a warm-up request snapshots
-    12/24/36/48; a batch admitted together resumes at 36 (its pages match to 44, the junction, which
-    one of them snapshots); the next batch resumes at 44. Tokens equal Hugging Face's and prefix
-    caching off; most prompt tokens hit; every slot comes back."""
+    """A shared 45-token prefix, pages of 4, snapshots at the last multiple of 12 each step reaches:
+    a warm-up request (a 46-token prompt in one chunk) snapshots 36. A batch of three: the first
+    matches pages to 44 and resumes at 36, snapshotting its junction at 44; the other two wait that
+    step and resume at 44, as does the next batch. Tokens equal Hugging Face's and prefix caching
+    off; most prompt tokens hit; every slot comes back."""
     path, hf = hybrid
     prefix = [(7 * i + 3) % 240 + 5 for i in range(45)]
     warm, *batches = [
@@ -109,7 +133,7 @@ def test_prefix_caching_resumes_from_state_snapshots(hybrid):
     assert [[o.outputs[0].token_ids for o in g] for g in outs] == [
         [o.outputs[0].token_ids for o in g] for g in runs[False][1]
     ]
-    assert [o.num_cached_tokens for o in outs[1]] == [36, 36, 36] and [o.num_cached_tokens for o in outs[2]] == [44] * 3
+    assert [o.num_cached_tokens for o in outs[1]] == [36, 44, 44] and [o.num_cached_tokens for o in outs[2]] == [44] * 3
     assert outs[2][0].outputs[0].token_ids == hf_greedy(hf, batches[1][0], MAX_TOKENS)
     bm = llm.engine.block_manager
     assert bm.prefix_hits >= 0.5 * bm.prefix_queries and bm.snapshots.restored == 6
@@ -206,37 +230,6 @@ def test_compare_reports_the_deltanet_share_and_the_hf_peer(qwen35, tmp_path):
     assert (engine["linear_attention_share"] > 0).all() and (engine["attention_share"] > 0).all()
     assert engine["enable_prefix_caching"].all()  # resumed from DeltaNet state snapshots
     assert (engine["state_snapshot_bytes"] > 0).all() and (engine["mamba_block_size"] % engine["block_size"] == 0).all()
-
-
-def delta_rule_oracle(layer, x: torch.Tensor) -> torch.Tensor:
-    """One sequence through a GatedDeltaNet layer token by token in float64, from a zero state:
-    conv over the last K inputs, SiLU, L2-normed q/k (q scaled by 1/sqrt(Dk)), value heads grouped
-    over key heads, S <- exp(g) S + k (beta (v - S^T k))^T, o = S^T q, then the gated RMSNorm."""
-    lin = layer.lin
-    w = {n: p.detach().double() for n, p in layer.named_parameters()}
-    x = x.double()
-    mixed, z, b, a = (t.double() for t in layer._project(x.float()))
-    conv = w["conv1d.weight"][:, 0]  # [C, K]
-    padded = torch.cat([torch.zeros(lin.conv_kernel - 1, mixed.shape[1], dtype=torch.float64), mixed])
-    state = torch.zeros(lin.num_value_heads, lin.key_head_dim, lin.value_head_dim, dtype=torch.float64)
-    group = lin.num_value_heads // lin.num_key_heads
-    outs = []
-    for t in range(x.shape[0]):
-        y = torch.nn.functional.silu((padded[t : t + lin.conv_kernel].T * conv).sum(-1))
-        q, k, v = y.split([lin.key_dim, lin.key_dim, lin.value_dim])
-        q = torch.nn.functional.normalize(q.view(-1, lin.key_head_dim), dim=-1).repeat_interleave(group, 0)
-        k = torch.nn.functional.normalize(k.view(-1, lin.key_head_dim), dim=-1).repeat_interleave(group, 0)
-        q = q / lin.key_head_dim**0.5
-        v = v.view(-1, lin.value_head_dim)
-        beta = b[t].sigmoid()
-        g = -w["A_log"].exp() * torch.nn.functional.softplus(a[t] + w["dt_bias"])
-        state = state * g.exp()[:, None, None]
-        delta = (v - torch.einsum("hkv,hk->hv", state, k)) * beta[:, None]
-        state = state + torch.einsum("hk,hv->hkv", k, delta)
-        o = torch.einsum("hkv,hk->hv", state, q)
-        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.norm.eps)
-        outs.append((w["norm.weight"] * normed * torch.nn.functional.silu(z[t])).reshape(-1))
-    return torch.stack(outs) @ w["out_proj.weight"].T
 
 
 @pytest.mark.parametrize("projection", ["split", "grouped"])

@@ -25,6 +25,7 @@ from pagedbench.engine.data_parallel import make_engine
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
 from pagedbench.model.config import ModelConfig
+from pagedbench.model.delta_rule import timing_caveat as linear_timing_caveat
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.moe import experts_kernel
 from pagedbench.model.parallel import TPShard
@@ -84,7 +85,8 @@ def engine_config(
     speculative_config: dict | None = None,
 ) -> EngineConfig:
     settings = engine_settings(scenario, dtype, model) | {"speculative_config": speculative_config}
-    return EngineConfig(backend=backend, device=device, dtype=dtype, **settings)
+    kernel = scenario.linear_attention_kernel  # a report column of its own (linear_kernel_column), not a setting's
+    return EngineConfig(backend=backend, device=device, dtype=dtype, linear_attention_kernel=kernel, **settings)
 
 
 def speculation_variants(scenario: Scenario) -> list[dict | None]:
@@ -154,6 +156,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         ),
         **st.time_columns(),
         **device_columns(device, sum(st.time.values())),
+        **linear_kernel_column(engine),
         "time_backend_compile_s": counters.compile_seconds,  # 0 after a warmup run
         "time_model_compile_s": counters.model_compile_seconds,  # torch.compile of the layers (fused.py)
         "cuda_graphs": engine.cuda_graphs,  # "on: sizes, capture time, MiB" or "off: why"
@@ -188,6 +191,14 @@ def snapshot_columns(engine) -> dict:
         "state_snapshots": plan.count,
         "state_snapshot_bytes": plan.count * per_snapshot,
     }
+
+
+def linear_kernel_column(engine) -> dict:
+    """The gated delta rule's kernel a hybrid model's DeltaNet layers ran (linear_attention_kernel);
+    empty for other models."""
+    model = getattr(engine, "model_config", None)
+    hybrid = model is not None and model.linear is not None
+    return {"linear_attention_kernel": engine.config.linear_attention_kernel if hybrid else ""}
 
 
 def device_columns(device: dict[str, float], step_wall: float) -> dict:
@@ -429,6 +440,8 @@ def _compare_backends(
             max_model_len, runs = run_backend(scenario, model, requests, name, device, dtype, repeats, warmup, spec)
             measured[name, label] = runs
             caveat = cls.timing_caveat(device) or ""  # an interpreted backend: its times are not a kernel's
+            linear_caveat = linear_timing_caveat(scenario.linear_attention_kernel, device) if cfg.linear else None
+            caveat = "; ".join(filter(None, [caveat, linear_caveat]))  # or interpreted DeltaNet layers (fla on CPU)
             for repeat, m in enumerate(runs):
                 row = {**head, "status": "ok", "reason": caveat, "max_model_len": max_model_len, "repeat": repeat}
                 out.rows.append(row | m.row)

@@ -29,6 +29,7 @@ from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.noise import median_interval
 from pagedbench.bench.problems import causal_mask, random_attention_batch
 from pagedbench.bench.ranks import gather_rows, grid_world
+from pagedbench.config import LINEAR_ATTENTION_KERNELS
 from pagedbench.device.dtypes import resolve_device_dtype
 
 PHASES = ("decode", "prefill", "mixed")
@@ -49,6 +50,9 @@ VARIANTS = {
     "dsa": AttentionVariant(value_dim=512, topk=2048),
 }
 INDEXER_HEADS, INDEXER_DIM = 64, 128  # DeepSeek-V3.2's index_n_heads, index_head_dim
+# Not attention: a hybrid model's gated DeltaNet layer (projections, conv window, gated delta rule, gated
+# norm) through each linear_attention_kernel; --heads reads as value/key heads, --head-dim as both head dims.
+GDN = "gdn"
 
 # Spec-sheet HBM bandwidth (TB/s), matched against torch.cuda.get_device_name in order.
 PEAK_BANDWIDTH_TBPS = [
@@ -81,6 +85,8 @@ class KernelGrid:
     # Time each backend's forward captured in a CUDA graph and replayed, as the engine's decode
     # graphs run it: small batches then measure kernels, not a Python launch.
     cuda_graphs: bool = False
+    # Variant gdn: the gated delta rule's kernels timed (EngineConfig.linear_attention_kernel's names).
+    linear_kernels: list[str] = field(default_factory=lambda: ["torch"])
 
     def validate(self) -> None:
         for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
@@ -92,13 +98,18 @@ class KernelGrid:
                 raise ValueError(f"heads {num_heads}/{num_kv_heads}: query heads must be a multiple of KV heads")
         for kv in self.kv_cache_dtypes:
             kv_storage_dtype(kv, torch.float32)  # an unknown name fails here, naming the known ones
-        if not self.variants or set(self.variants) - set(VARIANTS):
-            raise ValueError(f"variants must be among {', '.join(VARIANTS)}, got {', '.join(self.variants)}")
+        if not self.variants or set(self.variants) - {*VARIANTS, GDN}:
+            raise ValueError(f"variants must be among {', '.join([*VARIANTS, GDN])}, got {', '.join(self.variants)}")
+        if GDN in self.variants and (
+            not self.linear_kernels or set(self.linear_kernels) - set(LINEAR_ATTENTION_KERNELS)
+        ):
+            known, got = ", ".join(LINEAR_ATTENTION_KERNELS), ", ".join(self.linear_kernels)
+            raise ValueError(f"linear kernels must be among {known}, got {got}")
         unknown = set(self.phases) - set(PHASES)
         if unknown or not self.phases:
             raise ValueError(f"phases must be among {', '.join(PHASES)}, got {', '.join(self.phases)}")
         for name in self.variants:
-            value_dim = VARIANTS[name].value_dim
+            value_dim = VARIANTS.get(name, PLAIN).value_dim
             if value_dim is not None and (self.head_dim <= value_dim or any(kv != 1 for _, kv in self.heads)):
                 raise ValueError(
                     f"variant {name}: latent attention needs one KV head (--heads H/1) and "
@@ -121,7 +132,9 @@ class KernelGrid:
         ):
             if point[1] == "prefill" and point[2] != 1 or point[2] > point[5]:
                 continue
-            if point[1] == "prefill" and VARIANTS[point[0]].topk is not None:
+            if point[0] == GDN and (point[2] != 1 or point[4] != self.block_sizes[0]):
+                continue  # a DeltaNet layer has no pages, and speculative decoding is refused on hybrid models
+            if point[1] == "prefill" and VARIANTS.get(point[0], PLAIN).topk is not None:
                 continue  # a random selection per prompt token is too slow to draw at these lengths
             spec = batch_spec(point[1], point[6], point[5], point[2])
             if sum(map(sum, spec)) <= self.max_kv_tokens and sum(q for _, q in spec) <= self.max_query_tokens:
@@ -299,8 +312,14 @@ def run_kernels(
         if index % world != rank:
             continue
         out = rows if world == 1 else mine.setdefault(index, [])
-        variant = VARIANTS[variant_name]
         spec = batch_spec(phase, batch_size, context_len, query_len)
+        if variant_name == GDN:
+            bandwidths = {"peak_bandwidth_gbps": peak_gbps, "peak_bandwidth_source": peak_source}
+            bandwidths["copy_bandwidth_gbps"] = copy_gbps
+            shape = (phase, batch_size, context_len, num_heads, num_kv_heads)
+            out += gdn_rows(spec, shape, grid, dev, dt, {**env, **bandwidths})
+            continue
+        variant = VARIANTS[variant_name]
         point = {
             "variant": variant_name,
             "phase": phase,
@@ -363,6 +382,77 @@ def indexer_columns(batch, topk: int, grid: KernelGrid, device, dtype) -> dict:
     weights = torch.randn(meta.num_tokens, INDEXER_HEADS, generator=gen).to(device)
     times = time_kernel(lambda: step.select(0, q, keys, weights), device, grid.warmup, grid.repeats)
     return {"indexer_min_ms": 1e3 * min(times), "indexer_median_ms": 1e3 * statistics.median(times)}
+
+
+def gdn_rows(spec, shape: tuple, grid: KernelGrid, device, dtype, head: dict) -> list[dict]:
+    """Variant gdn at one point: a gated DeltaNet layer's forward over the point's batch (each
+    sequence's state in a slot: a decode or a chunk after cached tokens continues it, a prompt starts
+    from zeros) through each of grid.linear_kernels, one row each. kv_bytes are the fp32 states read
+    and written; flops the recurrence's (S^T k, the rank-one update, S^T q: 6 x value heads x d^2 per
+    token). fla interpreted on CPU runs once, with the caveat as its reason. `head`: the environment
+    and bandwidth columns."""
+    from pagedbench.bench.check_linear import linear_config, linear_layer
+    from pagedbench.model.delta_rule import fla_unavailable_reason, kernel_provider, timing_caveat
+    from pagedbench.model.layers import AttentionContext
+    from pagedbench.worker.linear_state import LinearStateCache, LinearStep
+
+    phase, batch_size, context_len, value_heads, key_heads = shape
+    d, tokens = grid.head_dim, sum(q for _, q in spec)
+    point = {
+        "variant": GDN,
+        "phase": phase,
+        "query_len": 1,
+        "batch_size": batch_size,
+        "context_len": context_len,
+        "num_heads": value_heads,
+        "num_kv_heads": key_heads,
+        "head_dim": d,
+        "num_query_tokens": tokens,
+        "kv_bytes": 2 * len(spec) * value_heads * d * d * 4,
+        "flops": 6 * tokens * value_heads * d * d,
+        **head,
+    }
+    cfg = linear_config(key_heads, value_heads, d, value_heads * d)
+    layer = linear_layer(0, device, dtype, cfg)
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    qsl = [0]
+    for _, q in spec:
+        qsl.append(qsl[-1] + q)
+    rows = []
+    for kernel in grid.linear_kernels:
+        row = {"backend": f"{GDN}-{kernel}", "linear_attention_kernel": kernel, **point}
+        reason = fla_unavailable_reason(device.type) if kernel == "fla" else None
+        if reason:
+            rows.append({**row, "provider": "", "status": "unavailable", "reason": reason})
+            continue
+        cache = LinearStateCache.allocate(cfg, [0], len(spec), device, dtype)
+        cache.kernel = kernel
+        cache.recurrent[0].normal_(std=0.1)  # states of the cached tokens
+        # One step view for every call: its index tensors are built once, as once per step for all layers.
+        step = LinearStep(cache, list(range(len(spec))), qsl, [cached for cached, _ in spec])
+        ctx = AttentionContext([], [], None, [], linear=step)
+        caveat = timing_caveat(kernel, device)
+        timing = replace(grid, warmup=0, repeats=1) if caveat else grid
+
+        def forward(ctx=ctx):
+            with torch.no_grad():
+                layer(x, ctx)
+
+        if not timing.warmup:
+            forward()  # the step's index tensors (and fla's first-call work) untimed
+        times = time_kernel(forward, device, timing.warmup, timing.repeats)
+        rows.append(
+            {
+                **row,
+                "provider": kernel_provider(kernel, device),
+                "status": "ok",
+                "reason": caveat or "",
+                **_forward_columns(times, point),
+                "warmup": timing.warmup,
+                "repeats": timing.repeats,
+            }
+        )
+    return rows
 
 
 def kv_bytes_per_slot(kv_cache_dtype: str, dtype: torch.dtype, grid: KernelGrid) -> float:

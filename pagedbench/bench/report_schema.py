@@ -85,6 +85,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "moe_share",
     "time_linear_attention_s",
     "linear_attention_share",
+    "linear_attention_kernel",  # hybrid models' gated delta rule: torch or fla (empty for other models)
     "time_indexer_s",
     "indexer_share",
     "engine_overhead_share",
@@ -130,6 +131,7 @@ KV_COLUMNS = REQUEST_COLUMNS[: REQUEST_COLUMNS.index("repeat") + 1] + [
 ]
 KERNEL_COLUMNS = ENVIRONMENT + [
     "variant",  # plain, window-1024, softcap-50, sinks (kernels.VARIANTS)
+    "linear_attention_kernel",  # variant gdn: the gated delta rule's kernel (torch, fla)
     "phase",
     "query_len",
     "kv_cache_dtype",
@@ -174,6 +176,7 @@ CHECK_COLUMNS = ENVIRONMENT + [
     "head_dim",
     "block_size",
     "variant",  # plain, or the AttentionVariant the case runs (window, soft-cap, sinks)
+    "linear_attention_kernel",  # the gated DeltaNet cases' kernel (torch, fla)
     "num_seqs",
     "num_query_tokens",
     "max_abs_error",

@@ -17,7 +17,7 @@ import numpy as np
 
 from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.bench.datasets import DATASET_NAMES, load_dataset
-from pagedbench.config import INDEX_CACHE_DTYPES, SpeculativeConfig
+from pagedbench.config import INDEX_CACHE_DTYPES, LINEAR_ATTENTION_KERNELS, SpeculativeConfig
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.sample.sampling_params import SamplingParams, is_int, structured_outputs_params
 
@@ -104,6 +104,8 @@ class Scenario:
     prompts: str = "random"
     kv_cache_dtype: str = "auto"  # how K/V pages are stored (EngineConfig.kv_cache_dtype)
     index_cache_dtype: str = "auto"  # DeepSeek-V3.2's index keys as stored (EngineConfig.index_cache_dtype)
+    # Hybrid models' gated delta rule (EngineConfig.linear_attention_kernel): how the engine runs, outside the hash
+    linear_attention_kernel: str = "torch"
     speculative_config: dict | None = None  # vLLM's speculative_config for every backend's engine
     speculation_baseline: bool = False  # also run each backend without speculation, to compare
     # Every request's structured-output constraint: StructuredOutputsParams' fields, e.g. {json = {...}}.
@@ -141,6 +143,11 @@ class Scenario:
         if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
             self._fail(
                 "index_cache_dtype", f"must be one of {', '.join(INDEX_CACHE_DTYPES)}, got {self.index_cache_dtype!r}"
+            )
+        if self.linear_attention_kernel not in LINEAR_ATTENTION_KERNELS:
+            self._fail(
+                "linear_attention_kernel",
+                f"must be one of {', '.join(LINEAR_ATTENTION_KERNELS)}, got {self.linear_attention_kernel!r}",
             )
         if self.prompts not in PROMPT_SOURCES:
             self._fail("prompts", f"must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
@@ -248,10 +255,11 @@ class Scenario:
     def content_hash(self) -> str:
         """sha256 of the canonical form: every field but name and description, sorted keys,
         the KV budget in blocks however it was given (the tensor, pipeline and data parallel sizes
-        only when > 1, so hashes from before they existed still match; enforce_eager, compile and
-        distributed_executor_backend never: the workload is the same)."""
+        only when > 1, so hashes from before they existed still match; enforce_eager, compile,
+        distributed_executor_backend and linear_attention_kernel never: the workload is the same)."""
         content = dataclasses.asdict(self) | {"num_blocks": self.kv_blocks, "kv_tokens": None}
-        for how in ("name", "description", "enforce_eager", "compile", "distributed_executor_backend"):
+        how_it_runs = ("enforce_eager", "compile", "distributed_executor_backend", "linear_attention_kernel")
+        for how in ("name", "description", *how_it_runs):
             del content[how]
         for size in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if content[size] == 1:

@@ -279,18 +279,24 @@ class Executor:
     def _start_runner(self, backend: LayerAttention) -> ModelRunner | ParallelRunner:
         """The KV cache (and swap space) on every rank, and the runner that drives them."""
         config = self.config
-        self.num_cpu_blocks = 0
+        self.num_cpu_blocks = self.num_cpu_state_slots = 0
         if config.preemption_mode == "swap":
             per_block = page_bytes(config, self.model_config, None, self.dtype, self.tp)  # the draft's never swap
-            self.num_cpu_blocks = int(config.swap_space * 2**30) // per_block
+            swap = int(config.swap_space * 2**30)
+            if self.num_state_slots:  # a hybrid's swapped-out states: up to half the swap space, one per sequence
+                per_state = state_bytes_per_sequence(self.model_config, self.dtype, self.tp)
+                self.num_cpu_state_slots = min(config.max_num_seqs, swap // 2 // per_state)
+                swap -= self.num_cpu_state_slots * per_state
+            self.num_cpu_blocks = swap // per_block
         runner = ModelRunner(
             self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks,
             config.kv_cache_dtype, config.calculate_kv_scales, self.num_state_slots + self.num_state_snapshots,
-            config.index_cache_dtype,
+            config.index_cache_dtype, config.linear_attention_kernel, self.num_cpu_state_slots,
         )  # fmt: skip
         if self.workers is None:
             return runner
-        self.workers.start(self.device, self.num_blocks, self.num_cpu_blocks, runner.num_state_slots)
+        state_slots = (runner.num_state_slots, self.num_cpu_state_slots)
+        self.workers.start(self.device, self.num_blocks, self.num_cpu_blocks, state_slots)
         weakref.finalize(self, self.workers.shutdown)
         if self.stage.size > 1:
             return PipelineRunner(runner, self.workers, StageLink(self.stage, 0, self.tp.size))

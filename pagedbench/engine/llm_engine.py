@@ -58,7 +58,7 @@ class LLMEngine:
         self.max_model_len, self.num_blocks = ex.max_model_len, ex.num_blocks  # the executor sized the cache
         self.block_manager = BlockManager(
             ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks,
-            cfg.window_of_every_layer, ex.num_state_slots, ex.state_snapshots,
+            cfg.window_of_every_layer, ex.num_state_slots, ex.state_snapshots, ex.num_cpu_state_slots,
         )  # fmt: skip
         self.stats = EngineStats()
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id

@@ -18,7 +18,6 @@ sampler produced: computed tokens, appended tokens, rollback, stops, forks."""
 import sys
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pagedbench.engine.block_manager import BlockManager
 from pagedbench.engine.output_processor import OutputProcessor
@@ -26,27 +25,8 @@ from pagedbench.engine.queue_order import QueueOrder
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.sequence import Sequence, SequenceStatus
 from pagedbench.engine.stats import EngineStats
-from pagedbench.engine.step_update import StepUpdate
+from pagedbench.engine.step_update import SchedulerOutput, StepUpdate
 from pagedbench.model.config import ModelConfig
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """The work of one step: `seqs[i]` runs its next `num_tokens[i]` tokens.
-    Decodes (one token) come first, then prefill chunks."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
-    @property
-    def empty(self) -> bool:
-        return not self.seqs
-
 
 PREEMPTION_MODES = ("recompute", "swap")
 

@@ -12,7 +12,6 @@ calls its finish and preempt, and uses what the Scheduler was given for it: `req
 (text and logprob entries), `stats`, `model_config` (EOS ids) and `max_model_len`."""
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,8 +21,23 @@ from pagedbench.engine.stopping import stop_check
 from pagedbench.engine.structured_outputs import advance
 from pagedbench.sample.sampler import SamplerOutput
 
-if TYPE_CHECKING:
-    from pagedbench.engine.scheduler import SchedulerOutput
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The work of one step: `seqs[i]` runs its next `num_tokens[i]` tokens.
+    Decodes (one token) come first, then prefill chunks."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
 
 
 @dataclass(slots=True)
@@ -90,7 +104,7 @@ class StepUpdate:
     """The Scheduler's post-step methods: update_from_output, and the forks, computed tokens and
     abandoned steps it and the engine use."""
 
-    def update_from_output(self, sched: "SchedulerOutput", out: ModelRunnerOutput) -> list[RequestProgress]:
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestProgress]:
         """Apply step `sched`'s output `out` to its sequences (see the module's docstring); returns the
         requests that got tokens, in the order their outputs go out."""
         for seq, n in zip(sched.seqs, sched.num_tokens):
@@ -140,7 +154,7 @@ class StepUpdate:
             self.waiting.insert(self.waiting.index(parent) + 1, child)
         return child
 
-    def computed(self, out: "SchedulerOutput", rejected: dict[int, int] | None = None) -> None:
+    def computed(self, out: SchedulerOutput, rejected: dict[int, int] | None = None) -> None:
         """The scheduled tokens of `out` went through the model: their K/V are in the cache (but for
         `rejected[id(seq)]` proposals of a verifying sequence), and full pages join the prefix cache."""
         for seq, n in zip(out.seqs, out.num_tokens):
@@ -148,7 +162,7 @@ class StepUpdate:
             self.block_manager.cache_computed_blocks(seq)
             self.block_manager.release_out_of_window(seq)
 
-    def abandon(self, out: "SchedulerOutput") -> None:
+    def abandon(self, out: SchedulerOutput) -> None:
         """A step that raised (an interrupt, out of memory, a worker) left K/V unwritten: forget
         every cached prefix (pages registered for this step among them) and send the step's
         sequences back to recompute, so nothing later reads what was never written."""

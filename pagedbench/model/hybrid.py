@@ -5,12 +5,12 @@ A DeltaNet layer reads and writes each sequence's state in its slot of the step'
 `LinearStateCache` (worker/linear_state.py): the conv window (the last conv_kernel - 1 inputs) and
 the recurrent state [value heads, key dim, value dim]. A sequence's first chunk starts from zeros;
 a later chunk (chunked prefill), a decode, or a prefix hit (its slot restored from a snapshot)
-continues from its slot; a chunk is cut where prefix caching snapshots the state. The recurrences are the torch
-forms transformers ships (chunked for several tokens, recurrent for one), so the tokens are
-Hugging Face's; each sequence of the step runs on its own (a loop over the batch, host indices).
+continues from its slot; a chunk is cut where prefix caching snapshots the state. The recurrence is
+the engine's linear_attention_kernel (model/delta_rule.py): `torch`, the torch forms transformers
+ships (chunked for several tokens, recurrent for one), so the tokens are Hugging Face's, each
+sequence of the step on its own (a loop over the batch, host indices); or `fla`,
+flash-linear-attention's Triton kernels, every sequence of the step in one varlen call.
 """
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -18,19 +18,15 @@ from einops import rearrange
 from torch import nn
 
 from pagedbench.model.config import ModelConfig
+from pagedbench.model.delta_rule import fla_mix, torch_delta_rule
 from pagedbench.model.layers import AttentionContext, column_parallel, row_parallel
 from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, local_linear, shard_param, shard_param_parts
 
 
-@functools.cache
 def delta_rule_kernels():
-    """(chunked, recurrent) gated delta rule: the torch implementations transformers ships."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (
-        torch_chunk_gated_delta_rule,
-        torch_recurrent_gated_delta_rule,
-    )
-
-    return torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
+    """(chunked, recurrent) gated delta rule of the `torch` kernel: the torch implementations
+    transformers ships (never the fla kernels transformers swaps in for them when fla is installed)."""
+    return torch_delta_rule()
 
 
 class GatedRMSNorm(nn.Module):
@@ -111,9 +107,11 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv], log decay
+        weight = self.conv1d.weight  # [C, 1, K]
+        if step.cache.kernel == "fla":  # every sequence of the step in one varlen call (model/delta_rule.py)
+            return self._output(fla_mix(lin, mixed, weight, g, beta, step, conv_states, states), z, x)
         chunked, recurrent = delta_rule_kernels()
         out = x.new_empty(x.shape[0], lin.num_value_heads, lin.value_head_dim)
-        weight = self.conv1d.weight  # [C, 1, K]
         for slot, start, end, continues, snapshot in step.segments():
             # The conv over this chunk, its window starting with the previous chunk's last inputs.
             window = conv_states[slot] if continues else mixed.new_zeros(lin.conv_dim, lin.conv_kernel - 1)
@@ -134,6 +132,11 @@ class GatedDeltaNet(nn.Module):
             out[start:end] = o[0]
             if snapshot is not None:  # prefix caching: the state after these rows, kept for a later prompt
                 conv_states[snapshot], states[snapshot] = conv_states[slot], states[slot]
+        return self._output(out, z, x)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The rule's output [T, Hv, Dv] through the gated RMSNorm and out_proj."""
+        lin = self.lin
         out = self.norm(out.reshape(-1, lin.value_head_dim), z.reshape(-1, lin.value_head_dim))
         return all_reduce(self.out_proj(out.reshape(x.shape[0], lin.value_dim)), self.tp)
 

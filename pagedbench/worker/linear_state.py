@@ -6,6 +6,7 @@ each DeltaNet layer which slot each of its sequences reads and whether it contin
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,26 +18,47 @@ from pagedbench.model.parallel import NO_TP, TPShard, local_linear
 class LinearStateCache:
     conv: dict[int, torch.Tensor]  # layer -> [slots, conv_dim, conv_kernel - 1]
     recurrent: dict[int, torch.Tensor]  # layer -> [slots, value heads, key dim, value dim] fp32
+    kernel: str = "torch"  # the gated delta rule's kernel (EngineConfig.linear_attention_kernel; model/delta_rule.py)
+    # Swapped-out sequences' states: the same layout in (pinned, on CUDA) CPU memory, slots numbered
+    # after the device's.
+    host_conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    host_recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def allocate(
-        cls, cfg: ModelConfig, layers: list[int], num_slots: int, device, dtype, tp: TPShard = NO_TP
+        cls, cfg: ModelConfig, layers: list[int], num_slots: int, device, dtype, tp: TPShard = NO_TP, num_cpu_slots=0
     ) -> "LinearStateCache":
         lin = local_linear(cfg.linear, tp)  # this tensor-parallel rank's heads
-        conv = (num_slots, lin.conv_dim, lin.conv_kernel - 1)
-        rec = (num_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
+        conv = (lin.conv_dim, lin.conv_kernel - 1)
+        rec = (lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
         linear = [i for i in layers if cfg.is_linear_layer(i)]
+        pin = torch.device(device).type == "cuda" and num_cpu_slots > 0
+
+        def planes(n, shape, kind, where, pinned=False):
+            return {i: torch.zeros((n, *shape), device=where, dtype=kind, pin_memory=pinned) for i in linear}
+
         return cls(
-            {i: torch.zeros(conv, device=device, dtype=dtype) for i in linear},
-            {i: torch.zeros(rec, device=device, dtype=torch.float32) for i in linear},
+            planes(num_slots, conv, dtype, device),
+            planes(num_slots, rec, torch.float32, device),
+            host_conv=planes(num_cpu_slots, conv, dtype, "cpu", pin),
+            host_recurrent=planes(num_cpu_slots, rec, torch.float32, "cpu", pin),
         )
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """State of slot src -> slot dst in every layer (a forked sample continues its parent's)."""
-        src, dst = (torch.tensor(x, device=next(iter(self.conv.values())).device) for x in zip(*pairs))
-        for tensors in (self.conv, self.recurrent):
-            for t in tensors.values():
-                t[dst] = t[src]
+        """State of slot src -> slot dst in every layer (a forked sample continues its parent's, a
+        prefix hit resumes from a snapshot, a swapped sequence's state moves to a CPU slot and back):
+        every source is read before any destination is written."""
+        num_device = next(iter(self.conv.values())).shape[0]
+        for device, host in ((self.conv, self.host_conv), (self.recurrent, self.host_recurrent)):
+            for layer, t in device.items():
+                if all(s < num_device and d < num_device for s, d in pairs):
+                    src, dst = (torch.tensor(x, device=t.device) for x in zip(*pairs))
+                    t[dst] = t[src]
+                    continue
+                slots = [*t.unbind(), *host[layer].unbind()]  # views, device slots first
+                reads = [slots[s].clone() for s, _ in pairs]
+                for (_, d), value in zip(pairs, reads):
+                    slots[d].copy_(value)
 
 
 def state_bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype, tp: TPShard = NO_TP) -> int:
@@ -61,6 +83,7 @@ class LinearStep:
     query_start_loc: list[int]  # [S + 1]
     context_lens: list[int]  # [S]
     snapshots: list[list[tuple[int, int]]] = field(default_factory=list)  # [S] (rows of its chunk, slot)
+    layout: Any = None  # the fla kernel's index tensors for this step, built by its first DeltaNet layer
 
     def segments(self) -> Iterator[tuple[int, int, int, bool, int | None]]:
         """(slot, first row, end row, continues, snapshot slot or None) for each run of rows a

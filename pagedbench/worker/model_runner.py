@@ -16,6 +16,7 @@ from pagedbench.backends.base import (
 )
 from pagedbench.device.transfer import to_device, to_host
 from pagedbench.model.config import ModelConfig
+from pagedbench.model.delta_rule import check_linear_attention_kernel
 from pagedbench.model.layers import AttentionContext
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.parallel import NO_TP, TPShard
@@ -74,6 +75,8 @@ class ModelRunner(RunsWhole):
         calculate_kv_scales: bool = False,
         num_state_slots: int = 0,
         index_cache_dtype: str = "auto",
+        linear_attention_kernel: str = "torch",
+        num_cpu_state_slots: int = 0,
     ):
         cfg = model.config
         self.model, self.backend = model, backend
@@ -88,11 +91,15 @@ class ModelRunner(RunsWhole):
         # block manager can admit (engine: num_state_slots).
         layers = [i for i in stage_layers if not cfg.is_linear_layer(i)]
         self.num_state_slots = num_state_slots  # (with prefix caching's snapshot slots after the running ones)
+        self.num_cpu_state_slots = num_cpu_state_slots  # swapped-out sequences' states
         self.linear_states = (
-            LinearStateCache.allocate(cfg, stage_layers, num_state_slots, device, dtype, model.tp)
+            LinearStateCache.allocate(cfg, stage_layers, num_state_slots, device, dtype, model.tp, num_cpu_state_slots)
             if cfg.linear
             else None
         )
+        if self.linear_states is not None:  # the gated delta rule's kernel: refused here if it cannot run
+            check_linear_attention_kernel(linear_attention_kernel, device)
+            self.linear_states.kernel = linear_attention_kernel
         shape = (len(layers), cfg.kv_planes, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
         storage = kv_storage_dtype(kv_cache_dtype, dtype)
         try:

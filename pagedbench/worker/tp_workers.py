@@ -99,12 +99,13 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             config.compiles(device),
         )  # fmt: skip
         conn.send(("built",))
-        _, (num_blocks, num_cpu_blocks, num_state_slots) = conn.recv()
+        _, (num_blocks, num_cpu_blocks, (num_state_slots, num_cpu_state_slots)) = conn.recv()
         init_group(device, rank, spec.size, spec.port)  # first: a failure after it cannot leave rank 0 waiting
         form_stage_groups(tp_size, pp_size)
         runner = ModelRunner(
             model, backend, num_blocks, config.block_size, device, dtype, num_cpu_blocks,
             config.kv_cache_dtype, config.calculate_kv_scales, num_state_slots, config.index_cache_dtype,
+            config.linear_attention_kernel, num_cpu_state_slots,
         )  # fmt: skip
         if pp_size > 1:
             runner = StageRunner(runner, StageLink(stage, tp.rank, tp_size))
@@ -152,12 +153,12 @@ class Workers:
             self.procs.append(proc)
         self.size, self.closed, self.config = size, False, config
 
-    def start(self, device: torch.device, num_blocks: int, num_cpu_blocks: int, num_state_slots: int = 0) -> None:
+    def start(self, device: torch.device, num_blocks: int, num_cpu_blocks: int, state_slots=(0, 0)) -> None:
         """Wait for every worker's shard, give them the cache size (and a hybrid model's state
-        slots), and form the group."""
+        slots: on the device, and in CPU memory for swapped-out sequences), and form the group."""
         try:
             self._expect("built")
-            self.send("init", num_blocks, num_cpu_blocks, num_state_slots)
+            self.send("init", num_blocks, num_cpu_blocks, state_slots)
             init_group(device, 0, self.size, self.port)
             form_stage_groups(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
             self._expect("ready")

@@ -27,7 +27,7 @@ from pagedbench.entrypoints.cli.common import (
 
 
 def cmd_kernels(args) -> None:
-    from pagedbench.bench.kernels import DENSE, GRID_PRESETS, run_kernels
+    from pagedbench.bench.kernels import DENSE, GDN, GRID_PRESETS, run_kernels
     from pagedbench.bench.ranks import reporting_rank
     from pagedbench.bench.report import CsvLog, tidy, write_reports
     from pagedbench.bench.report_tables import kernel_table, markdown, not_run_lines
@@ -45,6 +45,8 @@ def cmd_kernels(args) -> None:
         grid.phases = args.phases.split(",")
     if args.variants:
         grid.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if GDN in grid.variants:
+        grid.linear_kernels = timed_linear_kernels(args.linear_kernels, device)
     if args.kv_cache_dtype:
         grid.kv_cache_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
     for name in ("head_dim", "max_kv_tokens", "max_query_tokens", "warmup", "repeats"):
@@ -69,8 +71,33 @@ def cmd_kernels(args) -> None:
         raise NothingMeasured(f"kernels timed no backend, only the dense yardstick: {why}")
 
 
+def backends_or_kernels(text: str | None, kernels: list[str]) -> list[str]:
+    """check's --backends: as named, or every registered backend and every gated DeltaNet kernel."""
+    return backend_names(text) + (kernels if text is None else [])
+
+
+def timed_linear_kernels(text: str | None, device: torch.device) -> list[str]:
+    """--linear-kernels (variant gdn): as named, or by default each kernel whose timings here are a
+    kernel's speed (fla interpreted on CPU is left out, saying so; named, it runs)."""
+    from pagedbench.config import LINEAR_ATTENTION_KERNELS
+    from pagedbench.model.delta_rule import timing_caveat
+
+    if text is not None:
+        return [k.strip() for k in text.split(",") if k.strip()]
+    timed = []
+    for kernel in LINEAR_ATTENTION_KERNELS:
+        caveat = timing_caveat(kernel, device)
+        if caveat:
+            print(f"pagedbench: note: gdn-{kernel} not timed by default on {device.type}: {caveat} "
+                  f"(--linear-kernels {kernel} times it)")  # fmt: skip
+        else:
+            timed.append(kernel)
+    return timed
+
+
 def cmd_check(args) -> int:
     from pagedbench.bench.check import TOLERANCE_FACTOR, TOLERANCE_FLOOR, engine_check, run_check, summary
+    from pagedbench.bench.check_linear import linear_kernel_names, run_linear_check, split_backends
     from pagedbench.bench.environment import environment
     from pagedbench.bench.ranks import reporting_rank
     from pagedbench.bench.report import EnvCsvLog, tidy, write_reports
@@ -86,13 +113,17 @@ def cmd_check(args) -> int:
     names = args.dtypes or ("fp32,bf16" if device.type == "cpu" else "bf16,fp16,fp32")
     dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
     env = environment(device, dtypes[0])
-    backends = backend_names(args.backends)
+    # gdn-<kernel> names the gated DeltaNet cases' kernels (check_linear.py); by default every one runs
+    backends, kernels = split_backends(backends_or_kernels(args.backends, linear_kernel_names()))
     stem = report_stem(args.out, "check", args.overwrite)
     log = EnvCsvLog(env, args.out, stem, "check", "check") if reporting_rank() else []
     with keep_partial(log):
-        run_check(backends, device, dtypes, full=args.full, rows=log)
+        if backends:
+            run_check(backends, device, dtypes, full=args.full, rows=log)
         if not reporting_rank():  # under torchrun: rank 0 has every rank's rows (and runs the engine check)
             return 0
+        if kernels:
+            log += run_linear_check(kernels, device, dtypes)
         if args.engine or args.full:
             log += engine_check(backends, device, dtypes, model=args.model or "tiny-llama", compile=args.compile)
     rows = list(log)
@@ -262,7 +293,14 @@ def register(sub) -> None:
     kern.add_argument("--phases", help="among decode,prefill,mixed")
     kern.add_argument(
         "--variants",
-        help="attention variants, among plain,window-1024,softcap-50,sinks,gpt-oss,latent-512,dsa (default: plain)",
+        help="attention variants, among plain,window-1024,softcap-50,sinks,gpt-oss,latent-512,dsa (default: plain); "
+        "gdn: a hybrid model's gated DeltaNet layer instead (--heads as value/key heads) per --linear-kernels",
+    )
+    kern.add_argument(
+        "--linear-kernels",
+        default=None,
+        help="variant gdn: the gated delta rule's kernels, among torch,fla (default: both on cuda; torch on cpu, "
+        "where fla runs in Triton's interpreter: named, it is timed once)",
     )
     kern.add_argument("--head-dim", type=int)
     kern.add_argument("--max-kv-tokens", type=int, help="skip grid points holding more KV tokens than this")
@@ -283,7 +321,12 @@ def register(sub) -> None:
     kern.set_defaults(func=cmd_kernels)
 
     chk = sub.add_parser("check", help="every backend against a dense oracle on a grid of paged-attention problems")
-    chk.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
+    chk.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated; gdn-torch and gdn-fla name the gated DeltaNet cases' kernels (hybrid models' "
+        "linear_attention_kernel, against a float64 oracle) (default: every registered backend and both kernels)",
+    )
     chk.add_argument("--device", default=None, help="cuda if available, else cpu")
     chk.add_argument(
         "--dtypes", default=None, help="comma-separated (default: fp32,bf16 on cpu; bf16,fp16,fp32 on cuda)"

@@ -9,7 +9,7 @@ import pandas as pd
 
 from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.bench.scenario import ENGINE_FIELDS, LengthRange, Scenario, builtin_scenarios, load_scenario
-from pagedbench.config import INDEX_CACHE_DTYPES, EngineConfig, json_object
+from pagedbench.config import INDEX_CACHE_DTYPES, LINEAR_ATTENTION_KERNELS, EngineConfig, json_object
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     NothingMeasured,
@@ -33,6 +33,7 @@ SCENARIO_OVERRIDES = (
     "n",
     "speculation_baseline",
     "structured_outputs",
+    "linear_attention_kernel",
 )
 
 
@@ -136,11 +137,18 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         help="every request's constraint, as JSON (vLLM's StructuredOutputsParams): {\"json\": {...schema...}}, "
         '{"regex": "..."}, {"choice": [...]}, {"grammar": "..."}; "off" for none (default: the scenario\'s)',
     )
+    overrides.add_argument(
+        "--linear-attention-kernel",
+        choices=list(LINEAR_ATTENTION_KERNELS),
+        default=None,
+        help=f"{helps['linear_attention_kernel']} (default: the scenario's, torch; rows name it in "
+        "linear_attention_kernel)",
+    )
     add_dataset_args(overrides)
     for flag in SCENARIO_OVERRIDES:
         special = ("model", "enable_prefix_caching", "enforce_eager", "compile", "distributed_executor_backend")
         special += ("kv_cache_dtype", "index_cache_dtype", "dataset_name", "dataset_path")
-        special += ("speculative_config",)
+        special += ("speculative_config", "linear_attention_kernel")
         if flag not in (*special, "speculation_baseline", "structured_outputs"):
             overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
 
