@@ -51,7 +51,8 @@ def hf_answers(cache):
 
 @needs_real
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex", "triton"])
+# (triton's interpreter on the 135M model took 21 s; its kernel meets HF on the tiny models' matrix)
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
 def test_real_model_chat_equals_hugging_face(backend, hf_answers):
     llm = LLM(REAL, backend=backend, dtype="fp32", num_blocks=64, max_num_batched_tokens=256)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]

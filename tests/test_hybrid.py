@@ -97,7 +97,7 @@ def test_swap_moves_the_state_to_a_cpu_slot_and_back():
     assert bm.num_free_state_slots == 2 and list(bm._cpu_state_slots) == [2]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", pytest.param("flex", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["sdpa", *(pytest.param(b, marks=pytest.mark.slow) for b in ("flex", "triton"))])
 def test_every_attention_backend_gives_the_tokens(qwen35, backend):
     path, want = qwen35
     assert generate(path, backend, **SETTINGS["chunked"])[1] == want

@@ -59,6 +59,35 @@ def test_fla_greedy_tokens_equal_hugging_faces_under_chunked_prefill(hybrid_mode
     assert bm.num_free_state_slots == bm.num_state_slots
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(num_blocks=14, block_size=4, max_num_batched_tokens=16, max_model_len=48),  # recompute
+        dict(num_blocks=14, block_size=4, max_num_batched_tokens=16, max_model_len=48, preemption_mode="swap"),
+        dict(num_blocks=64, tensor_parallel_size=2),
+    ],
+    ids=["recompute", "swap", "tp2"],
+)
+def test_fla_greedy_tokens_under_preemption_and_tensor_parallelism(hybrid_models, setting):
+    """fla under a tight KV budget (preempted, then recomputed from a snapshot or swapped out with its
+    state moved to a CPU slot and back) and at TP 2 (each rank's key heads through fla): HF's tokens."""
+    require("fla")
+    path, hf = hybrid_models["qwen3.5"]
+    want = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", linear_attention_kernel="fla", **setting)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        if "preemption_mode" in setting:
+            assert llm.engine.stats.swap_outs > 0
+        elif "max_model_len" in setting:
+            assert sum(o.metrics.num_preemptions for o in outs) > 0
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("kernel", ["torch", "fla"])
 def test_check_cases_pass_against_the_float64_oracle(kernel):
     """Chunked prefill with a snapshot a later prompt resumes from, decodes, a ragged batch: fp32."""

@@ -121,7 +121,7 @@ def test_an_abort_while_its_step_is_in_flight_waits_for_the_step(tiny_models):
         for i, p in enumerate(prompts(4)):
             engine.add_request(p, GREEDY, request_id=str(i))
         engine.step()  # both lanes launched, lane 0's step completed: lane 1's is in flight
-        busy = [rid for rid in map(str, range(4)) if engine._lane_busy(rid)]
+        busy = [rid for rid in map(str, range(4)) if engine.requests[rid].lane in engine.core.busy_lanes]
         assert busy
         engine.abort_request(busy[0])
         assert busy[0] in engine.requests  # not yet: its pages are being written

@@ -99,8 +99,8 @@ def test_triton_replays_decode_steps_exactly(monkeypatch):
     from pagedbench.backends.triton import TritonBackend
 
     assert TritonBackend.cuda_graph_reason is None
-    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 9 * i + 2))} for i in range(5)]
-    params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(5)]
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 3 * i + 2))} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(5)]  # 5..1 running
     eager_llm, _ = graph_engine(monkeypatch, backend_cls=TritonBackend, max_num_seqs=5)
     expected = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
     llm, graphs = graph_engine(monkeypatch, backend_cls=TritonBackend, max_num_seqs=5)
