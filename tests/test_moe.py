@@ -161,13 +161,23 @@ def greedy_tokens(path: str, prompts: list[list[int]], **parallel) -> list[list[
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow  # worker processes (the fast tier keeps one tensor-parallel run: test_tensor_parallel.py)
 @pytest.mark.parametrize("model_name", ["mixtral", "gpt-oss", "deepseek-v3-moe", "deepseek-v2-moe"])
 def test_tensor_parallel_shards_every_expert(moe_models, prompts, model_name):
     path, hf = moe_models[model_name]
     assert greedy_tokens(path, prompts[:4], tensor_parallel_size=2) == [hf_greedy(hf, p, MAX_NEW) for p in prompts[:4]]
 
 
-@pytest.mark.parametrize("parallel", [{}, {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {},
+        *(
+            pytest.param(p, marks=pytest.mark.slow)
+            for p in ({"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2})
+        ),
+    ],
+)
 def test_experts_in_transformers_stacked_layout_load(moe_models, prompts, tmp_path, parallel):
     """A checkpoint holding transformers' own stacked experts (gate_up_proj [E, 2I, in], down_proj
     [E, out, I]; what its GGUF reader yields) loads as the per-expert one does: into one process,

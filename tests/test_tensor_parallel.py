@@ -186,6 +186,7 @@ def test_a_worker_error_reaches_the_user_as_its_message(tiny_models, tmp_path):
     assert no_workers_left()
 
 
+@pytest.mark.slow  # a whole command with worker processes
 def test_cli_run_with_tensor_parallel_size(tmp_path, capsys):
     code = main(
         ["run", "--model", "tiny-llama", "--scale", "0.1", "--tensor-parallel-size", "2", "--out", str(tmp_path)]
