@@ -167,7 +167,11 @@ class EngineConfig:
     )
     scheduling_policy: str = setting("fcfs", "fcfs, or priority: lowest value first", ("fcfs", "priority"))
     preemption_mode: str = setting("recompute", "what preemption does with K/V", ("recompute", "swap"))
-    swap_space: float = setting(4.0, "GiB of CPU memory for swapped-out pages", minimum=0)
+    swap_space: float = setting(
+        4.0,
+        "GiB of CPU memory for swapped-out pages (and, up to half of it, a hybrid model's DeltaNet states)",
+        minimum=0,
+    )
     gpu_memory_utilization: float = setting(
         0.9,
         "share of the GPU's memory this engine may use: weights, activations (profiled), CUDA graphs and "

@@ -97,6 +97,33 @@ def test_swap_moves_the_state_to_a_cpu_slot_and_back():
     assert bm.num_free_state_slots == 2 and list(bm._cpu_state_slots) == [2]
 
 
+def test_state_moves_run_as_their_queue_says():
+    """A fork's child swapped out in the next schedule takes its parent's state to its CPU slot (the
+    queued copies collapse to each slot's final source); the copies read every source first."""
+    from pagedbench.engine.block_manager import BlockManager
+    from pagedbench.engine.sequence import Sequence
+    from pagedbench.model.config import LinearAttention
+    from pagedbench.worker.linear_state import LinearStateCache
+
+    bm = BlockManager(8, 2, num_cpu_blocks=8, num_state_slots=3, num_cpu_state_slots=2)
+    parent = Sequence("a", None, [1, 2, 3], SamplingParams())
+    bm.allocate(parent, 3)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    bm.swap_out(child)
+    moves = bm.take_state_copies()  # (the copy into the child's freed device slot 1 may stay: harmless)
+    assert child.state_slot == 3 and (parent.state_slot, 3) in moves and all(src != 1 for src, _ in moves)
+    lin = LinearAttention(1, 1, 2, 2, 2, (True,))
+    cache = LinearStateCache.allocate(
+        SimpleNamespace(linear=lin, is_linear_layer=lambda i: True), [0], 3, "cpu", torch.float32, num_cpu_slots=2
+    )
+    for slot in range(3):
+        cache.recurrent[0][slot] = slot + 1.0
+    cache.copy([(0, 1), (1, 4), (4, 2)])  # sources read before any write: slot 2 gets CPU slot 4's old zeros
+    assert cache.recurrent[0][:, 0, 0, 0].tolist() == [1.0, 1.0, 0.0]
+    assert cache.host_recurrent[0][:, 0, 0, 0].tolist() == [0.0, 2.0]
+
+
 @pytest.mark.parametrize("backend", ["sdpa", *(pytest.param(b, marks=pytest.mark.slow) for b in ("flex", "triton"))])
 def test_every_attention_backend_gives_the_tokens(qwen35, backend):
     path, want = qwen35

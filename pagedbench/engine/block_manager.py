@@ -165,9 +165,15 @@ class BlockManager:
                 self._cpu_state_slots.append(cpu)
 
     def take_state_copies(self) -> list[tuple[int, int]]:
-        """The (parent slot, child slot) state copies forks queued since the last call."""
-        copies, self.pending_state_copies = self.pending_state_copies, []
-        return copies
+        """The (source slot, slot) state copies queued since the last call (forks, snapshot restores,
+        swaps out and in), as one set that reads every source before writing any slot: each slot's
+        copy from where its content comes in queue order (a fork's child swapped out in the next
+        schedule takes its parent's state to the CPU slot), the last copy into a slot winning."""
+        origin: dict[int, int] = {}
+        for src, dst in self.pending_state_copies:
+            origin[dst] = origin.get(src, src)
+        self.pending_state_copies = []
+        return [(src, dst) for dst, src in origin.items() if src != dst]
 
     def _take(self) -> int:
         block = self._fresh.popleft() if self._fresh else self.prefix_cache.evict()
@@ -185,7 +191,7 @@ class BlockManager:
         self._take_slot(seq)
         if seq.restore_from >= 0:  # a prefix hit resumes from a state snapshot: copied before the step
             self.pending_state_copies.append((seq.restore_from, seq.state_slot))
-            self.snapshots.restored += 1
+            self.snapshots.mark_restored(seq.restore_from)
             seq.restore_from = -1
         if self.snapshots is not None:
             self.snapshots.plan(seq, num_tokens)
@@ -200,13 +206,15 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` reads all of `parent`'s pages (one more reference each; nothing is copied)."""
         assert not child.block_table, "a fork starts with no blocks of its own"
-        if self.num_state_slots and not self._free_slots:  # before any reference is taken
+        # A parent holding no device state (preempted to recompute) forks a child that recomputes too.
+        state = self.num_state_slots and self._on_device(parent)
+        if state and not self._free_slots:  # before any reference is taken
             raise RuntimeError("out of linear-attention state slots")
         for block in _held(parent.block_table):
             self.ref_counts[block] += 1
             self._num_shared += self.ref_counts[block] == 2
         child.block_table = list(parent.block_table)
-        if self.num_state_slots:  # the child continues from the parent's state: a copy of its slot
+        if state:  # the child continues from the parent's state: a copy of its slot
             self._take_slot(child)
             self.pending_state_copies.append((parent.state_slot, child.state_slot))
 

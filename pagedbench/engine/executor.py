@@ -317,7 +317,7 @@ class Executor:
         if self.config.enforce_eager:
             return "enforce_eager"
         if self.model_config.linear is not None:
-            return "hybrid models' DeltaNet layers run each sequence's state on its own (host loop)"
+            return "hybrid models' DeltaNet steps are laid out on the host (a loop over sequences, or fla's cu_seqlens)"
         if self.model_config.indexer is not None:
             return "the sparse indexer's top-k is sized by each step's longest sequence"
         if self.device.type != "cuda":
@@ -358,7 +358,8 @@ class Executor:
     def move_pages(self, swap_out: list, copies: list, swap_in: list, state_copies: list = ()) -> None:
         """Before the step writes anything: pages leaving for swap space, copy-on-write of shared
         pages it writes into, pages coming back from swap space (that order: each may reuse a
-        block the one before read); hybrid models' forked samples take their parent's state."""
+        block the one before read); hybrid models' DeltaNet states first (forks, snapshot restores,
+        swaps: block_manager.take_state_copies)."""
         if state_copies:
             self.runner.copy_states(state_copies)
         if swap_out:

@@ -50,7 +50,7 @@ class StateSnapshots:
         self._key_of: dict[int, BlockKey] = {}  # slot -> key, ready or being written
         self._junctions: set[int] = set()  # slots being written at a junction
         self.saved = 0  # snapshots written (steps that ran)
-        self.restored = 0  # admitted prefix hits that resumed from one (counted by the block manager)
+        self.restored = 0  # admitted prefix hits that resumed from one
 
     @property
     def num_slots(self) -> int:
@@ -66,14 +66,21 @@ class StateSnapshots:
         after: the longest with a ready snapshot; sets `seq.restore_from` to its slot (-1: none)."""
         seq.restore_from = -1
         for blocks in range(hit_blocks, 0, -1):
-            key = seq.block_keys[blocks - 1]
-            slot = self._unused.pop(key, None)
-            slot = self._used.pop(key, None) if slot is None else slot
+            slot = self.ready.get(seq.block_keys[blocks - 1])
             if slot is not None:
-                self._used[key] = slot  # used: evicted last
                 seq.restore_from = slot
                 return blocks
         return 0
+
+    def mark_restored(self, slot: int) -> None:
+        """An admitted sequence resumes from `slot` (its copy queued): the snapshot is used, evicted
+        last (unless this step's schedule evicted it already: the copy reads it before it is rewritten)."""
+        key = self._key_of.get(slot)
+        if key in self._unused:
+            self._used[key] = self._unused.pop(key)
+        elif key in self._used:
+            self._used.move_to_end(key)
+        self.restored += 1
 
     def being_written(self, keys: list[BlockKey]) -> bool:
         """Whether the step being scheduled writes a snapshot of one of these prefixes."""

@@ -48,17 +48,26 @@ class LinearStateCache:
         """State of slot src -> slot dst in every layer (a forked sample continues its parent's, a
         prefix hit resumes from a snapshot, a swapped sequence's state moves to a CPU slot and back):
         every source is read before any destination is written."""
-        num_device = next(iter(self.conv.values())).shape[0]
-        for device, host in ((self.conv, self.host_conv), (self.recurrent, self.host_recurrent)):
-            for layer, t in device.items():
-                if all(s < num_device and d < num_device for s, d in pairs):
-                    src, dst = (torch.tensor(x, device=t.device) for x in zip(*pairs))
-                    t[dst] = t[src]
-                    continue
-                slots = [*t.unbind(), *host[layer].unbind()]  # views, device slots first
-                reads = [slots[s].clone() for s, _ in pairs]
-                for (_, d), value in zip(pairs, reads):
-                    slots[d].copy_(value)
+        first = next(iter(self.conv.values()))
+        num_device, device = first.shape[0], first.device
+        src, dst = (torch.tensor(x) for x in zip(*pairs))
+        src_on, dst_on = src < num_device, dst < num_device  # device slots, else host slots
+        if src_on.all() and dst_on.all():  # forks and restores: one gather and scatter per tensor
+            src, dst = src.to(device), dst.to(device)
+            for t in (*self.conv.values(), *self.recurrent.values()):
+                t[dst] = t[src]
+            return
+        src_dev, dst_dev = src_on.to(device), dst_on.to(device)
+        read_dev, write_dev = src[src_on].to(device), dst[dst_on].to(device)
+        read_host, write_host = src[~src_on] - num_device, dst[~dst_on] - num_device
+        for states, host in ((self.conv, self.host_conv), (self.recurrent, self.host_recurrent)):
+            for layer, t in states.items():
+                h = host[layer]
+                values = t.new_empty((len(pairs), *t.shape[1:]))  # every source, read first
+                values[src_dev] = t[read_dev]
+                values[~src_dev] = h[read_host].to(device)
+                t[write_dev] = values[dst_dev]
+                h[write_host] = values[~dst_dev].cpu()
 
 
 def state_bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype, tp: TPShard = NO_TP) -> int:

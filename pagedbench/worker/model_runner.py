@@ -214,8 +214,8 @@ class ModelRunner(RunsWhole):
         return None if cfg.indexer is None else SparseStep.build(meta, self.index_caches, cfg, timer)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        """Linear-attention state of slot src -> slot dst (a fork's sample continues its parent's; a
-        prefix hit resumes from a snapshot)."""
+        """Linear-attention state of slot src -> slot dst (a fork's sample continues its parent's, a
+        prefix hit resumes from a snapshot, a swapped sequence's state leaves for a CPU slot and returns)."""
         self.linear_states.copy(pairs)
 
     @property
