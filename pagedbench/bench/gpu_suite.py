@@ -82,6 +82,12 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
             pagedbench_cmd("kernels", *dsa, "--backends", "sdpa,flex,triton", "--out", f"{r}/kernels-dsa"),
             100,
         ),
+        # Hybrids' gated delta rule on CUDA: the torch forms and fla's kernels against the float64 oracle.
+        SuiteStep(
+            "check-gdn",
+            pagedbench_cmd("check", "--device", "cuda", "--backends", "gdn-torch,gdn-fla", "--out", f"{r}/check-gdn"),
+            60,
+        ),
         SuiteStep(
             "kernels-decode-graphs",
             pagedbench_cmd("kernels", *decode, "--block-sizes", "16", "--backends", "sdpa,flex,triton")
