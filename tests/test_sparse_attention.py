@@ -48,6 +48,8 @@ SETUPS = {
     "roomy": dict(block_size=16),
     "pressure": dict(block_size=4, num_blocks=24, max_model_len=64, max_num_batched_tokens=16),
     "prefix-cache": dict(block_size=4, enable_prefix_caching=True),
+    # each rank runs the whole indexer on its replicated index pages: the same picks on every rank
+    "tp2": dict(block_size=4, tensor_parallel_size=2),
 }
 
 
@@ -80,14 +82,17 @@ def sparse_params():
     return params
 
 
-@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("setup", [pytest.param(s, marks=pytest.mark.slow) if s == "tp2" else s for s in SETUPS])
 @pytest.mark.parametrize("backend,device", sparse_params())
 def test_greedy_matches_hf(sparse_model, prompts, backend, device, setup):
     path, hf = sparse_model
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     llm = LLM(path, backend=backend, device=device, dtype="float32", **SETUPS[setup])
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == expected
     if setup == "pressure":
         assert llm.engine.stats.preemptions > 0
