@@ -125,9 +125,28 @@ def test_state_moves_run_as_their_queue_says():
 
 
 @pytest.mark.parametrize("backend", ["sdpa", *(pytest.param(b, marks=pytest.mark.slow) for b in ("flex", "triton"))])
-def test_every_attention_backend_gives_the_tokens(qwen35, backend):
+@pytest.mark.parametrize("setting", ["chunked", "recompute", "swap"])
+def test_every_attention_backend_gives_the_tokens(qwen35, backend, setting):
+    """Chunked prefill, and a tight KV budget preempting by recompute (resumed from snapshots) or swap
+    (states to CPU slots and back), through each CPU attention backend: HF's tokens."""
     path, want = qwen35
-    assert generate(path, backend, **SETTINGS["chunked"])[1] == want
+    llm, got = generate(path, backend, **SETTINGS[setting])
+    assert got == want
+    if setting != "chunked":
+        assert llm.engine.stats.preemptions > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["reference", "flex", "triton"])  # (sdpa: the test below)
+def test_tensor_parallel_2_through_each_attention_backend(hybrid_models, backend):
+    """TP 2 on the tiny Qwen3.5 through the other CPU attention backends: HF's tokens."""
+    path, hf = hybrid_models["qwen3.5"]
+    llm = LLM(path, backend=backend, device="cpu", dtype="float32", tensor_parallel_size=2, **SETTINGS["chunked"])
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    finally:
+        llm.shutdown()
 
 
 @pytest.fixture(scope="module", params=["qwen3.5", "qwen3-next"])
