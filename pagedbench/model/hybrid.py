@@ -23,12 +23,6 @@ from pagedbench.model.layers import AttentionContext, column_parallel, row_paral
 from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, local_linear, shard_param, shard_param_parts
 
 
-def delta_rule_kernels():
-    """(chunked, recurrent) gated delta rule of the `torch` kernel: the torch implementations
-    transformers ships (never the fla kernels transformers swaps in for them when fla is installed)."""
-    return torch_delta_rule()
-
-
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each value head's output, times SiLU of its gate z (weight * norm(x) in x's dtype)."""
 
@@ -110,7 +104,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight  # [C, 1, K]
         if step.cache.kernel == "fla":  # every sequence of the step in one varlen call (model/delta_rule.py)
             return self._output(fla_mix(lin, mixed, weight, g, beta, step, conv_states, states), z, x)
-        chunked, recurrent = delta_rule_kernels()
+        chunked, recurrent = torch_delta_rule()  # transformers' torch forms, never fla's swapped in
         out = x.new_empty(x.shape[0], lin.num_value_heads, lin.value_head_dim)
         for slot, start, end, continues, snapshot in step.segments():
             # The conv over this chunk, its window starting with the previous chunk's last inputs.
