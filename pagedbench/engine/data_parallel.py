@@ -33,7 +33,7 @@ from pagedbench.engine.stats import EngineStats, RunCounters
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
-from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError, stop_children
+from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError, exit_now, stop_children
 
 # What every engine's gauges() holds (besides num_blocks and speculation's): a front reports zeros
 # for them until its replicas have sent theirs.
@@ -68,7 +68,7 @@ def _replica_main(
                 message = conn.recv()
                 if message[0] == "exit":
                     engine.shutdown()
-                    return
+                    exit_now()
                 if message[0] == "add":
                     engine.add_request(*message[1])
                 elif message[0] == "abort":

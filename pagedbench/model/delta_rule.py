@@ -26,27 +26,50 @@ import torch.nn.functional as F
 FLA_INSTALL_HINT = "pip install 'pagedbench[fla]'"
 
 
+@contextlib.contextmanager
+def fla_hidden_without_cuda():
+    """transformers' Qwen3.5/Qwen3-Next modeling imported as if fla were absent, on a machine without
+    CUDA: there fla's kernels, which transformers would swap in, cannot run, and importing fla costs
+    about 2 s per process (each tensor-parallel rank, each CLI run). With CUDA, fla imports as usual."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = sys.modules.get("fla", None)
+    had = "fla" in sys.modules
+    sys.modules["fla"] = None  # `import fla` raises ImportError: transformers keeps its torch forms
+    try:
+        yield
+    finally:
+        if had:
+            sys.modules["fla"] = saved
+        else:
+            del sys.modules["fla"]
+
+
+def transformers_modeling(name: str):
+    """transformers.models.<name>.modeling_<name>, imported with fla hidden where it cannot run."""
+    import importlib
+
+    with fla_hidden_without_cuda():
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
 @functools.cache
 def torch_delta_rule():
-    """(chunked, recurrent): the torch forms transformers ships. With fla installed, transformers'
+    """(chunked, recurrent): the torch forms transformers ships. With fla importable, transformers'
     functions of these names call fla's kernels instead (its hub fallback), which a CPU cannot
     run: their `__wrapped__` torch bodies are taken."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (
-        torch_chunk_gated_delta_rule,
-        torch_recurrent_gated_delta_rule,
-    )
-
-    return tuple(getattr(f, "__wrapped__", f) for f in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule))
+    module = transformers_modeling("qwen3_5")
+    functions = (module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule)
+    return tuple(getattr(f, "__wrapped__", f) for f in functions)
 
 
 def pin_transformers_torch_delta_rule() -> None:
     """Point transformers' Qwen3.5 and Qwen3-Next layers back at their torch recurrences where fla's
     kernels replaced them (fla installed): Hugging Face's reference on a CPU (tests, the hf peer)."""
-    import importlib
-
     for name in ("qwen3_5", "qwen3_next"):
         try:
-            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            module = transformers_modeling(name)
         except ImportError:
             continue
         for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
