@@ -19,11 +19,12 @@ pytestmark = pytest.mark.slow  # each test starts replica processes
 SEEDED = SamplingParams(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
 
 
-def run(path, requests, params, **parallel):
+def run(path, requests, params_list, **parallel):
+    """Tokens of each of `params_list`'s runs of `requests` on one engine (started once), and the engine."""
     llm = LLM(path, backend="sdpa", **PRESSURE, **parallel)
     try:
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outputs], llm.engine
+        runs = [llm.generate(requests, params, use_tqdm=False) for params in params_list]
+        return [[o.outputs[0].token_ids for o in outputs] for outputs in runs], llm.engine
     finally:
         llm.shutdown()
 
@@ -31,11 +32,10 @@ def run(path, requests, params, **parallel):
 def test_two_replicas_give_one_engines_outputs_in_request_order(tiny_models):
     path, hf_model = tiny_models["llama"]
     requests = decisive_prompts(hf_model)
-    for params in (GREEDY, SEEDED):
-        expected, single = run(path, requests, params)
-        got, front = run(path, requests, params, data_parallel_size=2)
-        assert got == expected
-    assert front.replica_load()["replica_requests"] == "3 3"  # balanced: the least loaded takes each
+    expected, _ = run(path, requests, [GREEDY, SEEDED])
+    got, front = run(path, requests, [GREEDY, SEEDED], data_parallel_size=2)
+    assert got == expected
+    assert front.replica_load()["replica_requests"] == "6 6"  # balanced: the least loaded takes each
     assert no_workers_left()
 
 
@@ -75,9 +75,15 @@ def test_replicas_speculation_counters_reach_the_servers_metrics(tiny_models):
     assert sum(s.value for s in per_position) == gauges["spec_accepted_tokens"]
 
 
-def test_abort_and_a_killed_replica(tiny_models):
+def test_a_bad_request_an_abort_and_a_killed_replica(tiny_models):
+    """A bad request is refused by the front before any replica sees it; an aborted request ends and
+    the rest finish; a killed replica fails the next step in one line (one engine for the three)."""
     llm = LLM(tiny_models["llama"][0], backend="sdpa", data_parallel_size=2, num_blocks=64)
     engine = llm.engine
+    with pytest.raises(ValueError, match="token id 99999 is outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [5, 99999]}], GREEDY, use_tqdm=False)
+    assert not engine.requests
+    assert len(llm.generate([{"prompt_token_ids": [5, 6]}], GREEDY, use_tqdm=False)) == 1
     ids = [engine.add_request(p, GREEDY) for p in prompts(4)]
     engine.abort_request(ids[0])
     done = {o.request_id for _ in range(500) if engine.has_unfinished_requests() for o in engine.step() if o.finished}
@@ -105,17 +111,6 @@ def test_bad_data_parallel_settings_are_one_line_errors(args, message):
         LLM("tiny-llama", device="cpu", num_blocks=64, **args)
     assert "\n" not in str(err.value)
     assert no_workers_left()
-
-
-def test_a_bad_request_is_refused_by_the_front_before_any_replica_sees_it():
-    llm = LLM("tiny-llama", device="cpu", num_blocks=64, data_parallel_size=2)
-    try:
-        with pytest.raises(ValueError, match="token id 99999 is outside the vocabulary"):
-            llm.generate([{"prompt_token_ids": [5, 99999]}], GREEDY, use_tqdm=False)
-        assert not llm.engine.requests
-        assert len(llm.generate([{"prompt_token_ids": [5, 6]}], GREEDY, use_tqdm=False)) == 1
-    finally:
-        llm.shutdown()
 
 
 def test_cli_run_reports_each_replicas_load(tmp_path, capsys):
@@ -152,7 +147,7 @@ def test_replicas_that_are_themselves_tensor_parallel(tiny_models):
     """Each replica starts its own tensor-parallel workers: 2 x 2 processes."""
     path, hf_model = tiny_models["llama"]
     requests = decisive_prompts(hf_model)
-    expected, _ = run(path, requests, GREEDY)
-    got, front = run(path, requests, GREEDY, data_parallel_size=2, tensor_parallel_size=2)
+    expected, _ = run(path, requests, [GREEDY])
+    got, front = run(path, requests, [GREEDY], data_parallel_size=2, tensor_parallel_size=2)
     assert got == expected and front.world_size == 4
     assert no_workers_left()
