@@ -31,14 +31,24 @@ def cache(tmp_path_factory):
     mp.undo()
 
 
+# The real model's tests run on one xdist worker (`--dist loadgroup`): its module fixtures, reading
+# the 135M GGUF file through transformers (~20 s each), run once.
+real_model = pytest.mark.xdist_group("real-model")
+
+
 @pytest.fixture(scope="module")
 def hf_answers(cache):
-    """Hugging Face's greedy chat answers, from the same GGUF file through its own loader."""
+    """Hugging Face's greedy chat answers, from the same GGUF file through its own loader. The model HF
+    loaded is what LLM's first load converts (transformers' reader, dequantized): it is saved into the
+    module's cache as that conversion, once (the conversion's reading of a file runs in the tiny GGUF
+    tests, and below whenever this fixture has not run first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gguf.real_model_file(REAL)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    if not (gguf.converted_dir(path) / "config.json").is_file():
+        gguf.save_converted(model, tokenizer, gguf.converted_dir(path), path.name)
     answers = []
     for question in QUESTIONS:
         ids = tokenizer.apply_chat_template(
@@ -50,6 +60,7 @@ def hf_answers(cache):
 
 
 @needs_real
+@real_model
 @pytest.mark.slow
 # (triton's interpreter on the 135M model took 21 s; its kernel meets HF on the tiny models' matrix)
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
@@ -61,6 +72,7 @@ def test_real_model_chat_equals_hugging_face(backend, hf_answers):
 
 
 @needs_real
+@real_model
 @pytest.mark.slow
 def test_a_gguf_path_and_its_name_load_the_same_model(cache):
     """LLM("...gguf") and LLM("smollm2-135m-instruct") are one model; the second load reads the
@@ -335,6 +347,7 @@ def test_cli_reports_a_bad_gguf_in_one_line(tmp_path, capsys):
 
 
 @needs_real
+@real_model
 @pytest.mark.slow
 def test_serve_answers_a_chat_request_with_the_real_model(cache):
     """`pagedbench serve smollm2-135m-instruct` and the openai client, as docs/serving.md shows."""

@@ -41,37 +41,20 @@ def no_fla(monkeypatch):
 
 
 @pytest.mark.slow
-def test_fla_greedy_tokens_equal_hugging_faces_under_chunked_prefill(hybrid_models):
-    """Tiny Qwen3.5 on sdpa, 8-token chunks (the long prompt over five steps, beside the other's
-    decodes): fla's kernels through the interpreter give HF's greedy tokens, every slot comes back."""
-    require("fla")
-    path, hf = hybrid_models["qwen3.5"]
-    want = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-    llm = LLM(
-        path, backend="sdpa", device="cpu", dtype="float32", linear_attention_kernel="fla",
-        num_blocks=64, block_size=4, max_num_batched_tokens=8,
-    )  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
-    assert llm.engine.runner.linear_states.kernel == "fla"
-    bm = llm.engine.block_manager
-    assert bm.num_free_state_slots == bm.num_state_slots
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "setting",
     [
         dict(num_blocks=14, block_size=4, max_num_batched_tokens=16, max_model_len=48),  # recompute
         dict(num_blocks=14, block_size=4, max_num_batched_tokens=16, max_model_len=48, preemption_mode="swap"),
-        dict(num_blocks=64, tensor_parallel_size=2),
+        dict(num_blocks=64, block_size=4, max_num_batched_tokens=8, tensor_parallel_size=2),
     ],
-    ids=["recompute", "swap", "tp2"],
+    ids=["recompute", "swap", "chunked-tp2"],
 )
-def test_fla_greedy_tokens_under_preemption_and_tensor_parallelism(hybrid_models, setting):
+def test_fla_greedy_tokens_under_preemption_chunks_and_tensor_parallelism(hybrid_models, setting):
     """fla under a tight KV budget (preempted, then recomputed from a snapshot or swapped out with its
-    state moved to a CPU slot and back) and at TP 2 (each rank's key heads through fla): HF's tokens."""
+    state moved to a CPU slot and back), and in 8-token chunks at TP 2 (the long prompt over five steps
+    beside the other's decodes, each rank's key heads through fla's varlen kernels): HF's greedy tokens
+    (fla's kernels through Triton's interpreter), and every state slot back."""
     require("fla")
     path, hf = hybrid_models["qwen3.5"]
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
@@ -84,6 +67,10 @@ def test_fla_greedy_tokens_under_preemption_and_tensor_parallelism(hybrid_models
             assert llm.engine.stats.swap_outs > 0
         elif "max_model_len" in setting:
             assert sum(o.metrics.num_preemptions for o in outs) > 0
+        runner = llm.engine.runner
+        assert getattr(runner, "local", runner).linear_states.kernel == "fla"
+        bm = llm.engine.block_manager
+        assert bm.num_free_state_slots == bm.num_state_slots
     finally:
         llm.shutdown()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pagedbench.backends.registry import get_backend
 
-from pagedbench import SamplingParams
+from pagedbench import LLM, SamplingParams
 from pagedbench.bench.problems import attend_dense, place, random_problem
 from tests.test_cuda_graphs import graph_engine
 
@@ -100,8 +100,8 @@ def test_triton_replays_decode_steps_exactly(monkeypatch):
 
     assert TritonBackend.cuda_graph_reason is None
     prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 3 * i + 2))} for i in range(5)]
-    params = [SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(5)]  # 5..1 running
-    eager_llm, _ = graph_engine(monkeypatch, backend_cls=TritonBackend, max_num_seqs=5)
+    params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(5)]  # 5..1 running
+    eager_llm = LLM("tiny-llama", backend="triton", device="cpu", num_blocks=64, max_num_seqs=5, max_model_len=128)
     expected = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
     llm, graphs = graph_engine(monkeypatch, backend_cls=TritonBackend, max_num_seqs=5)
     assert graphs.verify() is None

@@ -49,6 +49,11 @@ def _file_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def converted_dir(path: Path) -> Path:
+    """Where the conversion of GGUF file `path` is cached (keyed by its path, size and mtime)."""
+    return cache_root() / f"{path.stem}-{_file_key(path)}"
+
+
 def gguf_model_dir(model: str) -> Path:
     """The Hugging Face model directory of a GGUF file (or a REAL_MODELS name), converted on first
     use and cached; ValueError / FileNotFoundError in one line for a missing, foreign or broken file."""
@@ -58,7 +63,7 @@ def gguf_model_dir(model: str) -> Path:
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"{model!r} is not a GGUF file (it does not start with the GGUF magic)")
-    target = cache_root() / f"{path.stem}-{_file_key(path)}"
+    target = converted_dir(path)
     if (target / "config.json").is_file():
         return target
     if importlib.util.find_spec("gguf") is None:
@@ -80,20 +85,26 @@ def gguf_model_dir(model: str) -> Path:
 
 
 def _convert(path: Path, out: Path) -> None:
-    import json
-
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers marks a GGUF-loaded model as quantized and will not save it: the dequantized
-    # tensors and the config go out by hand (tied tensors as separate copies).
+    save_converted(model, tokenizer, out, name)
+
+
+def save_converted(model, tokenizer, out: Path, source: str) -> None:
+    """A GGUF-loaded transformers model and tokenizer as a model directory at `out`. transformers marks
+    such a model as quantized and will not save it: the dequantized tensors and the config go out by
+    hand (tied tensors as separate copies)."""
+    import json
+
+    from safetensors.torch import save_file
+
     out.mkdir(parents=True)
     tensors = {key: value.detach().clone().contiguous() for key, value in model.state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": name})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": source})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(model).__name__]  # the GGUF names its architecture "llama", "qwen2", ...
