@@ -3,6 +3,7 @@ requests balanced by load, outputs in request order and equal to one engine's (g
 preemption, seeded sampling), counters merged, one-line errors, no process left behind, and the
 same through the CLI and the server."""
 
+import re
 import types
 
 import pandas as pd
@@ -123,14 +124,18 @@ def test_cli_run_reports_each_replicas_load(tmp_path, capsys):
     assert no_workers_left()
 
 
-def test_server_with_two_replicas(tiny_models):
-    from tests.test_server import metrics, start_server
+def test_server_with_two_replicas_and_one_killed(tiny_models):
+    """/metrics answers before the first request, the replicas serve and their counters merge; then
+    kill -9 of one replica: the server notices within seconds (it need not be routed a request),
+    stops, and exits 1 with one line naming the replica and how it ended."""
+    import openai
+    import psutil
+
+    from tests.test_server import metrics, server_output, start_server
 
     path = tiny_models["llama"][0]
     proc, url = start_server(path, "--data-parallel-size", "2", "--num-blocks", "64")
     try:
-        import openai
-
         idle = metrics(url)  # a scrape before the first request: zeros, not a 500
         assert idle["vllm:num_requests_running"] == idle["vllm:generation_tokens_total"] == 0
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -138,9 +143,17 @@ def test_server_with_two_replicas(tiny_models):
         assert all(a.usage.completion_tokens == 5 for a in answers)
         m = metrics(url)
         assert m["vllm:generation_tokens_total"] == 15 and m["vllm:num_requests_running"] == 0
+        spawned = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(spawned) == 2, [c.cmdline() for c in psutil.Process(proc.pid).children()]  # the two replicas
+        spawned[-1].kill()
+        rc = proc.wait(timeout=30)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        last = server_output(proc).strip().splitlines()[-1]
+    assert rc == 1 and re.fullmatch(
+        r"pagedbench: error: data-parallel replica pagedbench-dp\d exited with code -9 \(killed by signal 9\); "
+        r"the server stopped",
+        last,
+    ), last
 
 
 def test_replicas_that_are_themselves_tensor_parallel(tiny_models):

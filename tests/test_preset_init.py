@@ -30,6 +30,7 @@ def test_every_head_attends_one_hot_to_its_lag(model):
     """Layer 0's softmax, in fp32: probability exactly 1.0 on the key `lag` tokens back (the
     first token while fewer precede), 0.0 on every other."""
     cfg, _ = resolve_model_config(model)
+    cfg = dataclasses.replace(cfg, num_layers=1)  # layer 0 is initialized as in the whole model
     built = build_model(cfg, None, torch.device("cpu"), torch.float32, 64, seed=0)
     attn, norm = built.model.layers[0].self_attn, built.model.layers[0].input_layernorm
     tokens = torch.randint(3, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
