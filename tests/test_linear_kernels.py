@@ -46,13 +46,13 @@ def no_fla(monkeypatch):
     [
         dict(num_blocks=14, block_size=4, max_num_batched_tokens=16, max_model_len=48),  # recompute
         dict(num_blocks=14, block_size=4, max_num_batched_tokens=16, max_model_len=48, preemption_mode="swap"),
-        dict(num_blocks=64, block_size=4, max_num_batched_tokens=8, tensor_parallel_size=2),
+        dict(num_blocks=64, block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2),
     ],
     ids=["recompute", "swap", "chunked-tp2"],
 )
 def test_fla_greedy_tokens_under_preemption_chunks_and_tensor_parallelism(hybrid_models, setting):
     """fla under a tight KV budget (preempted, then recomputed from a snapshot or swapped out with its
-    state moved to a CPU slot and back), and in 8-token chunks at TP 2 (the long prompt over five steps
+    state moved to a CPU slot and back), and in 16-token chunks at TP 2 (the long prompt over three steps
     beside the other's decodes, each rank's key heads through fla's varlen kernels): HF's greedy tokens
     (fla's kernels through Triton's interpreter), and every state slot back."""
     require("fla")
