@@ -62,3 +62,14 @@ def assert_swap_and_tp2_keep_the_tokens(path: str, prompts: list, expected: list
         assert [o.outputs[0].token_ids for o in tp.generate(requests, params, use_tqdm=False)] == expected
     finally:
         tp.shutdown()
+
+
+def report_environment(conn, name: str) -> None:
+    """A child process's view (module level, so a started child can load it): `name` in its
+    environment, its working directory and torch's threads, sent up `conn`."""
+    import os
+
+    import torch
+
+    conn.send((os.environ.get(name), os.getcwd(), torch.get_num_threads()))
+    conn.close()

@@ -143,9 +143,15 @@ def test_server_with_two_replicas_and_one_killed(tiny_models):
         assert all(a.usage.completion_tokens == 5 for a in answers)
         m = metrics(url)
         assert m["vllm:generation_tokens_total"] == 15 and m["vllm:num_requests_running"] == 0
-        spawned = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
-        assert len(spawned) == 2, [c.cmdline() for c in psutil.Process(proc.pid).children()]  # the two replicas
-        spawned[-1].kill()
+        # the two replicas: spawned, or forked from the server's fork server (child_processes.py)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        replicas = [
+            c
+            for c in descendants
+            if "spawn_main" in " ".join(c.cmdline()) or "forkserver" in " ".join(c.parent().cmdline())
+        ]
+        assert len(replicas) == 2, [(c.pid, c.ppid(), c.cmdline()) for c in descendants]
+        replicas[-1].kill()
         rc = proc.wait(timeout=30)
     finally:
         last = server_output(proc).strip().splitlines()[-1]

@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-import torch.multiprocessing as mp
 
 from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
@@ -33,6 +32,7 @@ from pagedbench.engine.stats import EngineStats, RunCounters
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
+from pagedbench.worker.child_processes import child_context, start_child
 from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError, exit_now, stop_children
 
 # What every engine's gauges() holds (besides num_blocks and speculation's): a front reports zeros
@@ -140,7 +140,7 @@ class DataParallelEngine:
         self.conns, self.procs, self.closed = [], [], False
         self._outputs: list[RequestOutput] = []  # arrived while waiting for a call's result
         self._gauges = [{}] * self.size  # each replica's latest (gauges())
-        ctx = mp.get_context("spawn")
+        ctx = child_context(self.device)
         threads = max(1, torch.get_num_threads() // self.size) if self.device.type == "cpu" else 0
         try:
             for index in range(self.size):
@@ -148,13 +148,9 @@ class DataParallelEngine:
                 parent, child = ctx.Pipe()
                 saved = {name: os.environ.get(name) for name in env}
                 os.environ.update(env)  # a spawned child reads the environment as it starts
-                try:
-                    proc = ctx.Process(  # not a daemon: a replica may start its own parallel workers
-                        target=_replica_main,
-                        args=(index, replica, logits_processors, model, threads, child),
-                        name=f"pagedbench-dp{index}",
-                    )
-                    proc.start()
+                try:  # not a daemon: a replica may start its own parallel workers
+                    args = (index, replica, logits_processors, model, threads, child)
+                    proc = start_child(ctx, _replica_main, args, f"pagedbench-dp{index}", daemon=False, env=env)
                 finally:
                     for name, value in saved.items():
                         if value is None:

@@ -1,4 +1,4 @@
-"""Tensor- and pipeline-parallel ranks 1..N-1 as worker processes (torch.multiprocessing, spawn);
+"""Tensor- and pipeline-parallel ranks 1..N-1 as worker processes (child_processes.py);
 rank 0 is the engine's own process. World rank = pipeline stage x tensor_parallel_size +
 tensor-parallel rank.
 
@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
+from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.model.loader import ResolvedModel
 from pagedbench.model.parallel import form_stage_groups, leave_stage_groups, placement
+from pagedbench.worker.child_processes import child_context, start_child
 from pagedbench.worker.layer_attention import build_layer_attention
 from pagedbench.worker.model_runner import ModelRunner, RunsWhole
 from pagedbench.worker.pipeline_stage import StageLink, StageRunner
@@ -152,12 +153,11 @@ class Workers:
             )
         self.port = _free_port()
         spec = WorkerSpec(config, model, rope_len, size, self.port)
-        ctx = mp.get_context("spawn")
+        ctx = child_context(resolve_device_dtype(config.device, config.dtype)[0])
         self.conns, self.procs = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, spec, child), daemon=True, name=f"pagedbench-tp{rank}")
-            proc.start()
+            proc = start_child(ctx, _worker_main, (rank, spec, child), f"pagedbench-tp{rank}", daemon=True)
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
