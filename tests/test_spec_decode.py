@@ -122,7 +122,8 @@ def test_greedy_is_identical_under_pressure(setup, backend, method):
     verification crosses page boundaries, rejected ones are trimmed)."""
     shared = list(b"def parse(self, text):\n    ")
     prompts = [shared + p for p in held_out_prompts(6, seed=1)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # (triton's interpreter: 24 tokens, 60 steps instead of 96, still preempting four times)
+    params = SamplingParams(temperature=0, max_tokens=24 if backend == "triton" else 40, ignore_eos=True)
     expected, _ = generate("py-byte-target", prompts, params, backend="sdpa")
     spec = method | {"num_speculative_tokens": 3}
     outputs, engine = generate(
