@@ -59,19 +59,10 @@ def single_process():
     return [o.outputs[0].token_ids for o in greedy], [o.outputs[0].token_ids for o in sampled]
 
 
-def test_every_rank_returns_the_single_process_outputs(tmp_path, single_process):
-    script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
-    done = torchrun("--nproc-per-node", "2", "--master-port", str(free_port()), str(script), "sdpa", str(tmp_path))
-    assert done.returncode == 0, done.stderr[-2000:]
-    ranks = ranks_output(tmp_path)
-    assert sorted(ranks) == [0, 1]
-    for row in ranks.values():
-        assert (row["greedy"], row["sampled"]) == single_process
-
-
 def test_two_nodes_meet_through_the_rendezvous(tmp_path, single_process):
-    """Two torchrun processes, one rank each, as two "nodes" on loopback (--nnodes 2 --node-rank r)."""
+    """Two torchrun processes, one rank each, as two "nodes" on loopback (--nnodes 2 --node-rank r):
+    every rank returns the single process's greedy and seeded outputs. (Two ranks of one torchrun run
+    the engine in test_cli_under_torchrun_reports_from_rank_zero and the grids' test.)"""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
