@@ -200,7 +200,9 @@ def test_scheduler_and_block_manager_invariants():
     verifications that rejected proposals among them: counted here, by this test's own run."""
     totals = Counter()
 
-    @settings(max_examples=150, deadline=None)
+    # derandomized: the same 150 workloads every run, so the total below is a fact, not a draw (a random
+    # draw once came to 9,576 operations)
+    @settings(max_examples=150, deadline=None, derandomize=True)
     @given(workloads())
     def each(workload):
         totals.update(run_workload(workload))
