@@ -32,8 +32,8 @@ from pagedbench.engine.stats import EngineStats, RunCounters
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.tokenizer import tokenizer_for
-from pagedbench.worker.child_processes import child_context, start_child
-from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError, exit_now, stop_children
+from pagedbench.worker.child_processes import child_context, exit_now, start_child
+from pagedbench.worker.tp_workers import START_TIMEOUT_S, WorkerError, stop_children
 
 # What every engine's gauges() holds (besides num_blocks and speculation's): a front reports zeros
 # for them until its replicas have sent theirs.

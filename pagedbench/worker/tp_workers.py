@@ -18,7 +18,6 @@ import multiprocessing.connection
 import os
 import signal
 import socket
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.model.loader import ResolvedModel
 from pagedbench.model.parallel import form_stage_groups, leave_stage_groups, placement
-from pagedbench.worker.child_processes import child_context, start_child
+from pagedbench.worker.child_processes import child_context, exit_now, start_child
 from pagedbench.worker.layer_attention import build_layer_attention
 from pagedbench.worker.model_runner import ModelRunner, RunsWhole
 from pagedbench.worker.pipeline_stage import StageLink, StageRunner
@@ -79,7 +78,6 @@ def _free_port() -> int:
 
 def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    from pagedbench.device.dtypes import resolve_device_dtype
     from pagedbench.model.loader import build_model, weights_path
 
     try:
@@ -132,14 +130,6 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     exit_now()
-
-
-def exit_now() -> None:
-    """A child's clean end without the interpreter's teardown of torch (about half a second that rank 0,
-    or the data-parallel front, would wait in shutdown): its streams flushed, nothing else left to do."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 class Workers:
