@@ -86,9 +86,18 @@ def speculation_label(value: "dict | SpeculativeConfig | None") -> str:
     return "off" if spec is None else spec.label
 
 
-def setting(default, help: str, choices: tuple = (), minimum: float | None = None, maximum: float | None = None):
-    """An EngineConfig field with what the CLI and validation need to know about it."""
-    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum, "maximum": maximum})
+def setting(
+    default,
+    help: str,
+    choices: tuple = (),
+    minimum: float | None = None,
+    maximum: float | None = None,
+    workload: bool = True,
+):
+    """An EngineConfig field with what the CLI, validation and scenarios need to know about it.
+    `workload=False`: how the engine runs, not what it computes (outside a scenario's content hash)."""
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum, "workload": workload}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(slots=True)
@@ -103,16 +112,19 @@ class EngineConfig:
         "auto (the directory's safetensors), or dummy: random weights in the model's shapes, as in vLLM",
         ("auto", "safetensors", "dummy"),
     )
-    backend: str = setting("sdpa", "attention backend (see `pagedbench backends`)")
-    device: str | None = setting(None, "cuda if available, else cpu")
-    dtype: str | None = setting(None, "bf16 on cuda, fp32 on cpu")
+    backend: str = setting("sdpa", "attention backend (see `pagedbench backends`)", workload=False)
+    device: str | None = setting(None, "cuda if available, else cpu", workload=False)
+    dtype: str | None = setting(None, "bf16 on cuda, fp32 on cpu", workload=False)
     block_size: int = setting(16, "tokens per KV page", minimum=1)
     num_blocks: int | None = setting(None, "KV pages (default: from free memory)", minimum=1)
     max_num_seqs: int = setting(256, "sequences running at once", minimum=1)
     max_num_batched_tokens: int = setting(2048, "tokens per engine step", minimum=1)
     max_model_len: int | None = setting(None, "longest sequence (default: the model's, capped by the cache)", minimum=1)
     seed: int | None = setting(
-        0, "seed of the sampler and of random weights (None: a fresh one)", minimum=0, maximum=2**63 - 1
+        0,
+        "seed of the sampler, of random weights and of a scenario's request set (None: a fresh one)",
+        minimum=0,
+        maximum=2**63 - 1,
     )
     preset_init: str = setting(
         "decisive",
@@ -143,6 +155,7 @@ class EngineConfig:
         "how tensor-parallel ranks start: mp (the engine spawns worker processes) or external_launcher (torchrun "
         "started every rank, each running this same engine; every rank returns the same outputs)",
         ("mp", "external_launcher"),
+        workload=False,
     )
     enable_prefix_caching: bool = setting(True, "share the KV pages of common prompt prefixes (vLLM v1's default)")
     mamba_block_size: int | None = setting(
@@ -164,6 +177,7 @@ class EngineConfig:
         "of a step at a time) or fla (flash-linear-attention's Triton kernels, every sequence of a step in one "
         "varlen call; pip install 'pagedbench[fla]'; run by Triton's interpreter on CPU)",
         LINEAR_ATTENTION_KERNELS,
+        workload=False,
     )
     scheduling_policy: str = setting("fcfs", "fcfs, or priority: lowest value first", ("fcfs", "priority"))
     preemption_mode: str = setting("recompute", "what preemption does with K/V", ("recompute", "swap"))
@@ -181,13 +195,16 @@ class EngineConfig:
     )
     max_logprobs: int = setting(20, "most logprobs / prompt_logprobs a request may ask for", minimum=0)
     enforce_eager: bool = setting(
-        False, "never capture CUDA graphs and never compile the model (vLLM's meaning): every step runs eagerly"
+        False,
+        "never capture CUDA graphs and never compile the model (vLLM's meaning): every step runs eagerly",
+        workload=False,
     )
     compile: bool | None = setting(
         None,
         "torch.compile each layer's elementwise work (norms with their residual adds, q/k norm and RoPE, the "
         "activation, the router) around the opaque attention call; None: on for CUDA, off on CPU (measured: "
         "docs/benchmarks.md); enforce_eager turns it off",
+        workload=False,
     )
     cpu_kv_cache_bytes: int = setting(1 << 30, "KV cache bytes on CPU when num_blocks is None", minimum=1)
     kv_cache_dtype: str = setting(
@@ -272,8 +289,9 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def add_cli_args(cls, parser, skip: tuple[str, ...] = ("model",)) -> None:
-        """One --flag per field (booleans as --x/--no-x), typed, with its help and choices."""
+    def add_cli_args(cls, parser, skip: tuple[str, ...] = ("model",), unset: str | None = None) -> None:
+        """One --flag per field (booleans as --x/--no-x), typed, with its help and choices. With
+        `unset` (e.g. "the scenario's") every flag defaults to None: not given, whose value `unset` names."""
         import argparse
 
         for f in fields(cls):
@@ -281,18 +299,29 @@ class EngineConfig:
                 continue
             flag, kind = "--" + f.name.replace("_", "-"), next(k for k in _kinds(f.type) if k is not type(None))
             extra = {"choices": f.metadata["choices"]} if f.metadata.get("choices") else {}
+            default, help = f.default, f.metadata["help"]
+            if unset is not None:
+                default, help = None, f"{help} [unset: {unset}]"
             if kind is bool:
-                parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
-                )
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
             else:
                 kind = json_object if kind is dict else kind
                 flags = [flag, *CLI_ALIASES.get(f.name, ())]
-                parser.add_argument(*flags, type=kind, default=f.default, help=f.metadata["help"], **extra)
+                parser.add_argument(*flags, type=kind, default=default, help=help, **extra)
+
+    @classmethod
+    def given_cli_args(cls, args) -> dict:
+        """The settings a command line gave (flags added with `unset`: those not None)."""
+        return {name: getattr(args, name) for name in cls.names() if getattr(args, name, None) is not None}
 
     @classmethod
     def from_cli_args(cls, args, **overrides) -> "EngineConfig":
         return cls(**{name: getattr(args, name) for name in cls.names() if hasattr(args, name)} | overrides)
+
+    @classmethod
+    def workload_settings(cls) -> list[str]:
+        """The settings that change what the engine computes (a scenario's content hash holds them)."""
+        return [f.name for f in fields(cls) if f.metadata["workload"]]
 
 
 CLI_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",)}

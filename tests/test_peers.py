@@ -16,7 +16,7 @@ def test_hf_peer_runs_the_identical_requests(tiny_models, monkeypatch):
     exactly the tokens our engine does, request by request. The model is resolved once for the
     whole command (a GGUF's costs seconds): engines, peer and columns get it passed down."""
     scenario = load_scenario("mixed").scaled(0.02)
-    scenario.model = str(tiny_models["llama"][0])
+    scenario.engine.model = str(tiny_models["llama"][0])
     resolved = []
 
     def counted(model, **kwargs):
@@ -48,7 +48,7 @@ def test_peer_on_a_preset_reports_throughput_only(tmp_path, capsys):
 
 def test_peer_refuses_what_it_cannot_run(tmp_path):
     scenario = load_scenario("parallel-sampling").scaled(0.02)
-    scenario.model = "tiny-llama"
+    scenario.engine.model = "tiny-llama"
     result = compare(scenario, [], 0.02, "cpu", "fp32", warmup=False, peers=["hf"])
     assert result.unavailable == {"hf": "n > 1: transformers' continuous batching returns one sample per request"}
     with pytest.raises(ValueError, match="unknown peer 'vllm'"):

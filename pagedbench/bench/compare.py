@@ -17,7 +17,8 @@ from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.bench.noise import rankings, spread
 from pagedbench.bench.peers import hf_peer, peer_provider, peer_unavailable_reason
-from pagedbench.bench.scenario import ENGINE_FIELDS, Request, Scenario, model_requests
+from pagedbench.bench.report_schema import setting_columns
+from pagedbench.bench.scenario import Request, Scenario, model_requests
 from pagedbench.bench.step_profile import profile_decode
 from pagedbench.config import EngineConfig, speculation_label
 from pagedbench.device.dtypes import resolve_device_dtype
@@ -53,45 +54,39 @@ class Comparison:
     unavailable: dict[str, str]
 
 
-def engine_settings(scenario: Scenario, dtype: torch.dtype, model: ModelConfig) -> dict:
-    """The scenario's engine settings, with the KV budget as blocks (of its kv_cache_dtype and
-    index_cache_dtype)."""
-    if scenario.index_cache_dtype != "auto" and model.indexer is None:
+def engine_config(
+    scenario: Scenario, model: ModelConfig, backend: str, device, dtype: torch.dtype, speculative_config="scenario"
+) -> EngineConfig:
+    """The scenario's engine settings for `backend` on `device` and `dtype`, with the KV budget as
+    blocks (of its kv_cache_dtype and index_cache_dtype) and `speculative_config` (default: the scenario's)."""
+    engine = scenario.engine
+    if engine.index_cache_dtype != "auto" and model.indexer is None:
         raise ValueError(
-            f"index_cache_dtype {scenario.index_cache_dtype}: model {scenario.model} has no sparse-attention "
+            f"index_cache_dtype {engine.index_cache_dtype}: model {engine.model} has no sparse-attention "
             "indexer (DeepSeek-V3.2's) whose index keys it would store"
         )
+    spec = engine.speculative_config if speculative_config == "scenario" else speculative_config
     blocks = kv_blocks(scenario, dtype, model)
-    return {name: getattr(scenario, name) for name in ENGINE_FIELDS} | {"num_blocks": blocks}
+    return dataclasses.replace(
+        engine, backend=backend, device=device, dtype=dtype, num_blocks=blocks, speculative_config=spec
+    )
 
 
 def kv_blocks(scenario: Scenario, dtype: torch.dtype, model: ModelConfig) -> int:
     """The KV budget in blocks. The scenario gives it as unquantized pages; quantized pages (and
     fp8 index keys) get the same memory, so more of them (twice as many fp8 pages as bf16 ones)."""
-    if scenario.kv_cache_dtype == "auto" and scenario.index_cache_dtype == "auto":
+    engine = scenario.engine
+    if engine.kv_cache_dtype == "auto" and engine.index_cache_dtype == "auto":
         return scenario.kv_blocks
-    tp = TPShard(0, scenario.tensor_parallel_size)
-    memory = scenario.kv_blocks * kv_bytes_per_block(model, scenario.block_size, dtype, tp)
-    stored = (scenario.kv_cache_dtype, None, scenario.index_cache_dtype)  # None: every layer
-    return memory // kv_bytes_per_block(model, scenario.block_size, dtype, tp, *stored)
-
-
-def engine_config(
-    scenario: Scenario,
-    model: ModelConfig,
-    backend: str,
-    device,
-    dtype: torch.dtype,
-    speculative_config: dict | None = None,
-) -> EngineConfig:
-    settings = engine_settings(scenario, dtype, model) | {"speculative_config": speculative_config}
-    kernel = scenario.linear_attention_kernel  # a report column of its own (linear_kernel_column), not a setting's
-    return EngineConfig(backend=backend, device=device, dtype=dtype, linear_attention_kernel=kernel, **settings)
+    tp = TPShard(0, engine.tensor_parallel_size)
+    memory = scenario.kv_blocks * kv_bytes_per_block(model, engine.block_size, dtype, tp)
+    stored = (engine.kv_cache_dtype, None, engine.index_cache_dtype)  # None: every layer
+    return memory // kv_bytes_per_block(model, engine.block_size, dtype, tp, *stored)
 
 
 def speculation_variants(scenario: Scenario) -> list[dict | None]:
     """The speculative settings each backend runs: the scenario's, and none first if it asks for a baseline."""
-    spec = scenario.speculative_config
+    spec = scenario.engine.speculative_config
     return [None, spec] if scenario.speculation_baseline else [spec]
 
 
@@ -182,7 +177,8 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
 def snapshot_columns(engine) -> dict:
     """A hybrid model's prefix caching: tokens between DeltaNet state snapshots, how many it keeps
     and the bytes they take (engine/state_snapshots.py); nothing for other models."""
-    plan = getattr(getattr(engine, "executor", None), "state_snapshots", None)
+    executor = getattr(engine, "executor", None)  # none in front of data-parallel replicas
+    plan = executor.kv_size.state_snapshots if executor is not None else None
     if plan is None:
         return {"mamba_block_size": np.nan, "state_snapshots": 0, "state_snapshot_bytes": 0}
     per_snapshot = state_bytes_per_sequence(engine.model_config, engine.dtype)
@@ -293,7 +289,7 @@ def run_backend(
             raise ValueError(
                 f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "
                 f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
-                f"of {engine.num_blocks} blocks x {scenario.block_size}); lower --scale"
+                f"of {engine.num_blocks} blocks x {scenario.engine.block_size}); lower --scale"
             )
         compile_seconds = 0.0
         if warmup:
@@ -301,7 +297,7 @@ def run_backend(
             drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
             compile_seconds = engine.run_counters().model_compile_seconds
         runs = [measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)]
-        launched = decode_launches(engine, max(m.row["peak_running_seqs"] for m in runs), scenario.block_size)
+        launched = decode_launches(engine, max(m.row["peak_running_seqs"] for m in runs), scenario.engine.block_size)
         for i, m in enumerate(runs):
             m.row.update(launched, compile=engine.config.compiles(engine.device))
             if i == 0:  # the model's compile time lands in the first run it happened in
@@ -348,7 +344,7 @@ def compare(
     for peer in peers:
         peer_unavailable_reason(peer, scenario)  # an unknown name fails here, before any run
     dev, dt = resolve_device_dtype(device, dtype)
-    model = resolve_model_config(scenario.model)  # once: every engine, peer and column below reuses it
+    model = resolve_model_config(scenario.engine.model)  # once: every engine, peer and column below reuses it
     requests = model_requests(scenario, *model)
     workload = scenario_columns(scenario, scale, dt, model.config) | expert_columns(model.config, dev, dt)
     env = environment(dev, dt)
@@ -387,9 +383,9 @@ def expert_columns(model: ModelConfig, device: torch.device, dtype: torch.dtype)
 
 
 def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype, model: ModelConfig) -> dict:
-    """What every row of a scenario's run says about the workload."""
-    settings = engine_settings(scenario, dtype, model)
-    del settings["speculative_config"]  # each row says its own (`speculative`)
+    """What every row of a scenario's run says about the workload, every engine setting by its
+    EngineConfig name among it (the backend, device and dtype are the row's own columns)."""
+    config = engine_config(scenario, model, "", None, dtype)
     return {
         "scenario": scenario.name,
         "scenario_hash": scenario.content_hash(),
@@ -397,7 +393,7 @@ def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype, model
         "prompts": scenario.prompts,
         "dataset_name": scenario.dataset_name or "",
         "dataset_path": scenario.dataset_path or "",
-        **settings,
+        **setting_columns(config),
         "arrival": scenario.arrival,
         "request_rate": scenario.request_rate,
         "temperature": scenario.temperature,
@@ -422,9 +418,17 @@ def _compare_backends(
     workload); the unavailable ones with their reason."""
     env, workload = columns
     cfg = model.config
-    num_heads, num_kv_heads = TPShard(0, scenario.tensor_parallel_size).local_heads(cfg)  # per rank
+    num_heads, num_kv_heads = TPShard(0, scenario.engine.tensor_parallel_size).local_heads(cfg)  # per rank
     found = [  # an unknown name fails here, before any run
-        resolve(name, device, dtype, cfg.head_dim, scenario.block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        resolve(
+            name,
+            device,
+            dtype,
+            cfg.head_dim,
+            scenario.engine.block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+        )
         for name in backends
     ]
     measured = {}
@@ -440,7 +444,9 @@ def _compare_backends(
             max_model_len, runs = run_backend(scenario, model, requests, name, device, dtype, repeats, warmup, spec)
             measured[name, label] = runs
             caveat = cls.timing_caveat(device) or ""  # an interpreted backend: its times are not a kernel's
-            linear_caveat = linear_timing_caveat(scenario.linear_attention_kernel, device) if cfg.linear else None
+            linear_caveat = (
+                linear_timing_caveat(scenario.engine.linear_attention_kernel, device) if cfg.linear else None
+            )
             caveat = "; ".join(filter(None, [caveat, linear_caveat]))  # or interpreted DeltaNet layers (fla on CPU)
             for repeat, m in enumerate(runs):
                 row = {**head, "status": "ok", "reason": caveat, "max_model_len": max_model_len, "repeat": repeat}

@@ -51,7 +51,8 @@ def peer_unavailable_reason(name: str, scenario: Scenario) -> str | None:
         raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
     if scenario.n > 1:
         return "n > 1: transformers' continuous batching returns one sample per request"
-    if scenario.tensor_parallel_size * scenario.pipeline_parallel_size * scenario.data_parallel_size > 1:
+    engine = scenario.engine
+    if engine.tensor_parallel_size * engine.pipeline_parallel_size * engine.data_parallel_size > 1:
         return "tensor, pipeline or data parallelism: the peer runs on one device"
     return None
 
@@ -95,7 +96,7 @@ class HFContinuousBatching:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        self.model = hf_model(scenario.model, model.path, device, dtype, scenario.seed)
+        self.model = hf_model(scenario.engine.model, model.path, device, dtype, scenario.engine.seed)
         eos = model.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else -1
         sampling = dict(do_sample=True, temperature=scenario.temperature, top_p=scenario.top_p)
@@ -105,11 +106,11 @@ class HFContinuousBatching:
             eos_token_id=None,
             pad_token_id=0,
         )
-        kv_tokens = scenario.kv_blocks * scenario.block_size  # the KV budget every backend gets
+        kv_tokens = scenario.kv_blocks * scenario.engine.block_size  # the KV budget every backend gets
         self.batching = ContinuousBatchingConfig(
             num_blocks=-(-kv_tokens // HF_PAGE),
-            max_batch_tokens=scenario.max_num_batched_tokens,
-            max_requests_per_batch=scenario.max_num_seqs,
+            max_batch_tokens=scenario.engine.max_num_batched_tokens,
+            max_requests_per_batch=scenario.engine.max_num_seqs,
         )
 
     def drive(self, requests: list[Request]) -> tuple[float, list[list[int]]]:
@@ -154,7 +155,7 @@ class HFGenerate:
             from pagedbench.model.delta_rule import pin_transformers_torch_delta_rule
 
             pin_transformers_torch_delta_rule()
-        self.model = hf_model(scenario.model, model.path, device, dtype, scenario.seed)
+        self.model = hf_model(scenario.engine.model, model.path, device, dtype, scenario.engine.seed)
         eos = model.config.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
         self.sampling = (

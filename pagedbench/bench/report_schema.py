@@ -1,10 +1,23 @@
 """The reports' CSV schema: every kind of row (serving runs, requests, KV timelines, kernels,
 check cases, bench-serve rates) and its columns, in order."""
 
+import json
+
 from pagedbench.bench.metrics import LATENCIES, STATISTICS
-from pagedbench.bench.scenario import ENGINE_FIELDS
 from pagedbench.bench.serve_client import PERCENTILES
+from pagedbench.config import EngineConfig
 from pagedbench.engine.stats import TIME_COLUMNS
+
+# Every engine setting by its EngineConfig name, but those a row says otherwise: backend, device and
+# dtype (ENVIRONMENT's, resolved) and speculative_config (the `speculative` label).
+SETTING_COLUMNS = [n for n in EngineConfig.names() if n not in ("backend", "device", "dtype", "speculative_config")]
+
+
+def setting_columns(config: EngineConfig) -> dict:
+    """A row's engine settings (SETTING_COLUMNS), a JSON setting as its text."""
+    values = {name: getattr(config, name) for name in SETTING_COLUMNS}
+    return {name: json.dumps(v) if isinstance(v, dict) else v for name, v in values.items()}
+
 
 ENVIRONMENT = [
     "kind",
@@ -29,7 +42,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "prompts",
     "dataset_name",
     "dataset_path",
-    *[f for f in ENGINE_FIELDS if f != "speculative_config"],
+    *SETTING_COLUMNS,
     "speculative",
     "structured",
     "arrival",
@@ -56,7 +69,6 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "replica_output_tokens",
     "prefix_cache_queries",
     "prefix_cache_hits",
-    "mamba_block_size",
     "state_snapshots",
     "state_snapshot_bytes",
     "peak_shared_blocks",
@@ -84,8 +96,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "time_moe_s",
     "moe_share",
     "time_linear_attention_s",
-    "linear_attention_share",
-    "linear_attention_kernel",  # hybrid models' gated delta rule: torch or fla (empty for other models)
+    "linear_attention_share",  # linear_attention_kernel (a setting): empty for models without DeltaNet layers
     "time_indexer_s",
     "indexer_share",
     "engine_overhead_share",

@@ -7,24 +7,29 @@ token ids, lengths and arrival times."""
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from pagedbench.backends.base import KV_CACHE_DTYPES
 from pagedbench.bench.datasets import DATASET_NAMES, load_dataset
-from pagedbench.config import INDEX_CACHE_DTYPES, LINEAR_ATTENTION_KERNELS, SpeculativeConfig
+from pagedbench.config import EngineConfig
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.sample.sampling_params import SamplingParams, is_int, structured_outputs_params
 
+logger = logging.getLogger(__name__)
+
 ARRIVALS = ("batch", "poisson")
-# Scenario fields that are engine settings, the same for every backend: flags override them,
-# reports record them, and the engine is configured from them.
-ENGINE_FIELDS = (
+DEFAULT_MODEL = "qwen3-0.6b"  # a scenario's model unless its [engine] table names one
+# Settings a command gives, never a scenario: the same work runs on each backend, device and dtype.
+COMMAND_SETTINGS = ("backend", "device", "dtype")
+# Engine settings every content hash holds; the others only when not at their default, so that
+# hashes from before they could be set still match.
+ALWAYS_HASHED = (
     "model",
     "block_size",
     "num_blocks",
@@ -33,15 +38,6 @@ ENGINE_FIELDS = (
     "max_model_len",
     "enable_prefix_caching",
     "seed",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_size",
-    "enforce_eager",
-    "compile",
-    "distributed_executor_backend",
-    "kv_cache_dtype",
-    "index_cache_dtype",
-    "speculative_config",
 )
 PROMPT_SOURCES = ("random", "python-source", "chat")
 CHAT_CONVERSATIONS = "chat-conversations.json"  # in pagedbench.scenarios, written for pagedbench
@@ -66,8 +62,16 @@ class LengthRange:
         return str(self.min) if self.min == self.max else f"{self.min}-{self.max}"
 
 
+def default_engine() -> EngineConfig:
+    return EngineConfig(model=DEFAULT_MODEL)
+
+
 @dataclass(slots=True)
 class Scenario:
+    """A workload (its requests, lengths, arrivals and sampling) and the engine settings it runs
+    under: `engine`, an EngineConfig (a TOML file's [engine] table), the same for every backend.
+    Engine settings read through as `scenario.<setting>` too."""
+
     name: str
     description: str
     num_prompts: int
@@ -81,32 +85,12 @@ class Scenario:
     top_p: float = 1.0
     top_k: int = -1
     ignore_eos: bool = True
-    seed: int = 0
-    model: str = "qwen3-0.6b"
-    block_size: int = 16
-    num_blocks: int | None = None  # the KV budget, as blocks ...
-    kv_tokens: int | None = None  # ... or as tokens; one of the two, the same for every backend
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1  # ranks the model is sharded over; num_blocks is each rank's KV budget
-    pipeline_parallel_size: int = 1  # stages the layers are split over (each keeps its layers' num_blocks pages)
-    data_parallel_size: int = 1  # engine replicas, num_blocks pages each; requests go to the least loaded
-    enforce_eager: bool = False  # no CUDA graphs (how the engine runs, not what: outside the hash)
-    compile: bool | None = None  # the model's layers under torch.compile (None: the device's default); outside too
-    # mp (spawned tensor-parallel workers) or external_launcher (under torchrun): outside the hash too
-    distributed_executor_backend: str = "mp"
+    kv_tokens: int | None = None  # the KV budget as tokens, or as blocks in engine.num_blocks: one of the two
     # "random" token ids (vLLM's random dataset); "python-source": held-out Python source as
     # bytes, for a byte-level model (the trained pair), where a draft has something to predict;
     # "chat": multi-turn conversations (CHAT_CONVERSATIONS) under the model's chat template, each
     # prompt a conversation up to one of its user turns, drawn among those within input_len tokens.
     prompts: str = "random"
-    kv_cache_dtype: str = "auto"  # how K/V pages are stored (EngineConfig.kv_cache_dtype)
-    index_cache_dtype: str = "auto"  # DeepSeek-V3.2's index keys as stored (EngineConfig.index_cache_dtype)
-    # Hybrid models' gated delta rule (EngineConfig.linear_attention_kernel): how the engine runs, outside the hash
-    linear_attention_kernel: str = "torch"
-    speculative_config: dict | None = None  # vLLM's speculative_config for every backend's engine
     speculation_baseline: bool = False  # also run each backend without speculation, to compare
     # Every request's structured-output constraint: StructuredOutputsParams' fields, e.g. {json = {...}}.
     structured_outputs: dict | None = None
@@ -114,41 +98,32 @@ class Scenario:
     # arrivals and lengths, from dataset_path; num_prompts caps the requests taken.
     dataset_name: str | None = None
     dataset_path: str | None = None
+    engine: EngineConfig = field(default_factory=default_engine)
+
+    def __getattr__(self, name: str):
+        """An engine setting read as the scenario's own (scenario.block_size is scenario.engine.block_size)."""
+        if name in ENGINE_SETTINGS:
+            return getattr(self.engine, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def replace(self, **changes) -> "Scenario":
+        """A copy with `changes`, engine settings among them (sent to `engine`), unvalidated."""
+        engine = {k: changes.pop(k) for k in list(changes) if k in ENGINE_SETTINGS}
+        return dataclasses.replace(self, **changes, engine=dataclasses.replace(self.engine, **engine))
 
     def validate(self) -> None:
-        positive = ["num_prompts", "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
-        positive += ["pipeline_parallel_size", "data_parallel_size"]
-        positive += [
-            f for f in ("num_blocks", "kv_tokens", "max_model_len", "request_rate") if getattr(self, f) is not None
-        ]
-        for field in positive:
-            if not getattr(self, field) > 0:
-                self._fail(field, f"must be > 0, got {getattr(self, field)}")
-        for field in ("input_len", "output_len"):
-            lengths = getattr(self, field)
+        self._check_engine()
+        positive = ["num_prompts"] + [f for f in ("kv_tokens", "request_rate") if getattr(self, f) is not None]
+        for field_name in positive:
+            if not getattr(self, field_name) > 0:
+                self._fail(field_name, f"must be > 0, got {getattr(self, field_name)}")
+        for field_name in ("input_len", "output_len"):
+            lengths = getattr(self, field_name)
             if not 1 <= lengths.min <= lengths.max:
-                self._fail(field, f"needs 1 <= min <= max, got min={lengths.min} max={lengths.max}")
+                self._fail(field_name, f"needs 1 <= min <= max, got min={lengths.min} max={lengths.max}")
         self._check_sizes()
-        if not 0 <= self.seed <= 2**63 - 1:  # a torch generator's seed is a signed 64-bit value
-            self._fail("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
         if self.shared_prefix_len < 0:
             self._fail("shared_prefix_len", f"must be >= 0, got {self.shared_prefix_len}")
-        if self.distributed_executor_backend not in ("mp", "external_launcher"):
-            self._fail(
-                "distributed_executor_backend",
-                f"must be mp or external_launcher, got {self.distributed_executor_backend!r}",
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            self._fail("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
-            self._fail(
-                "index_cache_dtype", f"must be one of {', '.join(INDEX_CACHE_DTYPES)}, got {self.index_cache_dtype!r}"
-            )
-        if self.linear_attention_kernel not in LINEAR_ATTENTION_KERNELS:
-            self._fail(
-                "linear_attention_kernel",
-                f"must be one of {', '.join(LINEAR_ATTENTION_KERNELS)}, got {self.linear_attention_kernel!r}",
-            )
         if self.prompts not in PROMPT_SOURCES:
             self._fail("prompts", f"must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
         if self.dataset_name is not None and self.dataset_name not in DATASET_NAMES:
@@ -157,32 +132,43 @@ class Scenario:
             self._fail("dataset_name", "and dataset_path go together (--dataset-name NAME --dataset-path FILE)")
         if self.prompts == "chat" and self.shared_prefix_len:
             self._fail("shared_prefix_len", "must be 0 with prompts 'chat' (turns of a conversation share theirs)")
-        try:
-            SpeculativeConfig.parse(self.speculative_config)
-        except (TypeError, ValueError) as e:
-            self._fail("speculative_config", str(e).removeprefix("speculative_config "))
-        if self.speculation_baseline and self.speculative_config is None:
+        if self.speculation_baseline and self.engine.speculative_config is None:
             self._fail("speculation_baseline", "needs a speculative_config to compare against")
         if self.arrival not in ARRIVALS:
             self._fail("arrival", f"must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if (self.arrival == "poisson") != (self.request_rate is not None):
             self._fail("request_rate", "is required with arrival = 'poisson' and only then")
-        if (self.num_blocks is None) == (self.kv_tokens is None):
+        if (self.engine.num_blocks is None) == (self.kv_tokens is None):
             self._fail("num_blocks or kv_tokens", "is required, and only one of them (the KV budget)")
-        if is_int(self.n) and self.n > self.max_num_seqs:
-            self._fail("n", f"must be <= max_num_seqs ({self.max_num_seqs}), got {self.n}")
+        if is_int(self.n) and self.n > self.engine.max_num_seqs:
+            self._fail("n", f"must be <= max_num_seqs ({self.engine.max_num_seqs}), got {self.n}")
         if self.structured_outputs is not None:
             try:
                 structured_outputs_params(self.structured_outputs)
             except (TypeError, ValueError) as e:  # a message naming structured_outputs(.field) already
-                field, _, message = str(e).partition(" ")
-                if not field.startswith("structured_outputs"):
-                    field, message = "structured_outputs", str(e)
-                self._fail(field, message)
+                field_name, _, message = str(e).partition(" ")
+                if not field_name.startswith("structured_outputs"):
+                    field_name, message = "structured_outputs", str(e)
+                self._fail(field_name, message)
         try:
             self.sampling_params(1)
         except ValueError as e:
             self._fail("sampling", str(e))
+
+    def _check_engine(self) -> None:
+        """The engine section through EngineConfig's own validation, plus what a scenario needs of it."""
+        given = [name for name in COMMAND_SETTINGS if getattr(self.engine, name) != ENGINE_DEFAULTS[name]]
+        if given:
+            self._fail(given[0], f"is the command's (--{given[0]}), not a scenario's: the same work runs on each")
+        if self.engine.model is None:
+            self._fail("model", "is required")
+        if not is_int(self.engine.seed):  # the request set's seed: the same requests in every process
+            self._fail("seed", f"must be an int, got {self.engine.seed!r}")
+        try:
+            self.engine.validate()
+        except (TypeError, ValueError) as e:
+            field_name, _, message = str(e).partition(" ")
+            self._fail(field_name, message)
 
     def _check_sizes(self) -> None:
         """Sane maxima, before any request array is built (--num-prompts 10**12 fails at once)."""
@@ -199,7 +185,9 @@ class Scenario:
 
     @property
     def kv_blocks(self) -> int:
-        return self.num_blocks if self.num_blocks is not None else blocks_needed(self.kv_tokens, self.block_size)
+        if self.engine.num_blocks is not None:
+            return self.engine.num_blocks
+        return blocks_needed(self.kv_tokens, self.engine.block_size)
 
     @property
     def longest_request(self) -> int:
@@ -234,47 +222,41 @@ class Scenario:
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"scale must be a positive number, got {factor}")
         if factor == 1:
-            return dataclasses.replace(self)
+            return self.replace()
 
         def times(n: int, f: float = factor) -> int:
             return max(1, round(n * f))
 
-        out = dataclasses.replace(
-            self,
+        out = self.replace(
             num_prompts=times(self.num_prompts),
-            max_num_seqs=max(self.n, times(self.max_num_seqs)),
+            max_num_seqs=max(self.n, times(self.engine.max_num_seqs)),
             input_len=LengthRange(times(self.input_len.min), times(self.input_len.max)),
             output_len=LengthRange(times(self.output_len.min), times(self.output_len.max)),
             shared_prefix_len=round(self.shared_prefix_len * factor),
-            max_model_len=self.max_model_len and times(self.max_model_len),
+            max_model_len=self.engine.max_model_len and times(self.engine.max_model_len),
         )
-        floor = blocks_needed(out.largest_request_tokens, self.block_size) + self.n  # + a private last page each
-        out.num_blocks, out.kv_tokens = max(floor, times(self.kv_blocks, factor**2)), None
+        floor = blocks_needed(out.largest_request_tokens, self.engine.block_size) + self.n  # + a private last page each
+        out.engine.num_blocks, out.kv_tokens = max(floor, times(self.kv_blocks, factor**2)), None
         return out
 
     def content_hash(self) -> str:
-        """sha256 of the canonical form: every field but name and description, sorted keys,
-        the KV budget in blocks however it was given (the tensor, pipeline and data parallel sizes
-        only when > 1, so hashes from before they existed still match; enforce_eager, compile,
-        distributed_executor_backend and linear_attention_kernel never: the workload is the same)."""
-        content = dataclasses.asdict(self) | {"num_blocks": self.kv_blocks, "kv_tokens": None}
-        how_it_runs = ("enforce_eager", "compile", "distributed_executor_backend", "linear_attention_kernel")
-        for how in ("name", "description", *how_it_runs):
-            del content[how]
-        for size in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            if content[size] == 1:
-                del content[size]
+        """sha256 of the canonical form: the workload's fields but name and description, and the
+        engine settings that change what it computes (EngineConfig's workload settings: ALWAYS_HASHED,
+        the others only where not at their default, so that hashes from before they existed still
+        match), flat, sorted keys, the KV budget in blocks however it was given."""
+        content = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("name", "description", "engine"):
+            del content[name]
+        for name in ("input_len", "output_len"):
+            content[name] = dataclasses.asdict(content[name])
+        for name in EngineConfig.workload_settings():
+            value = getattr(self.engine, name)
+            if name in ALWAYS_HASHED or value != ENGINE_DEFAULTS[name]:
+                content[name] = value
+        content |= {"num_blocks": self.kv_blocks, "kv_tokens": None}
         if self.dataset_path is not None:  # the file's content is the workload, wherever it lies
             content["dataset_path"] = _file_sha256(self.dataset_path)
-        defaults = {
-            "dataset_name": None,
-            "dataset_path": None,
-            "prompts": "random",
-            "kv_cache_dtype": "auto",
-            "index_cache_dtype": "auto",
-            "speculative_config": None,
-            "structured_outputs": None,
-        }
+        defaults = {"dataset_name": None, "dataset_path": None, "prompts": "random", "structured_outputs": None}
         for name, default in (defaults | {"speculation_baseline": False}).items():
             if content[name] == default:  # hashes from before these fields existed still match
                 del content[name]
@@ -302,7 +284,7 @@ def build_requests(scenario: Scenario, vocab_size: int, tokenizer=None) -> list[
     (and, for prompts "chat", the model's tokenizer, whose chat template formats them)."""
     if scenario.dataset_name is not None:
         return _dataset_requests(scenario, vocab_size, tokenizer)
-    rng = np.random.default_rng(scenario.seed)
+    rng = np.random.default_rng(scenario.engine.seed)
     n = scenario.num_prompts
     prefix = rng.integers(0, vocab_size, size=scenario.shared_prefix_len).tolist()
     input_lens = scenario.input_len.sample(rng, n)
@@ -328,10 +310,10 @@ def build_requests(scenario: Scenario, vocab_size: int, tokenizer=None) -> list[
 def _dataset_requests(scenario: Scenario, vocab_size: int, tokenizer) -> list[Request]:
     """A dataset's prompts and output lengths; a trace's own arrivals, else the scenario's."""
     loaded = load_dataset(
-        scenario.dataset_name, scenario.dataset_path, scenario.num_prompts, vocab_size, tokenizer, scenario.seed
+        scenario.dataset_name, scenario.dataset_path, scenario.num_prompts, vocab_size, tokenizer, scenario.engine.seed
     )
     if scenario.arrival == "poisson" and loaded[0].arrival_time is None:
-        gaps = np.random.default_rng(scenario.seed).exponential(1.0 / scenario.request_rate, size=len(loaded))
+        gaps = np.random.default_rng(scenario.engine.seed).exponential(1.0 / scenario.request_rate, size=len(loaded))
         arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
     else:
         arrivals = [r.arrival_time or 0.0 for r in loaded]
@@ -408,8 +390,10 @@ def _chat(scenario: Scenario, rng, tokenizer) -> list[np.ndarray]:
 
 # ---- loading ------------------------------------------------------------------------------
 
+ENGINE_SETTINGS = frozenset(EngineConfig.names())
+ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _FIELDS = {f.name: f for f in dataclasses.fields(Scenario)}
-_FILE_FIELDS = [name for name in _FIELDS if name != "name"]  # the file's stem names it
+_FILE_FIELDS = [name for name in _FIELDS if name not in ("name", "engine")]  # the file's stem names it
 
 
 def builtin_scenarios() -> dict[str, Path]:
@@ -437,14 +421,29 @@ def load_scenario(name_or_path: str) -> Scenario:
 
 
 def parse_scenario(data: dict, name: str) -> Scenario:
+    """A scenario from a TOML file's tables: the workload's fields at the top, engine settings
+    (EngineConfig's names) in [engine]. Engine settings at the top level, as files had them before
+    the [engine] table, are read as engine settings, with a note."""
+    data = dict(data)
+    engine = data.pop("engine", {})
+    if not isinstance(engine, dict):
+        _fail(name, "engine", f"must be a table of engine settings, got {engine!r}")
+    flat = [key for key in data if key in ENGINE_SETTINGS]
+    if flat:
+        logger.warning(f"scenario {name!r}: {', '.join(flat)} belong in its [engine] table; read as engine settings")
+        engine = {key: data.pop(key) for key in flat} | engine
     unknown = sorted(set(data) - set(_FILE_FIELDS))
     if unknown:
-        _fail(name, unknown[0], f"is not a scenario field (known: {', '.join(_FILE_FIELDS)})")
+        known = ", ".join(_FILE_FIELDS)
+        _fail(name, unknown[0], f"is not a scenario field (known: {known}; engine settings go in [engine])")
+    unknown = sorted(set(engine) - ENGINE_SETTINGS)
+    if unknown:
+        _fail(name, f"engine.{unknown[0]}", "is not an engine setting (EngineConfig's names: pagedbench run --help)")
     missing = [f for f in _FILE_FIELDS if _FIELDS[f].default is dataclasses.MISSING and f not in data]
     if missing:
         _fail(name, missing[0], "is required")
-    values = {field: _typed(name, field, value) for field, value in data.items()}
-    scenario = Scenario(name=name, **values)
+    values = {field_name: _typed(name, field_name, value) for field_name, value in data.items()}
+    scenario = Scenario(name=name, **values, engine=EngineConfig(**{"model": DEFAULT_MODEL} | engine))
     scenario.validate()
     return scenario
 

@@ -2,14 +2,12 @@
 backend or several (same requests, same KV budget), reported as CSV, markdown and plots."""
 
 import argparse
-import dataclasses
 import textwrap
 
 import pandas as pd
 
-from pagedbench.backends.base import KV_CACHE_DTYPES
-from pagedbench.bench.scenario import ENGINE_FIELDS, LengthRange, Scenario, builtin_scenarios, load_scenario
-from pagedbench.config import INDEX_CACHE_DTYPES, LINEAR_ATTENTION_KERNELS, EngineConfig, json_object
+from pagedbench.bench.scenario import COMMAND_SETTINGS, LengthRange, Scenario, builtin_scenarios, load_scenario
+from pagedbench.config import EngineConfig, json_object
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     NothingMeasured,
@@ -23,18 +21,9 @@ from pagedbench.entrypoints.cli.common import (
 )
 from pagedbench.model.presets import PRESETS
 
-SCENARIO_OVERRIDES = (
-    *ENGINE_FIELDS,
-    "dataset_name",
-    "dataset_path",
-    "num_prompts",
-    "input_len",
-    "output_len",
-    "n",
-    "speculation_baseline",
-    "structured_outputs",
-    "linear_attention_kernel",
-)
+# The workload's own flags (a scenario's fields); every engine setting has its flag from EngineConfig.
+WORKLOAD_OVERRIDES = ("dataset_name", "dataset_path", "num_prompts", "input_len", "output_len", "n")
+WORKLOAD_OVERRIDES += ("speculation_baseline", "structured_outputs")
 
 
 def structured_outputs_arg(text: str) -> dict:
@@ -46,6 +35,8 @@ structured_outputs_arg.__name__ = "JSON object or off"
 
 
 def add_scenario_args(p: argparse.ArgumentParser) -> None:
+    """run's and compare's flags: the scenario, how it is measured, and overrides of its fields
+    (its workload's below, every engine setting's from EngineConfig, --device and --dtype included)."""
     p.add_argument("--scenario", default="synthetic", help="built-in name (see `pagedbench scenarios`) or a TOML file")
     p.add_argument(
         "--scale",
@@ -64,93 +55,28 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
     add_overwrite_flag(p)
     add_threads_flag(p)
-    p.add_argument("--device", default=None, help="cuda if available, else cpu")
-    p.add_argument("--dtype", default=None, help="bf16 on cuda, fp32 on cpu")
-    overrides = p.add_argument_group("scenario overrides (default: the scenario's value)")
-    overrides.add_argument("--model", default=None, help=f"HF model directory or preset ({', '.join(PRESETS)})")
-    overrides.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="share KV blocks of common prompt prefixes (default: on)",
-    )
-    overrides.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="no CUDA graphs and no compiled model: every step eager (default: graphs where the backend allows "
-        "them, on CUDA)",
-    )
-    overrides.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the model's layers under torch.compile, attention opaque (default: on for CUDA, off on CPU; "
-        "--enforce-eager turns it off)",
-    )
-    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineConfig)} | {
-        "num_blocks": "KV pages, the same for every backend",
-        "num_prompts": "requests",
-        "input_len": "every prompt this many tokens",
-        "output_len": "every output this many tokens",
-        "n": "samples per prompt (parallel sampling)",
-        "seed": "seed of the request set, the sampler and random weights",
-    }
-    overrides.add_argument(
-        "--distributed-executor-backend",
-        choices=["mp", "external_launcher"],
-        default=None,
-        help="mp: the engine spawns its tensor-parallel workers; external_launcher: torchrun started every rank "
-        "(torchrun --nproc-per-node N -m pagedbench ...; rank 0 prints and writes the reports)",
-    )
-    overrides.add_argument(
-        "--kv-cache-dtype",
-        choices=list(KV_CACHE_DTYPES),
-        default=None,
-        help="how K/V pages are stored for every backend (default: the scenario's, auto)",
-    )
-    overrides.add_argument(
-        "--index-cache-dtype",
-        choices=list(INDEX_CACHE_DTYPES),
-        default=None,
-        help="DeepSeek-V3.2's index keys (its sparse-attention indexer's cache) for every backend: auto (the "
-        "model's dtype) or fp8 (e4m3, a scale per token); the KV budget keeps its memory (default: the "
-        "scenario's, auto)",
-    )
-    overrides.add_argument(
-        "--speculative-config",
-        type=json_object,
-        default=None,
-        help='speculative decoding for every backend, as JSON (vLLM\'s): {"method": "draft_model", '
-        '"model": "py-byte-draft", "num_speculative_tokens": 3} or {"method": "ngram", ...}',
-    )
-    overrides.add_argument(
+    workload = p.add_argument_group("workload overrides (default: the scenario's)")
+    for name, help in (("num_prompts", "requests"), ("n", "samples per prompt (parallel sampling)")):
+        workload.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=help)
+    workload.add_argument("--input-len", type=int, default=None, help="every prompt this many tokens")
+    workload.add_argument("--output-len", type=int, default=None, help="every output this many tokens")
+    workload.add_argument(
         "--speculation-baseline",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="also run each backend without speculation (default: the scenario's; on in spec-decode)",
     )
-    overrides.add_argument(
+    workload.add_argument(
         "--structured-outputs",
         type=structured_outputs_arg,
         default=None,
         help="every request's constraint, as JSON (vLLM's StructuredOutputsParams): {\"json\": {...schema...}}, "
         '{"regex": "..."}, {"choice": [...]}, {"grammar": "..."}; "off" for none (default: the scenario\'s)',
     )
-    overrides.add_argument(
-        "--linear-attention-kernel",
-        choices=list(LINEAR_ATTENTION_KERNELS),
-        default=None,
-        help=f"{helps['linear_attention_kernel']} (default: the scenario's, torch; rows name it in "
-        "linear_attention_kernel)",
-    )
-    add_dataset_args(overrides)
-    for flag in SCENARIO_OVERRIDES:
-        special = ("model", "enable_prefix_caching", "enforce_eager", "compile", "distributed_executor_backend")
-        special += ("kv_cache_dtype", "index_cache_dtype", "dataset_name", "dataset_path")
-        special += ("speculative_config", "linear_attention_kernel")
-        if flag not in (*special, "speculation_baseline", "structured_outputs"):
-            overrides.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=helps.get(flag))
+    add_dataset_args(workload)
+    EngineConfig.add_cli_args(p, skip=tuple(set(EngineConfig.names()) - {"device", "dtype"}))
+    engine = p.add_argument_group("engine settings (default: the scenario's [engine] table, else EngineConfig's)")
+    EngineConfig.add_cli_args(engine, skip=COMMAND_SETTINGS, unset="the scenario's")
 
 
 def add_dataset_args(group) -> None:
@@ -172,13 +98,17 @@ CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model 
 
 def scenario_from_args(args) -> Scenario:
     scenario = load_scenario(args.scenario).scaled(args.scale)
-    changes = {f: getattr(args, f) for f in SCENARIO_OVERRIDES if getattr(args, f) is not None}
+    changes = {f: getattr(args, f) for f in WORKLOAD_OVERRIDES if getattr(args, f) is not None}
+    changes |= EngineConfig.given_cli_args(args)
+    for command_setting in COMMAND_SETTINGS:  # the command's (each row says them), not the scenario's
+        changes.pop(command_setting, None)
     device, _ = resolve_device_dtype(args.device, args.dtype)
     # A real-shape preset is too slow for CPU; a small model the scenario names (the trained pair) runs.
-    if device.type == "cpu" and "model" not in changes and scenario.model in PRESETS and scenario.model != CPU_MODEL:
+    model = scenario.engine.model
+    if device.type == "cpu" and "model" not in changes and model in PRESETS and model != CPU_MODEL:
         print(
-            f"pagedbench: note: on cpu, model {CPU_MODEL} instead of the scenario's {scenario.model} "
-            f"(pass --model {scenario.model} to run that)"
+            f"pagedbench: note: on cpu, model {CPU_MODEL} instead of the scenario's {model} "
+            f"(pass --model {model} to run that)"
         )
         changes["model"] = CPU_MODEL
     for length in {"input_len", "output_len"} & set(changes):
@@ -187,7 +117,7 @@ def scenario_from_args(args) -> Scenario:
         changes["kv_tokens"] = None
     if changes.get("structured_outputs") == {}:  # --structured-outputs off
         changes["structured_outputs"] = None
-    scenario = dataclasses.replace(scenario, **changes)
+    scenario = scenario.replace(**changes)
     scenario.validate()
     return scenario
 
@@ -228,8 +158,8 @@ def serving_report(args, backends: list[str], command: str) -> None:
     print(
         textwrap.fill(
             f"scenario {scenario.name} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): "
-            f"{scenario.num_prompts} requests, model {scenario.model}, KV budget {scenario.kv_blocks} blocks "
-            f"x {scenario.block_size} for every backend",
+            f"{scenario.num_prompts} requests, model {scenario.engine.model}, KV budget {scenario.kv_blocks} blocks "
+            f"x {scenario.engine.block_size} for every backend",
             120,
         )
     )
@@ -260,7 +190,7 @@ def cmd_scenarios(args) -> None:
                 "output": str(s.output_len),
                 "arrival": arrival,
                 "KV blocks": s.kv_blocks,
-                "model": f"{CPU_MODEL} ({s.model})" if cpu and s.model in PRESETS and s.model != CPU_MODEL else s.model,
+                "model": model_column(s.engine.model, cpu),
             }
         )
     print(pd.DataFrame(rows).to_markdown(index=False))
@@ -269,6 +199,11 @@ def cmd_scenarios(args) -> None:
     print()  # the descriptions below the table, wrapped: the table fits a 120-column terminal
     for name in sorted(builtin_scenarios()):
         print(textwrap.fill(f"{name}: {load_scenario(name).description}", 120, subsequent_indent="    "))
+
+
+def model_column(model: str, cpu: bool) -> str:
+    """The model `run` takes, with the scenario's real-shape preset in parentheses where it differs."""
+    return f"{CPU_MODEL} ({model})" if cpu and model in PRESETS and model != CPU_MODEL else model
 
 
 def register(sub) -> None:

@@ -154,8 +154,8 @@ def cmd_bench_serve(args) -> None:
     requests = _requests(scenario, model)
     head = {"backend": backend, "base_url": url, "model": model, "scenario": scenario.name, "scale": args.scale}
     if args.num_warmups:
-        _warm_up(url, model, requests, scenario.seed, args)
-    rows = [_load_at(rate, url, requests, scenario.seed, slos, args, head) for rate in rates]
+        _warm_up(url, model, requests, scenario.engine.seed, args)
+    rows = [_load_at(rate, url, requests, scenario.engine.seed, slos, args, head) for rate in rates]
     stem = report_stem(args.out, f"bench-serve-{scenario.name}", args.overwrite)
     _write_bench_serve(rows, Path(args.out) / stem, url, model, scenario.name)
     if not any(row["completed"] for row in rows):
