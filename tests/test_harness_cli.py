@@ -480,7 +480,7 @@ def test_a_swallowed_sigterm_is_raised_again(monkeypatch, tmp_path, capsys):
 def test_kernel_timer_on_cuda_times_the_device_not_one_launch():
     """time_kernel queues its calls (no sync between them): one per repeat, each the GPU time of
     a known copy, which at 2 x 1 GiB cannot beat any GPU's memory."""
-    from pagedbench.bench.kernels import time_kernel
+    from pagedbench.bench.timing import time_kernel
 
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

@@ -89,11 +89,11 @@ def test_the_markdown_gives_intervals_and_says_when_attention_cannot_matter():
 
 
 def test_kernel_rows_carry_the_forward_medians_interval():
-    from pagedbench.bench.kernels import _forward_columns
+    from pagedbench.bench.timing import forward_columns
 
     point = {"kv_bytes": 1e9, "flops": 1e12, "peak_bandwidth_gbps": 1000.0, "copy_bandwidth_gbps": 900.0}
-    row = _forward_columns([0.010, 0.011, 0.0105, 0.012, 0.0102], point)
+    row = forward_columns([0.010, 0.011, 0.0105, 0.012, 0.0102], point)
     assert row["forward_min_ms"] == 10.0 and row["forward_max_ms"] == 12.0
     assert row["forward_ci_low_ms"] <= row["forward_median_ms"] <= row["forward_ci_high_ms"]
-    one = _forward_columns([0.010], point)  # an interpreted backend's single call: no interval
+    one = forward_columns([0.010], point)  # an interpreted backend's single call: no interval
     assert np.isnan(one["forward_ci_low_ms"])

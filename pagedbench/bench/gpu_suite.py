@@ -321,7 +321,7 @@ def environment() -> None:
         if smi:
             q = "--query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem"
             print(subprocess.run([smi, q, "--format=csv"], capture_output=True, text=True).stdout.strip())
-    from pagedbench.bench.kernels import copy_bandwidth
+    from pagedbench.bench.timing import copy_bandwidth
 
     print(f"copy bandwidth {copy_bandwidth(device):,.0f} GB/s (read + write)")
 

@@ -1,14 +1,14 @@
-"""Attention-only microbenchmark: each backend's prepare() and forward() timed separately on
-fragmented block tables (random_attention_batch), over batch x context x block size x phase.
+"""`pagedbench kernels`: each attention backend's prepare() and forward() timed apart on fragmented
+block tables (random_attention_batch), over variant x phase x query length x heads x block size x
+context x batch (KernelGrid). Variant gdn times a hybrid model's DeltaNet layer instead, and the dsa
+variant's rows carry its indexer's time (kernels_non_attention.py).
 
-Two yardsticks in every row: the device's measured copy bandwidth (what a kernel that only
-streams K/V could reach) and a dense row — the same attention by SDPA over contiguous,
-unpaged K/V — so each backend's cost of paging is a column (`vs_dense`)."""
+Two yardsticks in every attention row: the device's measured copy bandwidth (what a kernel that only
+streams K/V could reach) and a dense row — the same attention by SDPA over contiguous, unpaged K/V —
+so each backend's cost of paging is a column (`vs_dense`)."""
 
 import itertools
-import re
 import statistics
-import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -25,10 +25,11 @@ from pagedbench.backends.base import (
     write_kv,
 )
 from pagedbench.backends.registry import resolve
-from pagedbench.bench.environment import environment, synchronize
-from pagedbench.bench.noise import median_interval
+from pagedbench.bench.environment import environment
+from pagedbench.bench.kernels_non_attention import GDN, gdn_rows, indexer_columns
 from pagedbench.bench.problems import causal_mask, random_attention_batch
 from pagedbench.bench.ranks import gather_rows, grid_world
+from pagedbench.bench.timing import bandwidth_columns, forward_columns, time_call, time_kernel
 from pagedbench.config import LINEAR_ATTENTION_KERNELS
 from pagedbench.device.dtypes import resolve_device_dtype
 
@@ -49,20 +50,6 @@ VARIANTS = {
     # picked (64 heads of 128 score them; `indexer` columns time that apart). Decode and mixed points only.
     "dsa": AttentionVariant(value_dim=512, topk=2048),
 }
-INDEXER_HEADS, INDEXER_DIM = 64, 128  # DeepSeek-V3.2's index_n_heads, index_head_dim
-# Not attention: a hybrid model's gated DeltaNet layer (projections, conv window, gated delta rule, gated
-# norm) through each linear_attention_kernel; --heads reads as value/key heads, --head-dim as both head dims.
-GDN = "gdn"
-
-# Spec-sheet HBM bandwidth (TB/s), matched against torch.cuda.get_device_name in order.
-PEAK_BANDWIDTH_TBPS = [
-    (r"H200", 4.8),
-    (r"H100.*PCIe", 2.0),
-    (r"H100", 3.35),
-    (r"A100.*80GB", 2.0),
-    (r"A100", 1.555),
-    (r"\bL4\b", 0.3),
-]
 
 
 @dataclass(slots=True)
@@ -197,70 +184,6 @@ def visible_kv_tokens(spec: list[tuple[int, int]], window: int | None = None) ->
     return sum(c + q if window is None else min(c + q, window + q - 1) for c, q in spec)
 
 
-def time_kernel(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Device seconds per call after `warmup` untimed calls. On CUDA, as triton's do_bench: the L2
-    cache flushed before each call, each call between its own events, and no sync until the last,
-    so the host queues launches ahead and the GPU's time is measured, not one Python call's
-    launch latency (longer than a whole decode kernel at small batches; it is what the engine's
-    CUDA graphs remove). A call whose launch is slower than its kernel still shows the gap.
-    On CPU: time_call."""
-    if device.type != "cuda":
-        return time_call(fn, device, warmup, repeats)
-    for _ in range(warmup):
-        fn()
-    flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8, device=device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    synchronize(device)
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    synchronize(device)
-    return [start.elapsed_time(end) / 1e3 for start, end in events]
-
-
-def time_call(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call, host included (a step's prepare): CUDA events around each call, synced
-    after each, on GPU; perf_counter on CPU; after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return times
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """GB/s of a large device-to-device copy (read + write): the memory speed a kernel can reach."""
-    nbytes = (256 if device.type == "cuda" else 64) << 20
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = min(time_kernel(lambda: dst.copy_(src), device, warmup=2, repeats=10))
-    return 2 * nbytes / seconds / 1e9
-
-
-def peak_bandwidth(device: torch.device, measured_copy: float) -> tuple[float, str]:
-    """(GB/s, where it comes from): the spec sheet for known GPUs, else the measured copy."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for pattern, tbps in PEAK_BANDWIDTH_TBPS:
-            if re.search(pattern, name):
-                return tbps * 1e3, "spec sheet"
-    return measured_copy, "measured copy (read + write)"
-
-
 def dense_calls(spec: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
     """The point's attention without paging: one SDPA call per group of alike sequences, over
     contiguous [n, H_kv, cached + new, D] K/V (decodes need no mask, whole prompts are causal,
@@ -291,168 +214,72 @@ def run_kernels(
     dev, dt = resolve_device_dtype(device, dtype)
     if grid.cuda_graphs and dev.type != "cuda":
         raise ValueError(f"--cuda-graphs captures CUDA graphs: it needs a CUDA device (device is {dev})")
-    env = environment(dev, dt)
-    copy_gbps = copy_bandwidth(dev)
-    peak_gbps, peak_source = peak_bandwidth(dev, copy_gbps)
+    columns = {**environment(dev, dt), **bandwidth_columns(dev)}  # every row's
     points = list(grid.points())
     if not points:
         raise ValueError("every grid point exceeds max_kv_tokens or max_query_tokens")
     rows = [] if rows is None else rows
     rank, world = grid_world()
     mine: dict[int, list[dict]] = {}  # under torchrun: this rank's rows, by point
-    for index, (
-        variant_name,
-        phase,
-        query_len,
-        (num_heads, num_kv_heads),
-        block_size,
-        context_len,
-        batch_size,
-    ) in enumerate(tqdm(points, desc="kernels", disable=None)):
+    for index, point in enumerate(tqdm(points, desc="kernels", disable=None)):
         if index % world != rank:
             continue
         out = rows if world == 1 else mine.setdefault(index, [])
+        variant, phase, query_len, (num_heads, num_kv_heads), _, context_len, batch_size = point
         spec = batch_spec(phase, batch_size, context_len, query_len)
-        if variant_name == GDN:
-            bandwidths = {"peak_bandwidth_gbps": peak_gbps, "peak_bandwidth_source": peak_source}
-            bandwidths["copy_bandwidth_gbps"] = copy_gbps
+        if variant == GDN:
             shape = (phase, batch_size, context_len, num_heads, num_kv_heads)
-            out += gdn_rows(spec, shape, grid, dev, dt, {**env, **bandwidths})
-            continue
-        variant = VARIANTS[variant_name]
-        point = {
-            "variant": variant_name,
-            "phase": phase,
-            "query_len": query_len,
-            "batch_size": batch_size,
-            "context_len": context_len,
-            "block_size": block_size,
-            **_shape_columns(spec, num_heads, num_kv_heads, grid, dt, variant),
-            "peak_bandwidth_gbps": peak_gbps,
-            "peak_bandwidth_source": peak_source,
-            "copy_bandwidth_gbps": copy_gbps,
-        }
-        # The unpaged yardstick computes plain attention: variant rows have no "x dense".
-        dense_ms = float("nan")
-        if variant == PLAIN:
-            dense = _dense_row(spec, point, grid, dev, dt)
-            out.append({**env, "backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **dense})
-            dense_ms = dense["forward_median_ms"]
-        batch, pages = None, {}
-        for kv, name in itertools.product(grid.kv_cache_dtypes, backends):
-            found = resolve(
-                name, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                kv_cache_dtype=kv, **variant.settings(),
-            )  # fmt: skip
-            stored = {"kv_cache_dtype": kv, "kv_bytes": round(point["kv_bytes"] * kv_bytes_per_slot(kv, dt, grid))}
-            head = {**env, "backend": name, "provider": found.provider, **point, **stored}
-            if found.reason:
-                out.append({**head, "status": "unavailable", "reason": found.reason})
-                continue
-            if batch is None:  # built once per point, shared by the backends
-                batch = random_attention_batch(
-                    spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev,
-                    value_dim=variant.value_dim, topk=variant.topk,
-                )  # fmt: skip
-                if variant.topk is not None:  # the selection's time, the same for every backend of the point
-                    indexer = indexer_columns(batch, variant.topk, grid, dev, dt)
-                    point.update(indexer)
-                    head.update(indexer)
-            if kv not in pages:  # the same K/V stored as `kv`
-                pages[kv] = quantized_pages(batch, kv)
-            out.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv]))
+            out += gdn_rows(spec, shape, grid, dev, dt, columns)
+        else:
+            _attention_rows(point, spec, backends, grid, dev, dt, columns, out)
     if world > 1:
         rows += gather_rows(mine) or []
     return rows
 
 
-def indexer_columns(batch, topk: int, grid: KernelGrid, device, dtype) -> dict:
-    """DeepSeek-V3.2's selection at the point, timed apart from attention: 64 index heads of 128 score
-    every cached token of each query's sequence (index keys paged beside the latents) and keep the
-    top-k (model/sparse_index.py, the engine's own step)."""
-    from pagedbench.model.sparse_index import SparseStep, sequence_slots
-
-    meta = batch.metadata
-    gen = torch.Generator().manual_seed(1)
-    cache = torch.randn(*batch.k_cache.shape[:2], INDEXER_DIM, generator=gen).to(device, dtype)
-    layout = (sequence_slots(meta), meta.positions, meta.query_start_loc_cpu, meta.num_decodes)
-    step = SparseStep([(cache, None)], meta.slot_mapping, *layout, topk, INDEXER_DIM**-0.5)
-    q = torch.randn(meta.num_tokens, INDEXER_HEADS, INDEXER_DIM, generator=gen).to(device, dtype)
-    keys = torch.randn(meta.num_tokens, INDEXER_DIM, generator=gen).to(device, dtype)
-    weights = torch.randn(meta.num_tokens, INDEXER_HEADS, generator=gen).to(device)
-    times = time_kernel(lambda: step.select(0, q, keys, weights), device, grid.warmup, grid.repeats)
-    return {"indexer_min_ms": 1e3 * min(times), "indexer_median_ms": 1e3 * statistics.median(times)}
-
-
-def gdn_rows(spec, shape: tuple, grid: KernelGrid, device, dtype, head: dict) -> list[dict]:
-    """Variant gdn at one point: a gated DeltaNet layer's forward over the point's batch (each
-    sequence's state in a slot: a decode or a chunk after cached tokens continues it, a prompt starts
-    from zeros) through each of grid.linear_kernels, one row each. kv_bytes are the fp32 states read
-    and written; flops the recurrence's (S^T k, the rank-one update, S^T q: 6 x value heads x d^2 per
-    token). fla interpreted on CPU runs once, with the caveat as its reason. `head`: the environment
-    and bandwidth columns."""
-    from pagedbench.bench.check_linear import linear_config, linear_layer
-    from pagedbench.model.delta_rule import fla_unavailable_reason, kernel_provider, timing_caveat
-    from pagedbench.model.layers import AttentionContext
-    from pagedbench.worker.linear_state import LinearStateCache, LinearStep
-
-    phase, batch_size, context_len, value_heads, key_heads = shape
-    d, tokens = grid.head_dim, sum(q for _, q in spec)
+def _attention_rows(grid_point, spec, backends: list[str], grid: KernelGrid, dev, dt, columns: dict, out) -> None:
+    """One attention point's rows, appended to `out` as each is measured: the dense yardstick (plain
+    variant only: it computes plain attention), then each page dtype x backend."""
+    variant_name, phase, query_len, (num_heads, num_kv_heads), block_size, context_len, batch_size = grid_point
+    variant = VARIANTS[variant_name]
     point = {
-        "variant": GDN,
+        **columns,
+        "variant": variant_name,
         "phase": phase,
-        "query_len": 1,
+        "query_len": query_len,
         "batch_size": batch_size,
         "context_len": context_len,
-        "num_heads": value_heads,
-        "num_kv_heads": key_heads,
-        "head_dim": d,
-        "num_query_tokens": tokens,
-        "kv_bytes": 2 * len(spec) * value_heads * d * d * 4,
-        "flops": 6 * tokens * value_heads * d * d,
-        **head,
+        "block_size": block_size,
+        **_shape_columns(spec, num_heads, num_kv_heads, grid, dt, variant),
     }
-    cfg = linear_config(key_heads, value_heads, d, value_heads * d)
-    layer = linear_layer(0, device, dtype, cfg)
-    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-    qsl = [0]
-    for _, q in spec:
-        qsl.append(qsl[-1] + q)
-    rows = []
-    for kernel in grid.linear_kernels:
-        row = {"backend": f"{GDN}-{kernel}", "linear_attention_kernel": kernel, **point}
-        reason = fla_unavailable_reason(device.type) if kernel == "fla" else None
-        if reason:
-            rows.append({**row, "provider": "", "status": "unavailable", "reason": reason})
+    dense_ms = float("nan")
+    if variant == PLAIN:
+        dense = _dense_row(spec, point, grid, dev, dt)
+        out.append({"backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **dense})
+        dense_ms = dense["forward_median_ms"]
+    batch, pages = None, {}
+    for kv, name in itertools.product(grid.kv_cache_dtypes, backends):
+        found = resolve(
+            name, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            kv_cache_dtype=kv, **variant.settings(),
+        )  # fmt: skip
+        stored = {"kv_cache_dtype": kv, "kv_bytes": round(point["kv_bytes"] * kv_bytes_per_slot(kv, dt, grid))}
+        head = {"backend": name, "provider": found.provider, **point, **stored}
+        if found.reason:
+            out.append({**head, "status": "unavailable", "reason": found.reason})
             continue
-        cache = LinearStateCache.allocate(cfg, [0], len(spec), device, dtype)
-        cache.kernel = kernel
-        cache.recurrent[0].normal_(std=0.1)  # states of the cached tokens
-        # One step view for every call: its index tensors are built once, as once per step for all layers.
-        step = LinearStep(cache, list(range(len(spec))), qsl, [cached for cached, _ in spec])
-        ctx = AttentionContext([], [], None, [], linear=step)
-        caveat = timing_caveat(kernel, device)
-        timing = replace(grid, warmup=0, repeats=1) if caveat else grid
-
-        def forward(ctx=ctx):
-            with torch.no_grad():
-                layer(x, ctx)
-
-        if not timing.warmup:
-            forward()  # the step's index tensors (and fla's first-call work) untimed
-        times = time_kernel(forward, device, timing.warmup, timing.repeats)
-        rows.append(
-            {
-                **row,
-                "provider": kernel_provider(kernel, device),
-                "status": "ok",
-                "reason": caveat or "",
-                **_forward_columns(times, point),
-                "warmup": timing.warmup,
-                "repeats": timing.repeats,
-            }
-        )
-    return rows
+        if batch is None:  # built once per point, shared by the backends
+            batch = random_attention_batch(
+                spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev,
+                value_dim=variant.value_dim, topk=variant.topk,
+            )  # fmt: skip
+            if variant.topk is not None:  # the selection's time, the same for every backend of the point
+                indexer = indexer_columns(batch, variant.topk, grid, dev, dt)
+                point.update(indexer)
+                head.update(indexer)
+        if kv not in pages:  # the same K/V stored as `kv`
+            pages[kv] = quantized_pages(batch, kv)
+        out.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv]))
 
 
 def kv_bytes_per_slot(kv_cache_dtype: str, dtype: torch.dtype, grid: KernelGrid) -> float:
@@ -559,7 +386,7 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
     return {
         "prepare_min_ms": 1e3 * min(prepare),
         "prepare_median_ms": 1e3 * statistics.median(prepare),
-        **_forward_columns(forward_times, point),
+        **forward_columns(forward_times, point),
         "tile_efficiency": efficiency(state) if efficiency else float("nan"),
         # flex on CUDA: the decode kernel options it ran with (searched per batch, or the defaults)
         "kernel_options": getattr(backend, "decode_options_used", ""),
@@ -586,23 +413,4 @@ def _graphed(forward, state, backend) -> tuple:
 def _time_dense(spec, point: dict, grid: KernelGrid, device: torch.device, dtype: torch.dtype) -> dict:
     calls = dense_calls(spec, point["num_heads"], point["num_kv_heads"], grid.head_dim, dtype, device)
     forward = time_kernel(lambda: dense_forward(calls, grid.head_dim**-0.5), device, grid.warmup, grid.repeats)
-    return {"status": "ok", "reason": "", **_forward_columns(forward, point), "vs_dense": 1.0}
-
-
-def _forward_columns(forward: list[float], point: dict) -> dict:
-    """The forward's timing columns: min, median, max and the median's bootstrap 95 % interval
-    (noise.py; none under 3 repeats), and the bandwidth and TFLOP/s of the median."""
-    median = statistics.median(forward)
-    bandwidth = point["kv_bytes"] / median / 1e9
-    low, high = median_interval(forward)
-    return {
-        "forward_min_ms": 1e3 * min(forward),
-        "forward_median_ms": 1e3 * median,
-        "forward_max_ms": 1e3 * max(forward),
-        "forward_ci_low_ms": 1e3 * low,
-        "forward_ci_high_ms": 1e3 * high,
-        "bandwidth_gbps": bandwidth,
-        "pct_of_peak_bandwidth": 100 * bandwidth / point["peak_bandwidth_gbps"],
-        "pct_of_copy_bandwidth": 100 * bandwidth / point["copy_bandwidth_gbps"],
-        "tflops": point["flops"] / median / 1e12,
-    }
+    return {"status": "ok", "reason": "", **forward_columns(forward, point), "vs_dense": 1.0}
