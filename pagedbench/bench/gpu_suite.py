@@ -50,110 +50,69 @@ def pagedbench_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pagedbench", *args]
 
 
+PYTEST = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-n", "8", "--timeout", "150", "-p", "no:cacheprovider"]
+PROFILE = ["profile", "--model", "qwen3-0.6b", "--backends", "triton,flex", "--batch-sizes", "64,256"]
+# DeepSeek-V3.2's sparse decode against the dense latent one, at its shape (top-2048 of 16k-32k)
+DSA = ["kernels", "--phases", "decode", "--batch-sizes", "16,64", "--context-lens", "16384,32768"]
+DSA += ["--block-sizes", "64", "--heads", "128/1", "--head-dim", "576", "--variants", "latent-512,dsa"]
+DSA += ["--warmup", "3", "--repeats", "20", "--max-kv-tokens", "2200000"]
+
+
+def kernels_decode(block_sizes: str, backends: str, *more: str) -> list[str]:
+    """kernels' decode grid: 32/8 heads of 128, batches of 16-256 at 2k-4k tokens."""
+    grid = ["--phases", "decode", "--batch-sizes", "16,64,256", "--context-lens", "2048,4096", "--heads", "32/8"]
+    timing = ["--warmup", "3", "--repeats", "20", "--max-kv-tokens", "1100000"]
+    return ["kernels", *grid, *timing, "--block-sizes", block_sizes, "--backends", backends, *more]
+
+
+def compare_mixed(model: str, scale: str, *more: str) -> list[str]:
+    return ["compare", "--model", model, "--scenario", "mixed", "--scale", scale, *more, "--repeats", "1"]
+
+
 def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) -> list[SuiteStep]:
     """The suite's steps, most valuable first (FA4, which needs its wheels installed, last). The
     engine's flex tunes each decode batch bucket it captures (nine of them): the suite gives that
     search 6 s a shape (PAGEDBENCH_FLEX_TUNE_SECONDS, unless set) so that it fits a 15-minute draw."""
-    r = str(reports)
-    decode = ["--phases", "decode", "--batch-sizes", "16,64,256", "--context-lens", "2048,4096", "--heads", "32/8"]
-    decode += ["--warmup", "3", "--repeats", "20", "--max-kv-tokens", "1100000"]
-    compare = ["compare", "--model", "qwen3-0.6b", "--scenario", "mixed", "--scale", str(scale)]
-    compare += ["--num-blocks", str(num_blocks), "--repeats", "1"]
-    dsa = ["--phases", "decode", "--batch-sizes", "16,64", "--context-lens", "16384,32768", "--block-sizes", "64"]
-    dsa += ["--heads", "128/1", "--head-dim", "576", "--variants", "latent-512,dsa", "--warmup", "3", "--repeats", "20"]
-    dsa += ["--max-kv-tokens", "2200000"]
-    profile = ["profile", "--model", "qwen3-0.6b", "--backends", "triton,flex", "--batch-sizes", "64,256"]
-    pytest = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-n", "8", "--timeout", "150", "-p", "no:cacheprovider"]
-    failed_before = [*pytest, "--tb=long", "-k", "cuda and (MLA or graph)", *LAST_FAILED]
-    hf_peer = ["compare", "--model", "qwen3-0.6b", "--scenario", "mixed", "--scale", "0.25", "--repeats", "1"]
+
+    def bench(name: str, limit: int, argv: list[str], out: str | None = None, **options) -> SuiteStep:
+        """A pagedbench command writing its reports to reports/<out, else the step's name>."""
+        return SuiteStep(name, pagedbench_cmd(*argv, "--out", f"{reports}/{out or name}"), limit, **options)
+
+    compare = compare_mixed("qwen3-0.6b", str(scale), "--num-blocks", str(num_blocks))
+    torch_and_triton = "sdpa,flex,triton"  # the backends that need no extra wheels
     return [
         SuiteStep("environment", [sys.executable, "-m", "pagedbench.bench.gpu_suite", "environment"], 60, False),
         # The cases that failed on the last draw, first, with their tracebacks.
-        SuiteStep("pytest-cuda-failed-before", failed_before, 120, env=EARLY_FAILURES),
-        SuiteStep("profile-graphs", pagedbench_cmd(*profile, "--compile", "--out", f"{r}/profile-graphs"), 150),
         SuiteStep(
-            "compare-mixed",
-            pagedbench_cmd(*compare, "--backends", "triton,flex", "--out", f"{r}/compare-mixed"),
-            200,
-        ),
-        # DeepSeek-V3.2's sparse decode against the dense latent one, at its shape (top-2048 of 16k-32k)
-        SuiteStep(
-            "kernels-dsa",
-            pagedbench_cmd("kernels", *dsa, "--backends", "sdpa,flex,triton", "--out", f"{r}/kernels-dsa"),
-            100,
-        ),
-        # Hybrids' gated delta rule on CUDA: the torch forms and fla's kernels against the float64 oracle.
-        SuiteStep(
-            "check-gdn",
-            pagedbench_cmd("check", "--device", "cuda", "--backends", "gdn-torch,gdn-fla", "--out", f"{r}/check-gdn"),
-            60,
-        ),
-        SuiteStep(
-            "kernels-decode-graphs",
-            pagedbench_cmd("kernels", *decode, "--block-sizes", "16", "--backends", "sdpa,flex,triton")
-            + ["--cuda-graphs", "--out", f"{r}/kernels-decode-graphs"],
+            "pytest-cuda-failed-before",
+            [*PYTEST, "--tb=long", "-k", "cuda and (MLA or graph)", *LAST_FAILED],
             120,
+            env=EARLY_FAILURES,
         ),
-        SuiteStep("profile-eager", pagedbench_cmd(*profile, "--enforce-eager", "--out", f"{r}/profile-eager"), 90),
-        SuiteStep("pytest-cuda", [*pytest, "-k", "cuda and not flash", "tests"], 240, env=EARLY_FAILURES),
-        SuiteStep(
-            "kernels-decode",
-            pagedbench_cmd("kernels", *decode, "--block-sizes", "16,64,128", "--backends", "sdpa,flex,triton")
-            + ["--out", f"{r}/kernels-decode"],
-            180,
-        ),
-        SuiteStep(
+        bench("profile-graphs", 150, [*PROFILE, "--compile"]),
+        bench("compare-mixed", 200, [*compare, "--backends", "triton,flex"]),
+        bench("kernels-dsa", 100, [*DSA, "--backends", torch_and_triton]),
+        # Hybrids' gated delta rule on CUDA: the torch forms and fla's kernels against the float64 oracle.
+        bench("check-gdn", 60, ["check", "--device", "cuda", "--backends", "gdn-torch,gdn-fla"]),
+        bench("kernels-decode-graphs", 120, kernels_decode("16", torch_and_triton, "--cuda-graphs")),
+        bench("profile-eager", 90, [*PROFILE, "--enforce-eager"]),
+        SuiteStep("pytest-cuda", [*PYTEST, "-k", "cuda and not flash", "tests"], 240, env=EARLY_FAILURES),
+        bench("kernels-decode", 180, kernels_decode("16,64,128", torch_and_triton)),
+        bench(
             "kernels-flex-untuned",
-            pagedbench_cmd("kernels", *decode, "--block-sizes", "16,64,128", "--backends", "flex")
-            + ["--out", f"{r}/kernels-decode-flex-untuned"],
             90,
+            kernels_decode("16,64,128", "flex"),
+            "kernels-decode-flex-untuned",
             env={"PAGEDBENCH_FLEX_TUNE": "0"},
         ),
         # Hybrid (Qwen3.5's shape): what the DeltaNet layers' host loop costs beside attention on a GPU.
-        SuiteStep(
-            "compare-hybrid",
-            pagedbench_cmd(
-                "compare",
-                "--model",
-                "qwen3.5-0.8b",
-                "--scenario",
-                "mixed",
-                "--scale",
-                "0.25",
-                "--repeats",
-                "1",
-                "--backends",
-                "triton,flex",
-                "--out",
-                f"{r}/compare-hybrid",
-            ),
-            150,
-        ),  # fmt: skip
+        bench("compare-hybrid", 150, [*compare_mixed("qwen3.5-0.8b", "0.25"), "--backends", "triton,flex"]),
         # sdpa runs mixed at scale 1 in minutes (a seventh of triton's rate at 0.25): after the rest.
-        SuiteStep(
-            "compare-mixed-sdpa",
-            pagedbench_cmd(*compare, "--backends", "sdpa", "--out", f"{r}/compare-mixed-sdpa"),
-            240,
-        ),
-        SuiteStep(
-            "compare-hf-peer",
-            pagedbench_cmd(*hf_peer, "--backends", "triton", "--peer", "hf", "--out", f"{r}/compare-hf-peer"),
-            150,
-        ),
-        SuiteStep(
-            "fa4-kernels",
-            pagedbench_cmd("kernels", *decode, "--block-sizes", "16,128", "--backends", "flash-attn")
-            + ["--out", f"{r}/kernels-decode-fa4"],
-            120,
-            needs_fa4=True,
-        ),
-        SuiteStep(
-            "fa4-compare",
-            pagedbench_cmd(*compare, "--backends", "flash-attn", "--out", f"{r}/compare-mixed-fa4"),
-            150,
-            needs_fa4=True,
-        ),
-        SuiteStep("fa4-pytest", [*pytest, "-k", "cuda and flash", "tests"], 150, needs_fa4=True, env=EARLY_FAILURES),
+        bench("compare-mixed-sdpa", 240, [*compare, "--backends", "sdpa"]),
+        bench("compare-hf-peer", 150, [*compare_mixed("qwen3-0.6b", "0.25"), "--backends", "triton", "--peer", "hf"]),
+        bench("fa4-kernels", 120, kernels_decode("16,128", "flash-attn"), "kernels-decode-fa4", needs_fa4=True),
+        bench("fa4-compare", 150, [*compare, "--backends", "flash-attn"], "compare-mixed-fa4", needs_fa4=True),
+        SuiteStep("fa4-pytest", [*PYTEST, "-k", "cuda and flash", "tests"], 150, needs_fa4=True, env=EARLY_FAILURES),
     ]
 
 
