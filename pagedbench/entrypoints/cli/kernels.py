@@ -276,7 +276,14 @@ def cmd_backends(args) -> None:
 
 
 def register(sub) -> None:
-    kern = sub.add_parser("kernels", help="attention-only microbenchmark: prepare and forward per backend")
+    register_kernels(sub)
+    register_check(sub)
+
+
+def register_kernels(sub) -> None:
+    kern = sub.add_parser(
+        "kernels", help="attention microbenchmark: prepare and forward per backend (variant gdn: DeltaNet layers)"
+    )
     kern.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
     kern.add_argument("--preset", choices=["cpu", "gpu"], default=None, help="grid (default: gpu on cuda, else cpu)")
     kern.add_argument("--batch-sizes", help="e.g. 1,8,32")
@@ -320,6 +327,8 @@ def register(sub) -> None:
     add_threads_flag(kern)
     kern.set_defaults(func=cmd_kernels)
 
+
+def register_check(sub) -> None:
     chk = sub.add_parser("check", help="every backend against a dense oracle on a grid of paged-attention problems")
     chk.add_argument(
         "--backends",
