@@ -20,7 +20,7 @@ from pagedbench.backends.flex import FlexBackend
 
 from pagedbench import LLM, SamplingParams
 from pagedbench.bench.kernels import batch_spec
-from pagedbench.bench.problems import paged_metadata, random_attention_batch
+from pagedbench.bench.problems import random_attention_batch
 from tests.helpers import DEVICES
 from tests.test_backends import HEADS, TOLERANCE, ragged_batch_spec, run_backend
 
@@ -133,11 +133,17 @@ def test_pages_smaller_than_a_kv_block(device, compile, phase):
         )
 
 
+def step_metadata(spec, block_size):
+    """The step's AttentionMetadata for `spec` on fragmented block tables: a batch of one head of one
+    dimension holds it at little cost at any size."""
+    return random_attention_batch(spec, 1, 1, 1, block_size).metadata
+
+
 def test_block_mask_lists_each_sequences_own_pages():
     """Decodes get one BlockMask row each, listing exactly their own pages (the ones every query
     sees whole as full blocks); prefill chunks get query blocks of their own sequence only."""
     spec = [(15, 1), (40, 1), (0, 20), (9, 30)]
-    meta = paged_metadata(spec, 16)
+    meta = step_metadata(spec, 16)
     backend = FlexBackend(8, 2, 64, 0.125, 16, torch.device("cpu"), torch.float32, q_block_size=16)
     decode, prefill = backend.prepare(meta).calls
     table, num_pages = meta.block_table.tolist(), meta.num_cache_blocks
@@ -220,7 +226,7 @@ def test_output_depends_on_logical_content_not_placement(compile, phase, dtype):
 
 def efficiency(spec, block_size=16, q_block_size=None):
     backend = FlexBackend(16, 8, 128, 0.088, block_size, torch.device("cpu"), torch.bfloat16, q_block_size=q_block_size)
-    return backend.tile_efficiency(backend.prepare(paged_metadata(spec, block_size)))
+    return backend.tile_efficiency(backend.prepare(step_metadata(spec, block_size)))
 
 
 @pytest.mark.parametrize("batch_size", [1, 16, 64, 256])
@@ -409,7 +415,7 @@ def test_a_window_leaves_the_pages_before_it_out_of_the_block_mask(block_size):
     block lists pages from its first query's window start. Pages inside every query's window and
     before the first query are full blocks (no mask_mod)."""
     window = AttentionVariant(sliding_window=33)
-    meta = paged_metadata([(300, 1), (40, 1), (200, 20)], block_size)
+    meta = step_metadata([(300, 1), (40, 1), (200, 20)], block_size)
     counts = {}
     for variant in (window, AttentionVariant()):
         backend = FlexBackend(8, 2, 64, 0.125, block_size, torch.device("cpu"), torch.float32, variant, compile=False)

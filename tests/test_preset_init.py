@@ -9,7 +9,7 @@ import torch
 
 from pagedbench import LLM, SamplingParams
 from pagedbench.bench.metrics import identical_token_share
-from pagedbench.model.layers import apply_rope
+from pagedbench.model.fused import rotate
 from pagedbench.model.loader import build_model, resolve_model_config
 from pagedbench.model.preset_init import lag_of_head
 
@@ -40,7 +40,7 @@ def test_every_head_attends_one_hot_to_its_lag(model):
     if cfg.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     rope = built.model.rotary_emb(torch.arange(20), torch.float32)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    q, k = rotate(q, *rope), rotate(k, *rope)
     k = k.repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * cfg.head_dim**-0.5
     scores = scores.masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1), float("-inf"))

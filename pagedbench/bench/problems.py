@@ -220,24 +220,3 @@ def random_attention_batch(
     query's random selection of its past, as cache slots in `selected`)."""
     problem = random_problem(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, value_dim=value_dim, topk=topk)
     return place(problem, block_size, device, seed, spare_blocks, null_block)
-
-
-def paged_metadata(
-    seqs: list[tuple[int, int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    spare_blocks: int = 3,
-) -> AttentionMetadata:
-    """Only the step's AttentionMetadata for `seqs` on fragmented block tables (no cache, no
-    tensors): enough to build and inspect a backend's per-step state at any size."""
-    gen = torch.Generator().manual_seed(seed)
-    needed = [blocks_needed(c + q, block_size) for c, q in seqs]
-    num_blocks = 1 + sum(needed) + spare_blocks
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    sequences = []
-    for i, ((ctx, qlen), n) in enumerate(zip(seqs, needed)):
-        s = Sequence(str(i), None, [0] * (ctx + qlen), SamplingParams())
-        s.num_computed_tokens, s.block_table, free = ctx, free[:n], free[n:]
-        sequences.append(s)
-    return prepare_step(sequences, [q for _, q in seqs], block_size, num_blocks, torch.device(device)).metadata

@@ -118,11 +118,6 @@ class RotaryEmbedding(nn.Module):
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] in the half-split (rotate_half) layout Hugging Face uses."""
-    return fused.rotate(x, cos, sin)
-
-
 class RMSNorm(nn.Module):
     """Llama's: weight * norm(x) in x's dtype; Gemma's (`offset`): norm(x) * (1 + weight) in fp32.
     Given the residual stream, it adds first and returns (normed, new residual): one fused kernel
