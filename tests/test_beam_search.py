@@ -73,7 +73,7 @@ def test_beam_search_matches_hf(tiny_models, prompts, backend, setup):
     assert ended_early > 0, "no beam ever ended on the end token: the EOS path went untested"
     bm = engine.block_manager
     assert engine.stats.block_copies > 0 and engine.stats.peak_shared_blocks > 0
-    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.pool.ref_counts)
     if setup == "pressure":
         assert engine.stats.preemptions > 0
 

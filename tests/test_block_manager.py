@@ -18,12 +18,17 @@ from pagedbench.engine.state_snapshots import SnapshotPlan
 from pagedbench.sample.sampling_params import SamplingParams
 
 
+def free_list(bm: BlockManager) -> list[int]:
+    """The pool's free pages: fresh ones, then the prefix cache's evictable ones."""
+    return [*bm.pool.fresh, *bm.prefix_cache.evictable]
+
+
 def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -> None:
     held = Counter(b for s in live for b in s.block_table)
-    assert all(bm.ref_counts[b] == held.get(b, 0) for b in range(bm.num_blocks)), "ref counts disagree with tables"
-    free = list(bm.free_blocks)
+    assert all(bm.pool.ref_counts[b] == held.get(b, 0) for b in range(bm.num_blocks)), "ref counts disagree with tables"
+    free = free_list(bm)
     assert len(free) == len(set(free)), "a block is on the free list twice"
-    assert set(free) == {b for b in range(bm.num_blocks) if bm.ref_counts[b] == 0}, "free list != unreferenced"
+    assert set(free) == {b for b in range(bm.num_blocks) if bm.pool.ref_counts[b] == 0}, "free list != unreferenced"
     for s in sched.running:
         assert s.status is SequenceStatus.RUNNING
         assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, bm.block_size)
@@ -43,7 +48,7 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -
             )
     for block, key in bm.prefix_cache.key_of.items():
         assert bm.prefix_cache.cached[key] == block
-        assert (bm.ref_counts[block] == 0) == (block in bm.prefix_cache.evictable)
+        assert (bm.pool.ref_counts[block] == 0) == (block in bm.prefix_cache.evictable)
 
 
 @st.composite
@@ -185,12 +190,12 @@ def run_workload(workload) -> Counter:
         for s in [*sched.running, *sched.swapped]:
             kv.check(s)
         swapped_cpu = [b for s in sched.swapped for b in s.cpu_block_table]
-        cpu_pool = swapped_cpu + list(bm._cpu_free) + bm._cpu_releasing
+        cpu_pool = swapped_cpu + list(bm.swap_space.free) + bm.swap_space.releasing
         assert sorted(cpu_pool) == list(range(bm.num_cpu_blocks)), "swap space leaked or double-used"
         swaps += sched.num_swap_outs - swaps
     else:
         raise AssertionError("workload did not finish")
-    assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts), "blocks leaked"
+    assert bm.num_free_blocks == num_blocks and not any(bm.pool.ref_counts), "blocks leaked"
     return Counter(operations=operations, swaps=swaps, verifies=verifies)
 
 
@@ -325,10 +330,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def consistent(self):
         bm = self.bm
         held = Counter(b for s in self.seqs for b in s.block_table)
-        assert all(bm.ref_counts[b] == held.get(b, 0) for b in range(bm.num_blocks)), "ref counts disagree"
-        free = bm.free_blocks
-        assert len(free) == len(set(free)) and set(free) == {b for b in range(bm.num_blocks) if not bm.ref_counts[b]}
-        assert bm.num_shared_blocks == sum(count > 1 for count in bm.ref_counts)
+        assert all(bm.pool.ref_counts[b] == held.get(b, 0) for b in range(bm.num_blocks)), "ref counts disagree"
+        free = free_list(bm)
+        assert len(free) == len(set(free)) and set(free) == {b for b, n in enumerate(bm.pool.ref_counts) if not n}
+        assert bm.num_shared_blocks == sum(count > 1 for count in bm.pool.ref_counts)
         for seq in self.seqs:
             self.kv.check(seq)
         for block, key in bm.prefix_cache.key_of.items():  # a cached page holds exactly its key's tokens

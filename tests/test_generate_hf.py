@@ -45,7 +45,7 @@ def test_greedy_matches_hf(tiny_models, prompts, hf_outputs, backend, device, mo
     if setup == "pressure":
         assert stats.preemptions > 0, "the pressure setup must preempt"
         assert max(PROMPT_LENS) > ENGINE_SETUPS[setup]["max_num_batched_tokens"]  # chunked prefill happened
-    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.pool.ref_counts)
 
 
 def test_text_prompts_match_hf(tiny_models):

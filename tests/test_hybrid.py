@@ -94,7 +94,7 @@ def test_swap_moves_the_state_to_a_cpu_slot_and_back():
     bm.allocate(seq, 3)
     assert bm.take_state_copies() == [(2, seq.state_slot)] and 0 <= seq.state_slot < 2
     bm.free(seq)
-    assert bm.num_free_state_slots == 2 and list(bm._cpu_state_slots) == [2]
+    assert bm.num_free_state_slots == 2 and list(bm.state_slots.cpu_free) == [2]
 
 
 def test_state_moves_run_as_their_queue_says():

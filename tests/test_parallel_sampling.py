@@ -43,7 +43,7 @@ def test_forked_samples_equal_separate_seeded_requests(tiny_models, backend, cac
     engine, bm = llm.engine, llm.engine.block_manager
     assert engine.stats.block_copies > 0, "the partial last page was never copied on write"
     assert engine.stats.peak_shared_blocks > 0
-    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.pool.ref_counts)
     if setup == "pressure":
         assert engine.stats.preemptions > 0
     separate = [

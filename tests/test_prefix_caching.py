@@ -60,7 +60,7 @@ def test_concurrent_requests_read_one_page(tiny_models):
         engine.add_request({"prompt_token_ids": prompt}, GREEDY)
     engine.step()
     bm = engine.block_manager
-    assert bm.num_shared_blocks == 2 and max(bm.ref_counts) == 4
+    assert bm.num_shared_blocks == 2 and max(bm.pool.ref_counts) == 4
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats.peak_shared_blocks == 2

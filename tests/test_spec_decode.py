@@ -44,7 +44,7 @@ def generate(model, prompts, params, **engine):
 def assert_no_leak(engine):
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, (bm.num_free_blocks, bm.num_blocks)
-    assert all(n == 0 for n in bm.ref_counts)
+    assert all(n == 0 for n in bm.pool.ref_counts)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

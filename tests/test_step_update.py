@@ -49,7 +49,7 @@ def test_update_from_output_frees_finished_trims_rejected_registers_computed_and
     assert bm.num_cached_blocks == 2 + 1  # ...its two full prompt pages kept in the prefix cache, beside pair's
     assert len(pair.block_keys) == 1 and len(spec.block_keys) == 0  # full computed pages are registered
     assert requests["pair"].seqs == [pair, child] and child in sched.running
-    assert child.block_table == pair.block_table and bm.ref_counts[pair.block_table[0]] == 2  # pages shared
+    assert child.block_table == pair.block_table and bm.pool.ref_counts[pair.block_table[0]] == 2  # pages shared
     assert child.num_computed_tokens == pair.num_computed_tokens == 5 and child.token_ids[-1] == 37
     assert (stats.prompt_tokens, stats.generation_tokens) == (16, 4)
 

@@ -22,16 +22,16 @@ entry becomes NO_BLOCK (the step plan points it at the padding page, and no back
 outside the window). Models that mix global and local layers (Gemma 2/3) keep every page: one
 page holds a block of tokens for all layers, and the global layers read every one.
 
-Swap space (preemption by swap): a pool of CPU blocks. `swap_out` moves a sequence's pages there
-(queued (device block, CPU block) copies, the device blocks freed), `swap_in` back into fresh
-device blocks; the engine runs the copies before the step, swap-outs first.
+The pages themselves are the pool's (block_pool.py); a swapped-out sequence's go to the CPU's
+(swap_space.py), and a hybrid's DeltaNet state slot goes with them (state_slots.py).
 """
 
-from collections import deque
-
+from pagedbench.engine.block_pool import BlockPool
 from pagedbench.engine.prefix_cache import PrefixCache, block_key
 from pagedbench.engine.sequence import Sequence
+from pagedbench.engine.state_slots import StateSlots
 from pagedbench.engine.state_snapshots import SnapshotPlan, StateSnapshots
+from pagedbench.engine.swap_space import SwapSpace
 
 
 def _needs_prompt_logits(seq: Sequence) -> bool:
@@ -54,9 +54,9 @@ def _held(table: list[int]) -> list[int]:
 
 
 class BlockManager:
-    """Owns the physical KV blocks: free blocks (never used or evicted), evictable cached blocks
-    (unreferenced, still registered; LRU), a reference count per block, and each sequence's block
-    table (`Sequence.block_table`, logical block i -> physical block)."""
+    """Each sequence's pages: its block table (`Sequence.block_table`, logical block i -> physical
+    block) over the pool's pages, copy-on-write, swap space, the prefix cache's lookups and
+    registrations, and a hybrid's state slot (`state_slots`) beside its pages."""
 
     def __init__(
         self,
@@ -69,42 +69,26 @@ class BlockManager:
         state_snapshots: SnapshotPlan | None = None,
         num_cpu_state_slots: int = 0,
     ):
-        self.num_blocks = num_blocks
-        # Hybrid models: a sequence holding pages also holds one linear-attention state slot; a fork's
-        # slot starts as a copy of its parent's, and a swapped-out sequence's state moves to a CPU slot
-        # (numbered after the device's running and snapshot slots) and back with its pages.
-        self.num_state_slots = num_state_slots
-        self._free_slots: deque[int] = deque(range(num_state_slots))
-        self.pending_state_copies: list[tuple[int, int]] = []  # (source slot, slot), for the engine
-        # Their prefix caching: DeltaNet state snapshots at block boundaries, in slots after the running ones.
-        self.snapshots = None
-        if num_state_slots and enable_prefix_caching and state_snapshots is not None and state_snapshots.count:
-            self.snapshots = StateSnapshots(num_state_slots, state_snapshots, block_size)
-        self.first_cpu_state_slot = num_state_slots + (state_snapshots.count if state_snapshots is not None else 0)
-        self._cpu_state_slots: deque[int] = deque(
-            range(self.first_cpu_state_slot, self.first_cpu_state_slot + num_cpu_state_slots)
-        )
-        self.sliding_window = sliding_window  # set only when every layer is windowed
-        self.num_cpu_blocks = num_cpu_blocks
-        self._cpu_free: deque[int] = deque(range(num_cpu_blocks))
-        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, CPU block)
-        self.pending_swap_in: list[tuple[int, int]] = []  # (CPU block, device block)
-        self._cpu_releasing: list[int] = []  # read by a pending swap-in: free once the copies are taken
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self._fresh: deque[int] = deque(range(num_blocks))  # free, holding nothing worth keeping
-        self.prefix_cache = PrefixCache()  # registered blocks; the unreferenced ones are free but evictable
-        self._num_shared = 0  # blocks with a reference count above 1
+        self.sliding_window = sliding_window  # set only when every layer is windowed
+        self.prefix_cache = PrefixCache()  # which page holds which content
+        self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks, for the engine
-
-    @property
-    def free_blocks(self) -> list[int]:
-        return [*self._fresh, *self.prefix_cache.evictable]
+        # Hybrid models: their prefix caching snapshots the DeltaNet state at block boundaries, in
+        # slots after the running ones (and the CPU's slots come after those).
+        num_snapshots = state_snapshots.count if state_snapshots is not None else 0
+        self.num_state_slots = num_state_slots
+        self.state_slots = StateSlots(num_state_slots, num_state_slots + num_snapshots, num_cpu_state_slots)
+        self.snapshots = None
+        if num_state_slots and enable_prefix_caching and num_snapshots:
+            self.snapshots = StateSnapshots(num_state_slots, state_snapshots, block_size)
+        self.num_cpu_blocks = num_cpu_blocks
+        self.swap_space = SwapSpace(num_cpu_blocks)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._fresh) + len(self.prefix_cache.evictable)
+        return self.pool.num_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -127,13 +111,17 @@ class BlockManager:
     @property
     def num_shared_blocks(self) -> int:
         """Blocks read by more than one sequence right now."""
-        return self._num_shared
+        return self.pool.num_shared
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self.state_slots.free)
 
     def _shared_writes(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Indices in `seq`'s block table of shared blocks that tokens up to `num_tokens` write into."""
         first = seq.num_computed_tokens // self.block_size
         last = min(len(seq.block_table), blocks_needed(num_tokens, self.block_size))
-        return [i for i in range(first, last) if self.ref_counts[seq.block_table[i]] > 1]
+        return [i for i in range(first, last) if self.pool.ref_counts[seq.block_table[i]] > 1]
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still needs so that its first `num_tokens` tokens fit in the cache
@@ -143,44 +131,11 @@ class BlockManager:
         return grow + len(self._shared_writes(seq, num_tokens))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        if self.num_state_slots and not self._on_device(seq) and not self._free_slots:
-            return False
-        return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
-
-    @property
-    def num_free_state_slots(self) -> int:
-        return len(self._free_slots)
-
-    def _on_device(self, seq: Sequence) -> bool:
-        """Whether `seq` holds a device state slot (not none, not a swapped-out state's CPU slot)."""
-        return 0 <= seq.state_slot < self.first_cpu_state_slot
-
-    def _take_slot(self, seq: Sequence) -> None:
-        if self.num_state_slots and not self._on_device(seq):
-            if not self._free_slots:
-                raise RuntimeError("out of linear-attention state slots")
-            cpu, seq.state_slot = seq.state_slot, self._free_slots.popleft()
-            if cpu >= 0:  # swapped back in: its state returns from its CPU slot (read before any reuse)
-                self.pending_state_copies.append((cpu, seq.state_slot))
-                self._cpu_state_slots.append(cpu)
+        return self.state_slots.can_take(seq) and self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
     def take_state_copies(self) -> list[tuple[int, int]]:
-        """The (source slot, slot) state copies queued since the last call (forks, snapshot restores,
-        swaps out and in), as one set that reads every source before writing any slot: each slot's
-        copy from where its content comes in queue order (a fork's child swapped out in the next
-        schedule takes its parent's state to the CPU slot), the last copy into a slot winning."""
-        origin: dict[int, int] = {}
-        for src, dst in self.pending_state_copies:
-            origin[dst] = origin.get(src, src)
-        self.pending_state_copies = []
-        return [(src, dst) for dst, src in origin.items() if src != dst]
-
-    def _take(self) -> int:
-        block = self._fresh.popleft() if self._fresh else self.prefix_cache.evict()
-        if self.ref_counts[block] != 0:  # an engine bug: raised, not asserted (python -O keeps it)
-            raise RuntimeError(f"block {block} on the free list is referenced")
-        self.ref_counts[block] = 1
-        return block
+        """The state-slot (source slot, slot) copies queued since the last call (StateSlots.take_copies)."""
+        return self.state_slots.take_copies()
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Make `seq`'s first `num_tokens` tokens writable: grow its block table with fresh (or
@@ -188,35 +143,28 @@ class BlockManager:
         n = self.num_new_blocks(seq, num_tokens)
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
-        self._take_slot(seq)
+        self.state_slots.take(seq)
         if seq.restore_from >= 0:  # a prefix hit resumes from a state snapshot: copied before the step
-            self.pending_state_copies.append((seq.restore_from, seq.state_slot))
+            self.state_slots.pending_copies.append((seq.restore_from, seq.state_slot))
             self.snapshots.mark_restored(seq.restore_from)
             seq.restore_from = -1
         if self.snapshots is not None:
             self.snapshots.plan(seq, num_tokens)
         for index in self._shared_writes(seq, num_tokens):
             shared = seq.block_table[index]
-            self._unref(shared)
-            seq.block_table[index] = self._take()
+            self.pool.unref(shared)
+            seq.block_table[index] = self.pool.take()
             self.pending_copies.append((shared, seq.block_table[index]))
         while len(seq.block_table) < blocks_needed(num_tokens, self.block_size):
-            seq.block_table.append(self._take())
+            seq.block_table.append(self.pool.take())
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` reads all of `parent`'s pages (one more reference each; nothing is copied)."""
         assert not child.block_table, "a fork starts with no blocks of its own"
-        # A parent holding no device state (preempted to recompute) forks a child that recomputes too.
-        state = self.num_state_slots and self._on_device(parent)
-        if state and not self._free_slots:  # before any reference is taken
-            raise RuntimeError("out of linear-attention state slots")
+        self.state_slots.fork(parent, child)  # first: out of slots, it raises before any reference is taken
         for block in _held(parent.block_table):
-            self.ref_counts[block] += 1
-            self._num_shared += self.ref_counts[block] == 2
+            self.pool.ref(block)
         child.block_table = list(parent.block_table)
-        if state:  # the child continues from the parent's state: a copy of its slot
-            self._take_slot(child)
-            self.pending_state_copies.append((parent.state_slot, child.state_slot))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs queued since the last call; the engine copies
@@ -228,60 +176,39 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; an unreferenced block becomes free, evictable if cached."""
         for block in reversed(_held(seq.block_table)):
-            self._unref(block)
-        self._cpu_free.extend(_held(seq.cpu_block_table))
+            self.pool.unref(block)
+        self.swap_space.free.extend(_held(seq.cpu_block_table))
         seq.block_table, seq.cpu_block_table = [], []
         seq.block_keys = []
-        if seq.state_slot >= 0:
-            (self._free_slots if self._on_device(seq) else self._cpu_state_slots).append(seq.state_slot)
-            seq.state_slot = -1
+        self.state_slots.release(seq)
         if self.snapshots is not None:
             self.snapshots.release(seq)
 
     # ---- swap space ---------------------------------------------------------------------------
 
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return len(self._cpu_free)
-
     def can_swap_out(self, seq: Sequence) -> bool:
-        state_room = not self.num_state_slots or bool(self._cpu_state_slots)
-        return 0 < len(_held(seq.block_table)) <= len(self._cpu_free) and state_room
+        held = len(_held(seq.block_table))
+        return 0 < held <= len(self.swap_space.free) and self.state_slots.can_swap_out()
 
     def swap_out(self, seq: Sequence) -> None:
         """Move `seq`'s pages to swap space (shared pages are copied; its references dropped)."""
-        for block in seq.block_table:
-            cpu = NO_BLOCK if block == NO_BLOCK else self._cpu_free.popleft()
-            if block != NO_BLOCK:
-                self.pending_swap_out.append((block, cpu))
-            seq.cpu_block_table.append(cpu)
+        out = self.swap_space.copy_out
+        seq.cpu_block_table = [NO_BLOCK if block == NO_BLOCK else out(block) for block in seq.block_table]
         for block in reversed(_held(seq.block_table)):
-            self._unref(block)
+            self.pool.unref(block)
         seq.block_table = []
         seq.block_keys = []  # its pages come back as fresh blocks, registered again once cached
-        if self._on_device(seq):  # a hybrid's state moves out with its pages (its device slot is free)
-            cpu = self._cpu_state_slots.popleft()
-            self.pending_state_copies.append((seq.state_slot, cpu))
-            self._free_slots.append(seq.state_slot)
-            seq.state_slot = cpu
+        self.state_slots.swap_out(seq)
 
     def swap_in(self, seq: Sequence) -> None:
         """Bring a swapped-out sequence's pages back into fresh device blocks (check can_allocate first)."""
-        for cpu in seq.cpu_block_table:
-            block = NO_BLOCK if cpu == NO_BLOCK else self._take()
-            if cpu != NO_BLOCK:
-                self.pending_swap_in.append((cpu, block))
-            seq.block_table.append(block)
-        self._cpu_releasing += _held(seq.cpu_block_table)
+        back = self.swap_space.copy_in
+        seq.block_table = [NO_BLOCK if cpu == NO_BLOCK else back(cpu, self.pool.take()) for cpu in seq.cpu_block_table]
         seq.cpu_block_table = []
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(swap-outs, swap-ins) queued since the last call."""
-        swaps = self.pending_swap_out, self.pending_swap_in
-        self.pending_swap_out, self.pending_swap_in = [], []
-        self._cpu_free.extend(self._cpu_releasing)
-        self._cpu_releasing = []
-        return swaps
+        return self.swap_space.take_copies()
 
     def release_out_of_window(self, seq: Sequence) -> None:
         """With every layer windowed: release `seq`'s pages that hold no key its next token's
@@ -293,7 +220,7 @@ class BlockManager:
         for index in range(min(first_needed, len(table)) - 1, -1, -1):  # back to the last page released
             if table[index] == NO_BLOCK:
                 break
-            self._unref(table[index])
+            self.pool.unref(table[index])
             table[index] = NO_BLOCK
 
     def trim(self, seq: Sequence) -> None:
@@ -301,16 +228,8 @@ class BlockManager:
         verification rejected (fresh pages, never shared or cached)."""
         keep = blocks_needed(seq.num_computed_tokens, self.block_size)
         for block in reversed(_held(seq.block_table[keep:])):
-            self._unref(block)
+            self.pool.unref(block)
         del seq.block_table[keep:]
-
-    def _unref(self, block: int) -> None:
-        if self.ref_counts[block] <= 0:  # an engine bug: raised, not asserted (python -O keeps it)
-            raise RuntimeError(f"double free of block {block}")
-        self.ref_counts[block] -= 1
-        self._num_shared -= self.ref_counts[block] == 1
-        if self.ref_counts[block] == 0 and not self.prefix_cache.release(block):
-            self._fresh.append(block)
 
     # ---- prefix cache -----------------------------------------------------------------------
 
@@ -325,8 +244,7 @@ class BlockManager:
             block = self.prefix_cache.take(key)  # revived if it was evictable
             if block is None:
                 break
-            self.ref_counts[block] += 1
-            self._num_shared += self.ref_counts[block] == 2
+            self.pool.ref(block)
             seq.block_table.append(block)
             seq.block_keys.append(key)
         if self.num_state_slots:  # a hybrid resumes only where its DeltaNet state was snapshotted
@@ -350,7 +268,7 @@ class BlockManager:
         if matched > keep and self.snapshots is not None and self.snapshots.being_written(seq.block_keys[keep:]):
             seq.snapshot_junction = -1
         for block in reversed(seq.block_table[keep:]):
-            self._unref(block)
+            self.pool.unref(block)
         del seq.block_table[keep:], seq.block_keys[keep:]
 
     def count_lookup(self, seq: Sequence, hit: int) -> None:
@@ -378,6 +296,6 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (evictable ones become fresh); blocks in use stay allocated."""
-        self._fresh.extend(self.prefix_cache.reset())
+        self.pool.reset_prefix_cache()
         if self.snapshots is not None:
             self.snapshots.reset()

@@ -1,6 +1,6 @@
 """Structured outputs on the real model (SmolLM2-135M-Instruct, greedy, sdpa, CPU fp32): a JSON
 schema and choices, each under the chat template. Run from the repository root:
-    python reports/cpu/smollm2/structured/demo.py > reports/cpu/smollm2/structured/outputs.jsonl
+    python scripts/structured_outputs_demo.py > reports/cpu/smollm2/structured/outputs.jsonl
 """
 
 import json

@@ -1,5 +1,6 @@
 #!/bin/bash
-# README's first command under each thread setting, idle and with one core busy (yes > /dev/null)
+# README's first command under each thread setting, idle and with one core busy (yes > /dev/null),
+# two runs each: reports/cpu/threads/threads_bench.log. Usage: scripts/threads_bench.sh > threads_bench.log
 cd /tmp
 measure() {  # label, env...
   local label=$1; shift
