@@ -21,7 +21,6 @@ succeed as an empty namespace package: probes look for attributes, and catch eve
 
 import functools
 import inspect
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -29,6 +28,8 @@ from typing import Any
 
 import torch
 from pagedbench.backends.base import import_or_reason, one_line
+
+from pagedbench import envs
 
 PROVIDER_ENV = "PAGEDBENCH_FLASH_PROVIDER"
 PROVIDER_ORDER = ("fa3", "fa4", "fa2", "torch")
@@ -129,12 +130,8 @@ def probe(kind: str) -> Provider | str:
 
 def candidate_kinds() -> tuple[str, ...]:
     """PROVIDER_ORDER, or the one provider PAGEDBENCH_FLASH_PROVIDER forces."""
-    forced = os.environ.get(PROVIDER_ENV, "").strip().lower()
-    if not forced:
-        return PROVIDER_ORDER
-    if forced not in PROVIDER_ORDER:
-        raise ValueError(f"{PROVIDER_ENV}={forced!r} is not one of {', '.join(PROVIDER_ORDER)}")
-    return (forced,)
+    forced = envs.get(PROVIDER_ENV)
+    return (forced,) if forced else PROVIDER_ORDER
 
 
 def _head_dim_reason(head_dim: int, low: int, high: int, also: tuple[int, ...] = ()) -> str | None:

