@@ -3,9 +3,13 @@ flags and validation all come from its fields."""
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
+import pagedbench.config
 from pagedbench import LLM, EngineConfig
 from pagedbench.entrypoints.cli.main import build_parser
 
@@ -39,3 +43,62 @@ def test_every_field_is_a_flag_with_its_type_and_choices():
 def test_llm_refuses_bad_settings_naming_them(kwargs, error, message):
     with pytest.raises(error, match=message):
         LLM("tiny-llama", device="cpu", **kwargs)
+
+
+# A setting defined once (one line in config.py's EngineConfig), then everything derived from it.
+ONE_NEW_SETTING = r"""
+import pathlib, sys, types
+import pandas as pd
+source = pathlib.Path(sys.argv[1]).read_text()
+anchor = "    def validate(self) -> None:"
+line = '    my_new_setting: int = setting(7, "a setting added in one place", minimum=0)\n\n'
+module = types.ModuleType("pagedbench.config")
+module.__file__ = sys.argv[1]
+sys.modules["pagedbench.config"] = module
+exec(compile(source.replace(anchor, line + anchor, 1), sys.argv[1], "exec"), module.__dict__)
+
+from pagedbench import LLM
+from pagedbench.bench.scenario import parse_scenario
+from pagedbench.entrypoints.cli.main import build_parser, main
+
+llm = LLM("tiny-llama", my_new_setting=3, num_blocks=8)
+assert llm.llm_engine.config.my_new_setting == 3
+parser = build_parser()
+for command in (["run"], ["compare"], ["serve", "tiny-llama"], ["profile"]):
+    args = parser.parse_args([*command, "--my-new-setting", "5"])
+    assert args.my_new_setting == 5, command
+base = {"description": "d", "num_prompts": 2, "input_len": 8, "output_len": 2, "kv_tokens": 256}
+mine = parse_scenario(base | {"engine": {"model": "tiny-llama", "my_new_setting": 3}}, "mine")
+assert mine.engine.my_new_setting == 3
+assert mine.content_hash() != parse_scenario(base | {"engine": {"model": "tiny-llama"}}, "mine").content_hash()
+try:
+    parse_scenario(base | {"engine": {"my_new_setting": -1}}, "bad")
+    raise AssertionError("a bad value passed")
+except ValueError as e:
+    assert str(e) == "scenario 'bad': my_new_setting must be >= 0, got -1", e
+out = sys.argv[2]
+argv = ["run", "--num-prompts", "2", "--output-len", "2", "--my-new-setting", "4", "--out", out, "--no-warmup"]
+assert main(argv) == 0
+row = pd.read_csv(next(pathlib.Path(out).glob("run-synthetic*.csv"))).iloc[0]
+assert row["my_new_setting"] == 4, row
+print("one setting, four places: ok")
+"""
+
+
+@pytest.mark.slow
+def test_a_setting_added_once_reaches_llm_flags_scenarios_and_reports(tmp_path):
+    """Adds one field to EngineConfig's source (in a fresh interpreter) and finds it in LLM(), in
+    run/compare/serve/profile's flags, in a scenario's [engine] table (validated, hashed) and as a
+    report column of a real run."""
+    script = tmp_path / "one_setting.py"
+    script.write_text(ONE_NEW_SETTING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), pagedbench.config.__file__, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "one setting, four places: ok" in done.stdout

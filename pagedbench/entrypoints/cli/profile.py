@@ -1,12 +1,12 @@
 """`pagedbench profile`: what one steady decode step launches, per backend and batch size: kernels
 (CUDA) or operations (CPU) per step and per layer outside attention, device time, top kernels."""
 
-import argparse
 import json
 from pathlib import Path
 
 import pandas as pd
 
+from pagedbench.config import EngineConfig
 from pagedbench.entrypoints.cli.common import add_threads_flag, backend_names, positive_ints, prepare_out_dir
 
 
@@ -15,7 +15,6 @@ def cmd_profile(args) -> None:
     from pagedbench.bench.environment import device_name, git_sha
     from pagedbench.bench.report_tables import markdown
     from pagedbench.bench.step_profile import profile_decode
-    from pagedbench.config import EngineConfig
     from pagedbench.device.dtypes import resolve_device_dtype
     from pagedbench.engine.data_parallel import make_engine
 
@@ -25,20 +24,16 @@ def cmd_profile(args) -> None:
     batches = positive_ints(args.batch_sizes or ("64,256" if cuda else "16"), "--batch-sizes")
     context = args.context or (1024 if cuda else 128)
     rows, tops = [], {}
+    sized = {  # what the profiled steps need, unless a flag says otherwise
+        "model": model,
+        "max_num_seqs": max(batches),
+        "max_num_batched_tokens": max(2048, context),
+        "max_model_len": context + args.steps + args.warmup + 64,
+        "enable_prefix_caching": False,
+    }
     for backend in backend_names(args.backends or "sdpa"):
-        config = EngineConfig(
-            model=model,
-            backend=backend,
-            device=args.device,
-            dtype=args.dtype,
-            max_num_seqs=max(batches),
-            max_num_batched_tokens=max(2048, context),
-            max_model_len=context + args.steps + args.warmup + 64,
-            num_blocks=args.num_blocks,
-            enforce_eager=args.enforce_eager,
-            compile=args.compile,
-            enable_prefix_caching=False,
-        )
+        config = EngineConfig(**sized | EngineConfig.given_cli_args(args) | {"backend": backend})
+        config.validate()
         engine = make_engine(config)
         try:
             primary, cfg = engine.executor.backend.primary, engine.model_config
@@ -95,23 +90,17 @@ def register(sub) -> None:
         "profile",
         help="kernels (CUDA) or operations (CPU) one steady decode step launches, device time, top kernels",
     )
-    p.add_argument("--model", default=None, help="default: qwen3-0.6b on cuda, tiny-llama on cpu")
     p.add_argument("--backends", default=None, help="comma-separated (default: sdpa)")
     p.add_argument("--batch-sizes", default=None, help="decoding sequences (default: 64,256 on cuda, 16 on cpu)")
     p.add_argument("--context", type=int, default=None, help="prompt tokens per sequence (default: 1024 cuda, 128 cpu)")
     p.add_argument("--steps", type=int, default=3, help="profiled decode steps")
     p.add_argument("--warmup", type=int, default=2, help="decode steps before the profiled ones")
     p.add_argument("--top", type=int, default=15, help="kernels listed per profile")
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs and no compiled model")
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the model's layers compiled (default: on for CUDA, off on CPU)",
-    )
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
     p.add_argument("--out", default=None, help="directory for profile.csv / profile.md (default: print only)")
     add_threads_flag(p)
+    engine = p.add_argument_group(
+        "engine settings (unset: profile's, model qwen3-0.6b on cuda and tiny-llama on cpu, sized to the batches, "
+        "no prefix caching; else EngineConfig's)"
+    )
+    EngineConfig.add_cli_args(engine, skip=("backend",), unset="profile's")
     p.set_defaults(func=cmd_profile)
