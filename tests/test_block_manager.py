@@ -141,7 +141,7 @@ def run_workload(workload) -> Counter:
             break
         out = sched.schedule()
         operations += len(out.seqs) + out.num_preempted
-        assert out.total_tokens <= budget and len(sched.running) <= max_seqs
+        assert sum(out.num_tokens) <= budget and len(sched.running) <= max_seqs
         assert len({id(s) for s in out.seqs}) == len(out.seqs), "a sequence scheduled twice"
         assert all(s.status is SequenceStatus.RUNNING for s in out.seqs)
         ones = [n == 1 for n in out.num_tokens]
@@ -159,7 +159,7 @@ def run_workload(workload) -> Counter:
         verifies += sum(accepted.get(id(s), 0) < n - 1 for s, n in zip(out.seqs, out.num_tokens) if id(s) in accepted)
         kv.run_step(bm, out)
         out.num_tokens = [1 + accepted[id(s)] if id(s) in accepted else n for s, n in zip(out.seqs, out.num_tokens)]
-        sched.computed(out)  # registers newly full blocks in the prefix cache
+        sched.step_update.computed(out)  # registers newly full blocks in the prefix cache
         for s in list(out.seqs):
             if id(s) in accepted:
                 bm.trim(s)
@@ -177,7 +177,7 @@ def run_workload(workload) -> Counter:
             if s.num_computed_tokens == s.num_tokens:  # the prompt is done: a token is sampled
                 samples = [s]
                 if not s.forked:  # the first token: fork into the request's samples (shared pages)
-                    samples += [sched.fork(s, index) for index in range(1, s.params.width)]
+                    samples += [sched.step_update.fork(s, index) for index in range(1, s.params.width)]
                     live += samples[1:]
                     operations += len(samples) - 1
                 for sample in samples:

@@ -69,7 +69,7 @@ def test_a_lane_schedules_and_preempts_only_its_own_sequences():
     for lane, seq in ((0, newer), (1, older)):
         out = scheduler.schedule(lane)
         assert out.seqs == [seq]  # its prompt: 2 pages of the 4
-        scheduler.computed(out)
+        scheduler.step_update.computed(out)
         seq.token_ids.append(7)  # its first output token: the next step needs a third page
     out = scheduler.schedule(1)  # no page is free: the older sequence must make room
     assert out.empty and out.num_preempted == 1

@@ -100,7 +100,7 @@ def run_prefill(sched, seq):
     sched.add(seq)
     out = sched.schedule()
     assert out.seqs == [seq]
-    sched.computed(out)
+    sched.step_update.computed(out)
 
 
 def test_lru_eviction_takes_the_least_recently_freed_first_and_hits_are_verified_by_tokens():

@@ -12,8 +12,8 @@ Under pipeline parallelism each request runs in one lane, and a step schedules o
 sequences (`schedule(lane)`): the other lanes' steps may be in flight, so their sequences are
 neither scheduled nor preempted; pages and max_num_seqs are shared by every lane.
 
-After the step, `update_from_output` (step_update.py, mixed in) applies what the model and the
-sampler produced: computed tokens, appended tokens, rollback, stops, forks."""
+After the step, `update_from_output` applies what the model and the sampler produced (computed
+tokens, appended tokens, rollback, stops, forks) through the scheduler's StepUpdate (step_update.py)."""
 
 import sys
 from collections import deque
@@ -25,16 +25,16 @@ from pagedbench.engine.queue_order import QueueOrder
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.sequence import Sequence, SequenceStatus
 from pagedbench.engine.stats import EngineStats
-from pagedbench.engine.step_update import SchedulerOutput, StepUpdate
+from pagedbench.engine.step_update import ModelRunnerOutput, RequestProgress, SchedulerOutput, StepUpdate
 from pagedbench.model.config import ModelConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-class Scheduler(StepUpdate):
+class Scheduler:
     """Owns the waiting, running and swapped queues; the engine calls its methods, never edits them.
-    `requests` (the engine's, by id), `outputs` (text and logprob entries), `stats`, `model_config`
-    (its EOS ids, read at each stop check) and `max_model_len` serve update_from_output."""
+    `requests` (the engine's, by id), `outputs`, `stats`, `model_config` and `max_model_len` are its
+    StepUpdate's, for update_from_output."""
 
     def __init__(
         self,
@@ -65,10 +65,7 @@ class Scheduler(StepUpdate):
         # pages are allocated with it); None without speculation.
         self.lookahead: Callable[[Sequence], int] | None = None
         self.lane: int | None = None  # the lane being scheduled (None: every sequence)
-        self.requests = {} if requests is None else requests
-        self.outputs = OutputProcessor(None) if outputs is None else outputs
-        self.stats = EngineStats() if stats is None else stats
-        self.model_config, self.max_model_len = model_config, max_model_len
+        self.step_update = StepUpdate(self, requests, outputs, stats, model_config, max_model_len)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -240,6 +237,21 @@ class Scheduler(StepUpdate):
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestProgress]:
+        """Apply step `sched`'s output (StepUpdate.apply); returns the requests that got tokens."""
+        return self.step_update.apply(sched, out)
+
+    def abandon(self, out: SchedulerOutput) -> None:
+        """A step that raised (an interrupt, out of memory, a worker) left K/V unwritten: forget
+        every cached prefix (pages registered for this step among them) and send the step's
+        sequences back to recompute, so nothing later reads what was never written."""
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.take_copies()  # moves planned for the abandoned step, if not yet taken
+        self.block_manager.take_swaps()
+        for seq in out.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.preempt(seq, swap=False)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Stop `seq` for good (stop, length, abort), wherever it is queued, and free its blocks."""

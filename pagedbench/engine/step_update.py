@@ -7,18 +7,26 @@ samples fork at its first token) are appended with their logprobs and checked fo
 sequence finishes and frees its pages); beams report their candidates, and a request whose beams
 have all reported forks, continues and prunes them. It returns each request that progressed.
 
-The Scheduler mixes StepUpdate in (scheduler.py): it reads the Scheduler's queues and block manager,
-calls its finish and preempt, and uses what the Scheduler was given for it: `requests`, `outputs`
-(text and logprob entries), `stats`, `model_config` (EOS ids) and `max_model_len`."""
+The Scheduler owns a StepUpdate and calls it from its update_from_output (scheduler.py). StepUpdate
+uses the scheduler through `SchedulerQueues` (its block manager, the queues a fork joins, finish)
+and what the Scheduler was given for it: `requests`, `outputs` (text and logprob entries), `stats`,
+`model_config` (EOS ids) and `max_model_len`."""
 
+import sys
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from pagedbench.engine.block_manager import BlockManager
+from pagedbench.engine.output_processor import OutputProcessor
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.sequence import Sequence, SequenceStatus
+from pagedbench.engine.stats import EngineStats
 from pagedbench.engine.stopping import stop_check
 from pagedbench.engine.structured_outputs import advance
+from pagedbench.model.config import ModelConfig
 from pagedbench.sample.sampler import SamplerOutput
 
 
@@ -30,10 +38,6 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
 
     @property
     def empty(self) -> bool:
@@ -100,11 +104,35 @@ def logprob_row(host: SamplerOutput, row: int, k: int) -> SamplerOutput:
     )
 
 
-class StepUpdate:
-    """The Scheduler's post-step methods: update_from_output, and the forks, computed tokens and
-    abandoned steps it and the engine use."""
+class SchedulerQueues(Protocol):
+    """The scheduler as StepUpdate uses it: its block manager, the queues a fork joins, and finish."""
 
-    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestProgress]:
+    block_manager: BlockManager
+    running: list[Sequence]
+    waiting: deque[Sequence]
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None: ...
+
+
+class StepUpdate:
+    """A step's output applied to its sequences (apply), and the forks and computed tokens it makes."""
+
+    def __init__(
+        self,
+        scheduler: SchedulerQueues,
+        requests: dict[str, SequenceGroup] | None = None,
+        outputs: OutputProcessor | None = None,
+        stats: EngineStats | None = None,
+        model_config: ModelConfig | None = None,
+        max_model_len: int = sys.maxsize,
+    ):
+        self.scheduler = scheduler
+        self.requests = {} if requests is None else requests  # the engine's, by id
+        self.outputs = OutputProcessor(None) if outputs is None else outputs
+        self.stats = EngineStats() if stats is None else stats
+        self.model_config, self.max_model_len = model_config, max_model_len  # its EOS ids, read at each stop check
+
+    def apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestProgress]:
         """Apply step `sched`'s output `out` to its sequences (see the module's docstring); returns the
         requests that got tokens, in the order their outputs go out."""
         for seq, n in zip(sched.seqs, sched.num_tokens):
@@ -118,7 +146,7 @@ class StepUpdate:
             self.stats.spec.record(s.num_proposed, len(s.tokens) - 1)
             s.seq.spec_token_ids = []
             if not s.seq.finished:
-                self.block_manager.trim(s.seq)
+                self.scheduler.block_manager.trim(s.seq)
                 s.seq.draft_computed = min(s.seq.draft_computed, s.seq.num_computed_tokens)
         progressed: dict[int, tuple[SequenceGroup, int]] = {}
         for s in verified:
@@ -141,37 +169,27 @@ class StepUpdate:
     def fork(self, parent: Sequence, index: int, into: Sequence | None = None) -> Sequence:
         """A new sequence sharing `parent`'s tokens and pages, queued beside it (`into`: a sample
         that drew its first token from `parent`'s row before the step's bookkeeping, see Sequence.fork)."""
-        child = parent.fork(index, into)
+        child, queues = parent.fork(index, into), self.scheduler
         if parent.status is SequenceStatus.SWAPPED:  # its pages are in swap space: the child recomputes
             child.status, child.num_computed_tokens, child.block_keys = SequenceStatus.WAITING, 0, []
             child.draft_computed = 0
-            self.waiting.appendleft(child)
+            queues.waiting.appendleft(child)
             return child
-        self.block_manager.fork(parent, child)
+        queues.block_manager.fork(parent, child)
         if parent.status is SequenceStatus.RUNNING:
-            self.running.append(child)
+            queues.running.append(child)
         elif parent.status is SequenceStatus.WAITING:
-            self.waiting.insert(self.waiting.index(parent) + 1, child)
+            queues.waiting.insert(queues.waiting.index(parent) + 1, child)
         return child
 
     def computed(self, out: SchedulerOutput, rejected: dict[int, int] | None = None) -> None:
         """The scheduled tokens of `out` went through the model: their K/V are in the cache (but for
         `rejected[id(seq)]` proposals of a verifying sequence), and full pages join the prefix cache."""
+        bm = self.scheduler.block_manager
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n - (rejected.get(id(seq), 0) if rejected else 0)
-            self.block_manager.cache_computed_blocks(seq)
-            self.block_manager.release_out_of_window(seq)
-
-    def abandon(self, out: SchedulerOutput) -> None:
-        """A step that raised (an interrupt, out of memory, a worker) left K/V unwritten: forget
-        every cached prefix (pages registered for this step among them) and send the step's
-        sequences back to recompute, so nothing later reads what was never written."""
-        self.block_manager.reset_prefix_cache()
-        self.block_manager.take_copies()  # moves planned for the abandoned step, if not yet taken
-        self.block_manager.take_swaps()
-        for seq in out.seqs:
-            if seq.status is SequenceStatus.RUNNING:
-                self.preempt(seq, swap=False)
+            bm.cache_computed_blocks(seq)
+            bm.release_out_of_window(seq)
 
     def _append(self, s: Sampled) -> int:
         """Append `s`'s tokens (and their logprobs) until one stops its sequence; returns how many."""
@@ -196,7 +214,7 @@ class StepUpdate:
         if stop is None and grammar_ended:  # the constrained output is complete: nothing may follow
             stop = ("stop", None)
         if stop is not None:
-            self.finish(seq, *stop)
+            self.scheduler.finish(seq, *stop)
             self.outputs.flush_text(seq)
 
     def _continue_beams(self, candidates: list[BeamCandidates]) -> list[SequenceGroup]:
@@ -227,7 +245,7 @@ class StepUpdate:
         group.note_cached_tokens()
         for seq in group.seqs:
             if id(seq) not in kept:
-                self.finish(seq, "pruned")
+                self.scheduler.finish(seq, "pruned")
         for rank, (seq, c) in enumerate(zip(beams, chosen)):
             seq.token_ids.append(c.token)
             seq.cumulative_logprob = c.cum_logprob
