@@ -109,6 +109,26 @@ def replica_config(config: EngineConfig, index: int) -> tuple[EngineConfig, dict
     }
 
 
+def _start_replica(ctx, index: int, config: EngineConfig, logits_processors, model: ResolvedModel, threads: int):
+    """Replica `index`'s started process and the front's end of its pipe. Not a daemon: a replica
+    may start its own parallel workers."""
+    replica, env = replica_config(config, index)
+    parent, child = ctx.Pipe()
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # a spawned child reads the environment as it starts
+    try:
+        args = (index, replica, logits_processors, model, threads, child)
+        proc = start_child(ctx, _replica_main, args, f"pagedbench-dp{index}", daemon=False, env=env)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+    child.close()
+    return parent, proc
+
+
 def _shutdown_at_exit(front: "weakref.ref[DataParallelEngine]") -> None:
     if (engine := front()) is not None:
         engine.shutdown()
@@ -144,21 +164,8 @@ class DataParallelEngine:
         threads = max(1, torch.get_num_threads() // self.size) if self.device.type == "cpu" else 0
         try:
             for index in range(self.size):
-                replica, env = replica_config(config, index)
-                parent, child = ctx.Pipe()
-                saved = {name: os.environ.get(name) for name in env}
-                os.environ.update(env)  # a spawned child reads the environment as it starts
-                try:  # not a daemon: a replica may start its own parallel workers
-                    args = (index, replica, logits_processors, model, threads, child)
-                    proc = start_child(ctx, _replica_main, args, f"pagedbench-dp{index}", daemon=False, env=env)
-                finally:
-                    for name, value in saved.items():
-                        if value is None:
-                            os.environ.pop(name)
-                        else:
-                            os.environ[name] = value
-                child.close()
-                self.conns.append(parent)
+                conn, proc = _start_replica(ctx, index, config, logits_processors, model, threads)
+                self.conns.append(conn)
                 self.procs.append(proc)
             # Before multiprocessing's own exit hook, which would wait for the replicas to end.
             atexit.register(_shutdown_at_exit, weakref.ref(self))
