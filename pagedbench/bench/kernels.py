@@ -4,8 +4,8 @@ context x batch (KernelGrid). Variant gdn times a hybrid model's DeltaNet layer 
 variant's rows carry its indexer's time (kernels_non_attention.py).
 
 Two yardsticks in every attention row: the device's measured copy bandwidth (what a kernel that only
-streams K/V could reach) and a dense row — the same attention by SDPA over contiguous, unpaged K/V —
-so each backend's cost of paging is a column (`vs_dense`)."""
+streams K/V could reach) and, for plain attention, a dense row — the same attention by SDPA over
+contiguous, unpaged K/V — so each backend's cost of paging is a column (`vs_dense`)."""
 
 import itertools
 import statistics
