@@ -7,6 +7,8 @@ needs. `compile_stats` counts graphs. `compile=False` or PAGEDBENCH_FLEX_COMPILE
 (it materializes all scores). PAGEDBENCH_FLEX_KERNEL=flash runs the prefill call on FlexAttention's
 FA4-based kernels (CUDA, with flash-attn-4 installed, a torch whose flex has BACKEND='FLASH')
 instead of Triton; decodes stay on flex's Triton decoding kernel (FLASH wants K/V batch == query batch).
+`kernels_unavailable_reason` says why the chosen kernels cannot run somewhere; `kernel_options` and
+`triton_options` give each call its tiles.
 """
 
 import logging
@@ -23,6 +25,8 @@ logger = logging.getLogger(__name__)
 # the provider says so; torch's warning about it would repeat that on every run.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
 
+# KV blocks under 16 slots miscompute on CPU (torch 2.13's micro-GEMM N tail) and are below Triton's least tile.
+MIN_KV_BLOCK = 16
 compile_stats = {"graphs": 0}  # graphs compiled by this process (each one is a recompile of `attend`)
 _announced: set[str] = set()  # call kinds whose first compile this process has announced
 
@@ -59,6 +63,27 @@ def flash_kernel_reason(device: torch.device) -> str | None:
     return None if found else "flash_attn.cute (FA4) is not installed (pip install 'pagedbench[fa4]')"
 
 
+def kernels_unavailable_reason(device: torch.device, block_size: int) -> str | None:
+    """Why the kernels PAGEDBENCH_FLEX_KERNEL and PAGEDBENCH_FLEX_COMPILE choose cannot run on `device`
+    over pages of `block_size`, or None."""
+    try:
+        kernel = kernel_choice()
+    except ValueError as e:
+        return str(e)
+    if kernel == "flash":
+        reason = flash_kernel_reason(device)
+        if not reason and block_size < MIN_KV_BLOCK:
+            reason = f"pages of {block_size} share KV blocks, leaving no full blocks, which FLASH needs"
+        if reason:
+            return f"PAGEDBENCH_FLEX_KERNEL=flash: {reason}"
+    if device.type == "cpu" and compile_enabled():
+        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+
+        if not check_cpu_supported():
+            return "compiled flex on CPU needs x86 with AVX2 (PAGEDBENCH_FLEX_COMPILE=0 runs it eager)"
+    return None
+
+
 HOPPER_SHARED_MEMORY = 232448  # bytes a thread block may opt into on an H100/H200 (227 KiB)
 WIDE_HEAD_DIM = 256  # wider heads (MLA's 576) also narrow the decoding kernel's tiles
 
@@ -90,18 +115,27 @@ def shared_memory_bytes(device: torch.device) -> int:
         return HOPPER_SHARED_MEMORY
 
 
+def triton_options(
+    device: torch.device, q_block_size: int, kv_block_size: int, head_dim: int, dtype: torch.dtype
+) -> dict | None:
+    """flex's Triton prefill template with the widest tiles that fit; None on CPU (the template's own)."""
+    if device.type != "cuda":
+        return None
+    tiles = prefill_tiles(q_block_size, kv_block_size, head_dim, dtype.itemsize, shared_memory_bytes(device))
+    return {"BACKEND": "TRITON"} | tiles
+
+
 def kernel_options(
     device: torch.device, q_block_size: int, kv_block_size: int, head_dim: int, dtype: torch.dtype
 ) -> dict[str, dict]:
     """flex's kernel_options per call kind ("decode", "prefill"); None on CPU."""
     if device.type != "cuda":
         return {"decode": None, "prefill": None}
-    tiles = prefill_tiles(q_block_size, kv_block_size, head_dim, dtype.itemsize, shared_memory_bytes(device))
-    triton_prefill = {"BACKEND": "TRITON"} | tiles
+    triton_prefill = triton_options(device, q_block_size, kv_block_size, head_dim, dtype)
     if head_dim > WIDE_HEAD_DIM:
         # The decoding kernel's query tile would hold a KV head's whole query group (MLA: 16-128 rows of
         # 1024 padded dims): 16 rows, the prefill's K tile, one stage.
-        decode = {"BLOCK_M": 16, "BLOCK_N": tiles["BLOCK_N"], "num_stages": 1}
+        decode = {"BLOCK_M": 16, "BLOCK_N": triton_prefill["BLOCK_N"], "num_stages": 1}
         return {"decode": decode, "prefill": triton_prefill}
     # FlexAttention's FA4 kernels (BACKEND=FLASH) take only the prefill call: they need K/V batch ==
     # query batch, and the decode call broadcasts a batch-1 cache to B query rows.

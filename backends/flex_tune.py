@@ -10,6 +10,7 @@ compiles, counted as compile time, within PAGEDBENCH_FLEX_TUNE_SECONDS (45). The
 in a JSON file (PAGEDBENCH_CACHE_DIR, else ~/.cache/pagedbench) so later processes only look it
 up. PAGEDBENCH_FLEX_TUNE=0 turns the search off (the template's defaults and our BLOCK_N cap run);
 the provider string says which, the kernels report's `kernel_options` column names the options.
+`DecodeTuner` keeps a backend's options per static batch.
 """
 
 import json
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pagedbench.backends.flex_compile import attend_compiled, attend_compiling
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +150,47 @@ def tuned_decode_options(
                 count, describe(best))  # fmt: skip
     cache.put(shape, best)
     return best, spent
+
+
+class DecodeTuner:
+    """A backend's decode options per static batch: searched on the batch's first call, on its own inputs,
+    never inside a CUDA-graph capture (the engine's warm-up before capture has run the search)."""
+
+    def __init__(self, device: torch.device, num_heads, num_kv_heads, head_dim, page_size, dtype, kv_block: int):
+        self.device, self.kv_block = device, kv_block
+        self.shape = (num_heads, num_kv_heads, head_dim, page_size, str(dtype).removeprefix("torch."))
+        self.chosen: dict[int, dict] = {}
+
+    def options(
+        self, batch: int, base: dict, call_with: Callable[[dict], tuple], recompile_limit: int
+    ) -> tuple[dict, float]:
+        """(the options of `batch`, seconds spent searching them); `call_with(options)`: the call's `attend` args."""
+        found = self.chosen.get(batch)
+        if found is not None:
+            return found, 0.0
+        if torch.cuda.is_current_stream_capturing():
+            return base, 0.0
+        name, sms = current_gpu(self.device)
+        shape = DecodeShape(name, torch.__version__, *self.shape, batch)
+
+        def seconds(options: dict) -> float:
+            args = call_with(options)
+            try:
+                attend_compiling("decode", args, recompile_limit)
+            except Exception as e:  # a candidate the template cannot build (shared memory, tile)
+                logger.debug("flex: decode candidate %s failed: %s", options, e)
+                return float("inf")
+            return cuda_seconds(lambda: attend_compiled(*args))
+
+        found, spent = tuned_decode_options(shape, base, self.kv_block, sms, seconds, DecodeOptionsCache())
+        self.chosen[batch] = found
+        return found, spent
+
+    def used(self, base: dict | None) -> str:
+        """The options each batch searched so far ran with ("batch 64: stages 3, ..."), else `base`'s."""
+        if not self.chosen:
+            return describe(base)
+        return "; ".join(f"batch {b}: {describe(o)}" for b, o in sorted(self.chosen.items()))
 
 
 def describe(options: dict | None) -> str:
