@@ -1,6 +1,6 @@
 """Host side of a flex step: the query rows of each flex call and, per BlockMask row, the span
 of logical pages it lists (its sequence, first page, first full page, full and masked counts), as
-numpy index arrays that prepare() copies to the device in one go. Everything here is O(rows and
+numpy index arrays that `device_arrays` copies to the device in one go. Everything here is O(rows and
 tokens), never O(pages): the device expands the spans over the block table (flex_masks.py).
 
 Two call kinds. `decode`: one BlockMask row per sequence with at most MAX_DECODE_QUERY new tokens,
@@ -13,6 +13,8 @@ from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
+
+from pagedbench.device.transfer import to_device
 
 MAX_DECODE_QUERY = 8  # sequences with at most this many new tokens take the per-sequence decode call
 
@@ -177,3 +179,11 @@ def _call_arrays(
 ) -> CallArrays[np.ndarray]:
     """`real`: [batch * q_len] bool, whether each query row is a real token."""
     return CallArrays(token, np.flatnonzero(real), token[real], mask_seq, mask_pos, *spans)
+
+
+def device_arrays(plans: list[CallPlan], device: torch.device) -> list[CallArrays[torch.Tensor]]:
+    """Every call's index arrays in one host-to-device copy, as views of it."""
+    host = [a for plan in plans for a in plan.host]
+    flat = to_device(np.concatenate(host), device).split([len(a) for a in host])
+    n = len(CallArrays._fields)
+    return [CallArrays(*flat[i * n : (i + 1) * n]) for i in range(len(plans))]

@@ -17,18 +17,33 @@
   (no sequence longer than the top-k) and the step has 8 query tokens or more (`sparse_path`): there
   it lists exactly dense attention's pages and copies nothing.
 
-The tile efficiency of either is the selected share of the listed blocks' slots.
+The tile efficiency of either is the selected share of the listed blocks' slots. `SparseCalls` holds a
+backend's layout of both (query rows, masks, kernel options) and runs a step's call through the backend's flex.
 """
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
+from pagedbench.backends.base import read_selected
+from pagedbench.backends.flex_compile import triton_options
 from torch.nn.attention.flex_attention import BlockMask
 
 WORD_BITS = 32
 SPARSE_PATHS = ("auto", "gather", "pages")
 PAGES_MIN_TOKENS = 8  # query tokens from which a step whose sequences fit the top-k takes the page BlockMask
+SPARSE_Q_ROWS = 16  # least query rows per BlockMask block (a block lists its tokens' picks)
+GATHER_Q_ROWS = 64  # most query rows per block of a gathered call (MLA-128's decode: two blocks, two cores)
+GATHER_KV_BLOCK = 64  # gathered keys per KV block (the top-k rounded up to a multiple)
+SPARSE_PROVIDER = {
+    "auto": "top-k gathered (page BlockMask where every sequence fits the top-k, 8+ query tokens)",
+    "gather": "top-k gathered (PAGEDBENCH_FLEX_SPARSE=gather)",
+    "pages": "top-k page BlockMask (PAGEDBENCH_FLEX_SPARSE=pages)",
+}
+Attend = Callable[..., torch.Tensor]  # the backend's flex over (q, k, v, block_mask, kernel_options, sinks)
+Share = Callable[[], float]  # a call's tile efficiency (it syncs: diagnostics only)
 
 
 def forced_sparse_path() -> str:
@@ -195,3 +210,63 @@ def selected_share(selected: torch.Tensor, mask: BlockMask, tokens_per_block: in
     tokens = torch.full_like(listed, tokens_per_block)
     tokens[-1] = num_tokens - tokens_per_block * (len(listed) - 1)
     return int((selected >= 0).sum()) / max(1, int((listed * tokens).sum()) * kv_block)
+
+
+class SparseCalls:
+    """A backend's sparse calls, either way: their query rows, BlockMasks and kernel options (CPU: the
+    template's own; CUDA: tiles that fit). Each way returns the step's output and its tile efficiency."""
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, kv_block_size, device, dtype, full_blocks: bool):
+        group = num_heads // num_kv_heads
+        self.group, self.num_kv_heads, self.kv_block_size = group, num_kv_heads, kv_block_size
+        # Pages: a KV head's query heads packed as rows (a power-of-two group; else a row per head), query
+        # blocks of whole tokens and at least 16 rows (a block's tokens share its listed KV blocks).
+        self.page_rows = group if group & (group - 1) == 0 else 1
+        self.page_tokens = max(1, SPARSE_Q_ROWS // self.page_rows)
+        self.page_options = triton_options(device, self.page_rows * self.page_tokens, kv_block_size, head_dim, dtype)
+        # Gathered: a token's G query rows (padded to a power of two) in blocks of up to 64 (two blocks of
+        # MLA-128's 128 rows keep two CPU cores busy on one decode), its gathered keys in blocks of 64.
+        self.gather_rows = 1 << (group - 1).bit_length()
+        q_block = min(GATHER_Q_ROWS, max(SPARSE_Q_ROWS, self.gather_rows))
+        self.gathered_masks = GatheredMasks(self.gather_rows, q_block, GATHER_KV_BLOCK, device, full_blocks)
+        self.gather_options = triton_options(device, q_block, GATHER_KV_BLOCK, head_dim, dtype)
+
+    def pages(self, q, k, v, selected, sinks, attend: Attend) -> tuple[torch.Tensor, Share]:
+        """Every query token one row of a flat call over the whole cache k, v [1, H_kv, N, D] whose BlockMask
+        lists the blocks of its query block's selected slots and whose mask_mod keeps each row's own."""
+        g, per_block = self.page_rows, self.page_tokens
+        mask, _, padded = sparse_block_mask(selected, k.shape[2], per_block, self.kv_block_size, g)
+        x = rearrange(F.pad(q, (0, 0, 0, 0, 0, padded - q.shape[0])), "t (hk g) d -> 1 hk (t g) d", g=g)
+        if sinks is not None:  # [H] -> like flex's log-sum-exp [1, H_kv, T * G]
+            sinks = repeat(sinks.view(-1, g), "hk g -> 1 hk (t g)", t=padded)
+        y = attend(x, k, v, mask, self.page_options, sinks)
+        out = rearrange(y[0], "hk (t g) d -> t (hk g) d", g=g)[: q.shape[0]]
+        return out, lambda: selected_share(selected, mask, per_block)
+
+    def gathered(self, q, k_cache, v_cache, selected, sinks, attend: Attend) -> tuple[torch.Tensor, Share]:
+        """Each token's picks gathered, one flat call per chunk of tokens: token t's query heads of a KV head
+        as rows (padded to a power of two) over its K' gathered keys (the top-k in whole KV blocks, picks
+        first); the BlockMask lists only the blocks holding picks. Chunks of whole query blocks bound the buffer."""
+        group, rows, kv_block = self.group, self.gather_rows, GATHER_KV_BLOCK
+        width = gathered_width(selected.shape[1], kv_block)
+        per_block = self.gathered_masks.tokens_per_block
+        padded = -(-q.shape[0] // per_block) * per_block
+        # picks first, -1 (none) last: the indexer's order already; sorting keeps any other exact
+        picks = selected.sort(dim=1, descending=True).values
+        picks = F.pad(picks, (0, width - picks.shape[1], 0, padded - picks.shape[0]), value=-1)
+        counts = (picks >= 0).sum(dim=1, dtype=torch.int32)
+        x = rearrange(q, "t (hk g) d -> t hk g d", g=group)
+        x = F.pad(x, (0, 0, 0, rows - group, 0, 0, 0, padded - q.shape[0]))  # rows to a power of two, whole blocks
+        if sinks is not None:  # [H] -> like flex's log-sum-exp [1, H_kv, t * rows]
+            sinks = F.pad(sinks.view(self.num_kv_heads, group), (0, rows - group))
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
+        for t0, t1, k, v, _ in read_selected(k_cache, v_cache, picks, None, q.dtype, tokens_multiple=per_block):
+            mask = self.gathered_masks.block_mask(counts[t0:t1], width)
+            k, v = (rearrange(t, "t hk w d -> 1 hk (t w) d") for t in (k, v))  # views where H_kv is 1
+            chunk_sinks = None if sinks is None else repeat(sinks, "hk g -> 1 hk (t g)", t=t1 - t0)
+            y = attend(rearrange(x[t0:t1], "t hk g d -> 1 hk (t g) d"), k, v, mask, self.gather_options, chunk_sinks)
+            real = min(t1, q.shape[0]) - t0
+            if real > 0:
+                y = rearrange(y[0], "hk (t g) d -> t hk g d", g=rows)[:real, :, :group]
+                out[t0 : t0 + real] = rearrange(y, "t hk g d -> t (hk g) d")
+        return out, lambda: gathered_share(counts[: q.shape[0]], kv_block)
