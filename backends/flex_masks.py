@@ -23,7 +23,6 @@ from torch.nn.attention.flex_attention import BlockMask
 MIN_ROW_CAPACITY = 64
 MIN_TOKEN_CAPACITY = 1024
 MIN_PAGE_CAPACITY = 1024
-MIN_KV_BLOCK = 16
 NO_WINDOW = 2**31 - 1  # a window past every position (int32): the plain mask
 
 

@@ -76,10 +76,10 @@ def test_a_decode_call_searches_once_per_batch_and_counts_it_as_compile_time(mon
     monkeypatch.setenv("PAGEDBENCH_CACHE_DIR", str(tmp_path))
     best, calls = {"SPLIT_KV": 2, "num_stages": 2, "num_warps": 8}, []
     seconds = fake_seconds(best, calls)
-    monkeypatch.setattr(flex_module, "current_gpu", lambda device: ("Fake GPU", 132))
+    monkeypatch.setattr(flex_tune, "current_gpu", lambda device: ("Fake GPU", 132))
     compiled = []  # each candidate's options, as the backend compiles it before timing it
-    monkeypatch.setattr(flex_module, "attend_compiling", lambda kind, args, limit: compiled.append(args[5]))
-    monkeypatch.setattr(flex_module, "cuda_seconds", lambda fn: seconds(compiled[-1]))
+    monkeypatch.setattr(flex_tune, "attend_compiling", lambda kind, args, limit: compiled.append(args[5]))
+    monkeypatch.setattr(flex_tune, "cuda_seconds", lambda fn: seconds(compiled[-1]))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     backend = FlexBackend(32, 8, 128, 128**-0.5, 16, torch.device("cpu"), torch.float32)
     backend.tuned_decode, backend.kernel_options = True, {"decode": {"BLOCK_N": 16}, "prefill": None}
