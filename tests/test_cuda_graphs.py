@@ -201,33 +201,22 @@ def test_engine_takes_vllm_memory_and_graph_settings():
 
 
 def fake_cuda_engine(monkeypatch, total_gib, free_gib, activation_gib, utilization=0.9, graphs=False):
-    """What `_auto_num_blocks` reads, on a pretend GPU: memory figures and the profiled step."""
+    """The blocks `size_kv_cache` finds on a pretend GPU: memory figures and the profiled step."""
     from types import SimpleNamespace
 
     from pagedbench.config import EngineConfig
     from pagedbench.engine import kv_budget
-    from pagedbench.engine.executor import Executor
     from pagedbench.model.loader import resolve_model_config
     from pagedbench.model.parallel import NO_TP
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * gib), int(total_gib * gib)))
     monkeypatch.setattr(kv_budget, "profile_activation_bytes", lambda *args: int(activation_gib * gib))
-    config = EngineConfig(model="qwen3-0.6b", gpu_memory_utilization=utilization, max_num_seqs=256)
-    model_config = resolve_model_config("qwen3-0.6b")[0]
-    fake = SimpleNamespace(
-        model_config=model_config,
-        config=config,
-        tp=NO_TP,
-        world=1,
-        device=torch.device("cuda"),
-        dtype=torch.bfloat16,
-        model=SimpleNamespace(config=model_config),
-        draft_config=None,
-        _graph_off_reason=lambda backend: None if graphs else "enforce_eager",
-    )
+    config = EngineConfig(model="qwen3-0.6b", gpu_memory_utilization=utilization, max_num_seqs=256, max_model_len=4096)
+    model = SimpleNamespace(config=resolve_model_config("qwen3-0.6b")[0])
     backend = SimpleNamespace(cuda_graph_powers_of_two=False)
-    return lambda: Executor._auto_num_blocks(fake, backend, 4096)
+    where = (torch.device("cuda"), torch.bfloat16, NO_TP, 1)
+    return lambda: kv_budget.size_kv_cache(config, model, None, backend, *where, graphs).num_blocks
 
 
 def test_kv_cache_gets_what_utilization_leaves_after_weights_and_activations(monkeypatch):
@@ -257,20 +246,20 @@ def test_engine_runs_eagerly_when_its_graphs_fail(monkeypatch):
     and the reports saying why (checked at start-up, before anything is measured)."""
     from pagedbench.backends.sdpa import SDPABackend
 
-    from pagedbench.engine import executor as executor_module
+    from pagedbench.worker import cuda_graphs
 
     llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_num_seqs=4)
     engine = llm.engine.executor
     monkeypatch.setattr(engine, "device", torch.device("cuda"))  # as if on a GPU
     monkeypatch.setattr(SDPABackend, "cuda_graph_reason", None)  # as if sdpa claimed graph safety
-    monkeypatch.setattr(executor_module, "DecodeGraphs", functools.partial(DecodeGraphs, capture=fake_capture))
+    monkeypatch.setattr(cuda_graphs, "DecodeGraphs", functools.partial(DecodeGraphs, capture=fake_capture))
     assert engine.capture_graphs().startswith("off: the batch-1 graph's logits differ from eager ones")
     assert engine.runner.graphs is None
 
     def failing_capture(fn, pool):
         raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors ...")
 
-    monkeypatch.setattr(executor_module, "DecodeGraphs", functools.partial(DecodeGraphs, capture=failing_capture))
+    monkeypatch.setattr(cuda_graphs, "DecodeGraphs", functools.partial(DecodeGraphs, capture=failing_capture))
     assert engine.capture_graphs() == (
         "off: capture failed: RuntimeError: operation not permitted when stream is capturing"
     )

@@ -74,7 +74,7 @@ def test_tight_budgets_really_preempt(qwen35):
         assert [o.outputs[0].token_ids for o in outs] == want
         assert sum(o.metrics.num_preemptions for o in outs) > 0, setting
     # swapped out, a sequence's DeltaNet state left its device slot for a CPU one and came back
-    assert llm.engine.stats.swap_outs > 0 and llm.engine.executor.num_cpu_state_slots > 0
+    assert llm.engine.stats.swap_outs > 0 and llm.engine.executor.kv_size.num_cpu_state_slots > 0
 
 
 def test_swap_moves_the_state_to_a_cpu_slot_and_back():

@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 
 from pagedbench.engine.block_manager import blocks_needed
-from pagedbench.engine.executor import default_mamba_block_size
+from pagedbench.engine.kv_budget import default_mamba_block_size
 from pagedbench.model.config import ModelConfig
 from pagedbench.worker.linear_state import state_bytes_per_sequence
 from pagedbench.worker.model_runner import kv_bytes_per_block

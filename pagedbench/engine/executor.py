@@ -1,10 +1,9 @@
 """Executor: the worker side as the engine sees it. It builds rank 0's model (and starts the
-tensor- and pipeline-parallel workers), sizes and allocates the paged KV cache, captures the
-decode CUDA graphs, and runs each step: page moves, then inputs and metadata, the backend's
-prepare and the forward. Under pipeline parallelism a step is launched, and its logits collected
-later, so that as many steps as stages are in flight."""
+tensor- and pipeline-parallel workers), allocates the paged KV cache (as kv_budget sizes it), has
+the decode CUDA graphs captured where they can run (cuda_graphs), and runs each step: page moves,
+then inputs and metadata, the backend's prepare and the forward. Under pipeline parallelism a step
+is launched, and its logits collected later, so that as many steps as stages are in flight."""
 
-import logging
 import os
 import time
 import weakref
@@ -13,71 +12,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.device.timer import DeviceTimer
-from pagedbench.engine.block_manager import blocks_needed
-from pagedbench.engine.kv_budget import cuda_kv_budget, num_kv_blocks
+from pagedbench.engine.kv_budget import size_kv_cache
 from pagedbench.engine.sequence import Sequence
-from pagedbench.engine.state_snapshots import SnapshotPlan
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.loader import ResolvedModel, build_model, resolve_model_config, weights_path
-from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, layer_partition, placement
-from pagedbench.worker.cuda_graphs import DecodeGraphs, decode_buckets
+from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, placement
+from pagedbench.worker.cuda_graphs import capture_decode_graphs, graphs_off_reason
 from pagedbench.worker.layer_attention import LayerAttention, build_layer_attention
-from pagedbench.worker.linear_state import state_bytes_per_sequence
-from pagedbench.worker.model_runner import ModelRunner, kv_bytes_per_block
+from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.pipeline import PipelineRunner
 from pagedbench.worker.pipeline_stage import StageLink
 from pagedbench.worker.step_plan import StepInputs
 from pagedbench.worker.tp_workers import ParallelRunner, Workers, rank_device
-
-logger = logging.getLogger(__name__)
-
-
-def page_bytes(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None, dtype: torch.dtype, tp: TPShard):
-    """One page of K/V in every layer (of the largest pipeline stage), as stored, with the draft's
-    page beside it (same ids)."""
-    stage_layers = max(layer_partition(cfg.num_layers, config.pipeline_parallel_size, config.pipeline_layer_partition))
-    if cfg.linear is not None:  # a hybrid (one stage): its DeltaNet layers keep no pages
-        stage_layers = cfg.num_kv_layers
-    per_block = kv_bytes_per_block(
-        cfg, config.block_size, dtype, tp, config.kv_cache_dtype, stage_layers, config.index_cache_dtype
-    )
-    if draft is not None:
-        per_block += kv_bytes_per_block(draft, config.block_size, dtype, NO_TP, config.kv_cache_dtype)
-    return per_block
-
-
-def num_state_slots(config: EngineConfig, cfg: ModelConfig) -> int:
-    """Hybrid models: one linear-attention state slot per sequence that can run at once."""
-    return config.max_num_seqs if cfg.linear is not None else 0
-
-
-def snapshot_plan(
-    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, budget: int | None, tp: TPShard = NO_TP
-) -> SnapshotPlan | None:
-    """A hybrid model's snapshots (None: not a hybrid, or no prefix caching): how many
-    (num_state_snapshots; by default one per max_num_seqs, within a quarter of `budget`, the bytes
-    a rank's KV pages would get, where known) and how far apart (mamba_block_size; by default vLLM's
-    align rule: the fewest pages whose K/V in one attention layer outweighs one DeltaNet layer's state)."""
-    if cfg.linear is None or not config.enable_prefix_caching:
-        return None
-    state = state_bytes_per_sequence(cfg, dtype, tp)
-    count = config.num_state_snapshots
-    if count is None:
-        count = config.max_num_seqs if budget is None else min(config.max_num_seqs, max(0, budget) // 4 // state)
-    interval = config.mamba_block_size or default_mamba_block_size(cfg, config.block_size, dtype, config.kv_cache_dtype)
-    return SnapshotPlan(count, interval)
-
-
-def default_mamba_block_size(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str) -> int:
-    """vLLM's align rule: the fewest pages whose K/V in one attention layer outweighs one DeltaNet
-    layer's state, in tokens (528 for Qwen3.5-0.8B in bf16 at pages of 16)."""
-    page = kv_bytes_per_block(cfg, block_size, dtype, kv_cache_dtype=kv_cache_dtype, num_layers=1)
-    return block_size * blocks_needed(state_bytes_per_sequence(cfg, dtype) // sum(cfg.linear.layers), page)
 
 
 class Executor:
@@ -110,7 +60,10 @@ class Executor:
             )  # fmt: skip
             # The draft's weights are in place before the cache is sized from what memory is left.
             draft_model = self._build_draft(rope_len) if self.draft_config is not None else None
-            self.num_blocks, self.max_model_len = self._size_kv_cache(backend, max_len_cap)
+            graphs = graphs_off_reason(config, cfg, self.device, self.world, backend) is None
+            self.kv_size = size_kv_cache(
+                config, self.model, self.draft_config, backend, self.device, self.dtype, self.tp, self.world, graphs
+            )
             self.runner = self._start_runner(backend)
             self.draft_runner = self._start_draft(draft_model) if draft_model is not None else None
             self.cuda_graphs = self.capture_graphs()
@@ -202,14 +155,15 @@ class Executor:
         """The draft's KV cache: as many pages as the target's, addressed by the same block tables
         (it writes its K/V into the pages the scheduler gave the target)."""
         cfg, config = self.draft_config, self.config
-        if cfg.max_position_embeddings < self.max_model_len:
+        if cfg.max_position_embeddings < self.kv_size.max_model_len:
             raise ValueError(
                 f"draft model {config.speculative.model!r} allows {cfg.max_position_embeddings} positions, "
-                f"fewer than max_model_len={self.max_model_len}"
+                f"fewer than max_model_len={self.kv_size.max_model_len}"
             )
         args = (config.block_size, self.device, self.dtype)
         backend = build_layer_attention(config.backend, cfg, *args, NO_TP, config.kv_cache_dtype)
-        return ModelRunner(model, backend, self.num_blocks, *args, 0, config.kv_cache_dtype, config.calculate_kv_scales)
+        num_blocks = self.kv_size.num_blocks
+        return ModelRunner(model, backend, num_blocks, *args, 0, config.kv_cache_dtype, config.calculate_kv_scales)
 
     @property
     def backend(self) -> LayerAttention:
@@ -225,133 +179,30 @@ class Executor:
             dist.destroy_process_group()
             self.owns_process_group = False
 
-    # ---- KV cache -----------------------------------------------------------------------------
-
-    def _size_kv_cache(self, backend: LayerAttention, max_len_cap: int) -> tuple[int, int]:
-        """(num_blocks, max_model_len): max_model_len None is as long as the model allows and the
-        cache holds; an explicit one the cache cannot hold is an error."""
-        config, bs = self.config, self.config.block_size
-        self.state_snapshots = snapshot_plan(config, self.model_config, self.dtype, None)  # with num_blocks given
-        num_blocks = config.num_blocks or self._auto_num_blocks(backend, config.max_model_len or max_len_cap)
-        # A sequence holds its whole length in pages, or, when every layer is windowed, only the pages
-        # of its window and the step's chunk (the rest are released as it goes).
-        window = self.model_config.window_of_every_layer
-        held = None if window is None else blocks_needed(window + config.max_num_batched_tokens, bs) + 1
-        if config.max_model_len is None:
-            return num_blocks, max_len_cap if held is not None and num_blocks >= held else min(
-                max_len_cap, num_blocks * bs
-            )
-        if num_blocks < (held or blocks_needed(config.max_model_len, bs)):
-            raise ValueError(
-                f"KV cache of {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens cannot hold one "
-                f"sequence of max_model_len={config.max_model_len}; raise num_blocks or lower max_model_len"
-            )
-        return num_blocks, config.max_model_len
-
-    def _auto_num_blocks(self, backend: LayerAttention, max_model_len: int) -> int:
-        """KV blocks from the memory budget: vLLM's profiled rule on CUDA, cpu_kv_cache_bytes on CPU."""
-        config = self.config
-        per_block = page_bytes(config, self.model_config, self.draft_config, self.dtype, self.tp)
-        if self.device.type != "cuda":
-            budget = config.cpu_kv_cache_bytes
-        elif self.world > 1:
-            # The profiling step would need the other ranks in its collectives, and they start
-            # later: the free memory's share, as before vLLM profiled.
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * config.gpu_memory_utilization)
-        else:
-            graphs = self._graph_off_reason(backend) is None
-            rows = decode_buckets(config.max_num_seqs, backend.cuda_graph_powers_of_two)[-1] if graphs else None
-            args = (per_block, rows, self.device, self.dtype)
-            budget = cuda_kv_budget(config, self.model, backend, max_model_len, *args)
-        slots = num_state_slots(config, self.model_config)
-        if slots:  # hybrid models: the DeltaNet state slots (and prefix caching's snapshots) share the budget
-            per_slot = state_bytes_per_sequence(self.model_config, self.dtype, self.tp)
-            budget -= slots * per_slot
-            self.state_snapshots = snapshot_plan(config, self.model_config, self.dtype, budget, self.tp)
-            snapshots = self.state_snapshots.count if self.state_snapshots is not None else 0
-            budget -= snapshots * per_slot
-            logger.info(
-                "linear-attention state: %d slots and %d prefix-cache snapshots, %.2f GiB",
-                slots, snapshots, (slots + snapshots) * per_slot / 2**30,
-            )  # fmt: skip
-        return num_kv_blocks(config, budget, per_block, max_model_len)
-
     def _start_runner(self, backend: LayerAttention) -> ModelRunner | ParallelRunner:
         """The KV cache (and swap space) on every rank, and the runner that drives them."""
-        config = self.config
-        self.num_cpu_blocks = self.num_cpu_state_slots = 0
-        if config.preemption_mode == "swap":
-            per_block = page_bytes(config, self.model_config, None, self.dtype, self.tp)  # the draft's never swap
-            swap = int(config.swap_space * 2**30)
-            if self.num_state_slots:  # a hybrid's swapped-out states: up to half the swap space, one per sequence
-                per_state = state_bytes_per_sequence(self.model_config, self.dtype, self.tp)
-                self.num_cpu_state_slots = min(config.max_num_seqs, swap // 2 // per_state)
-                swap -= self.num_cpu_state_slots * per_state
-            self.num_cpu_blocks = swap // per_block
+        config, kv = self.config, self.kv_size
         runner = ModelRunner(
-            self.model, backend, self.num_blocks, config.block_size, self.device, self.dtype, self.num_cpu_blocks,
-            config.kv_cache_dtype, config.calculate_kv_scales, self.num_state_slots + self.num_state_snapshots,
-            config.index_cache_dtype, config.linear_attention_kernel, self.num_cpu_state_slots,
+            self.model, backend, kv.num_blocks, config.block_size, self.device, self.dtype, kv.num_cpu_blocks,
+            config.kv_cache_dtype, config.calculate_kv_scales, kv.num_state_slots + kv.num_state_snapshots,
+            config.index_cache_dtype, config.linear_attention_kernel, kv.num_cpu_state_slots,
         )  # fmt: skip
         if self.workers is None:
             return runner
-        state_slots = (runner.num_state_slots, self.num_cpu_state_slots)
-        self.workers.start(self.device, self.num_blocks, self.num_cpu_blocks, state_slots)
+        state_slots = (runner.num_state_slots, kv.num_cpu_state_slots)
+        self.workers.start(self.device, kv.num_blocks, kv.num_cpu_blocks, state_slots)
         weakref.finalize(self, self.workers.shutdown)
         if self.stage.size > 1:
             return PipelineRunner(runner, self.workers, StageLink(self.stage, 0, self.tp.size))
         return ParallelRunner(runner, self.workers)
 
-    # ---- CUDA graphs --------------------------------------------------------------------------
-
-    @property
-    def num_state_slots(self) -> int:
-        return num_state_slots(self.config, self.model_config)
-
-    @property
-    def num_state_snapshots(self) -> int:
-        """Hybrid models' prefix-cache snapshots: slots after the running ones in the same state tensors."""
-        return self.state_snapshots.count if self.state_snapshots is not None else 0
-
-    def _graph_off_reason(self, backend: LayerAttention) -> str | None:
-        if self.config.enforce_eager:
-            return "enforce_eager"
-        if self.model_config.linear is not None:
-            return "hybrid models' DeltaNet steps are laid out on the host (a loop over sequences, or fla's cu_seqlens)"
-        if self.model_config.indexer is not None:
-            return "the sparse indexer's top-k is sized by each step's longest sequence"
-        if self.device.type != "cuda":
-            return f"no CUDA device (device is {self.device.type})"
-        if self.world > 1:
-            return "tensor- and pipeline-parallel steps run eagerly"
-        return backend.cuda_graph_reason
-
     def capture_graphs(self) -> str:
         """Capture the decode CUDA graphs where they can run; returns what the reports say:
         "on: ..." or "off: why"."""
-        reason = self._graph_off_reason(self.backend)
+        reason = graphs_off_reason(self.config, self.model_config, self.device, self.world, self.backend)
         if reason is not None:
             return f"off: {reason}"
-        graphs = DecodeGraphs(self.runner, self.config.max_num_seqs, self.max_model_len)
-        logger.info("capturing decode CUDA graphs for batch sizes %s", graphs.buckets)
-        calibrate, self.runner.calibrate_kv = self.runner.calibrate_kv, False  # fp8 scales come from real K/V
-        try:
-            graphs.capture_all()
-            mismatch = graphs.verify()
-        except Exception as e:  # a backend that cannot be captured after all: eager, and say why
-            mismatch = f"capture failed: {one_line(e)}"
-        finally:
-            self.runner.calibrate_kv = calibrate
-        if mismatch is not None:
-            logger.warning("CUDA graphs off: %s", mismatch)
-            return f"off: {mismatch}"
-        self.runner.graphs = graphs
-        status = (
-            f"on: {len(graphs.buckets)} decode sizes up to {graphs.buckets[-1]}, captured in "
-            f"{graphs.capture_seconds:.1f} s, {graphs.capture_bytes / 2**20:.0f} MiB"
-        )
-        logger.info("CUDA graphs %s", status)
-        return status
+        return capture_decode_graphs(self.runner, self.config.max_num_seqs, self.kv_size.max_model_len)
 
     # ---- a step -------------------------------------------------------------------------------
 

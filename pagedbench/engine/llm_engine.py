@@ -55,10 +55,11 @@ class LLMEngine:
         self.executor = Executor(config, cfg, path)
         ex = self.executor
         self.device, self.dtype = ex.device, ex.dtype
-        self.max_model_len, self.num_blocks = ex.max_model_len, ex.num_blocks  # the executor sized the cache
+        kv = ex.kv_size  # the executor sized the cache
+        self.max_model_len, self.num_blocks = kv.max_model_len, kv.num_blocks
         self.block_manager = BlockManager(
-            ex.num_blocks, config.block_size, config.enable_prefix_caching, ex.num_cpu_blocks,
-            cfg.window_of_every_layer, ex.num_state_slots, ex.state_snapshots, ex.num_cpu_state_slots,
+            kv.num_blocks, config.block_size, config.enable_prefix_caching, kv.num_cpu_blocks,
+            cfg.window_of_every_layer, kv.num_state_slots, kv.state_snapshots, kv.num_cpu_state_slots,
         )  # fmt: skip
         self.stats = EngineStats()
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id

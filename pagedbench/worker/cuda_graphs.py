@@ -13,6 +13,7 @@ A backend takes part only if its `prepare()` refills static buffers in place
 
 import bisect
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,8 +21,54 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from pagedbench.backends.base import one_line
+from pagedbench.config import EngineConfig
 from pagedbench.device.transfer import copy_to_device_, pack, to_device, unpack
+from pagedbench.model.config import ModelConfig
 from pagedbench.worker.step_plan import StepInputs, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+def graphs_off_reason(config: EngineConfig, cfg: ModelConfig, device: torch.device, world: int, backend) -> str | None:
+    """Why decode steps run eagerly, or None: they may be captured (`world`: ranks of the engine)."""
+    if config.enforce_eager:
+        return "enforce_eager"
+    if cfg.linear is not None:
+        return "hybrid models' DeltaNet steps are laid out on the host (a loop over sequences, or fla's cu_seqlens)"
+    if cfg.indexer is not None:
+        return "the sparse indexer's top-k is sized by each step's longest sequence"
+    if device.type != "cuda":
+        return f"no CUDA device (device is {device.type})"
+    if world > 1:
+        return "tensor- and pipeline-parallel steps run eagerly"
+    return backend.cuda_graph_reason
+
+
+def capture_decode_graphs(runner, max_num_seqs: int, max_model_len: int) -> str:
+    """Capture and verify `runner`'s decode graphs, which it replays from then on; returns what the
+    reports say: "on: ..." or "off: why" (a capture that fails, or replays that disagree with eager
+    steps, leave the runner eager)."""
+    graphs = DecodeGraphs(runner, max_num_seqs, max_model_len)
+    logger.info("capturing decode CUDA graphs for batch sizes %s", graphs.buckets)
+    calibrate, runner.calibrate_kv = runner.calibrate_kv, False  # fp8 scales come from real K/V
+    try:
+        graphs.capture_all()
+        mismatch = graphs.verify()
+    except Exception as e:  # a backend that cannot be captured after all: eager, and say why
+        mismatch = f"capture failed: {one_line(e)}"
+    finally:
+        runner.calibrate_kv = calibrate
+    if mismatch is not None:
+        logger.warning("CUDA graphs off: %s", mismatch)
+        return f"off: {mismatch}"
+    runner.graphs = graphs
+    status = (
+        f"on: {len(graphs.buckets)} decode sizes up to {graphs.buckets[-1]}, captured in "
+        f"{graphs.capture_seconds:.1f} s, {graphs.capture_bytes / 2**20:.0f} MiB"
+    )
+    logger.info("CUDA graphs %s", status)
+    return status
 
 
 def decode_buckets(max_num_seqs: int, powers_of_two: bool = False) -> list[int]:
