@@ -81,8 +81,7 @@ class ModelRunner(RunsWhole):
         cfg = model.config
         self.model, self.backend = model, backend
         self.block_size, self.device, self.dtype = block_size, device, dtype
-        # One allocation; each layer's K and V are views [num_blocks + 1, block_size, H_kv, D] (this
-        # rank's KV heads). The last page is the padding page: CUDA-graph padding rows write there.
+        # The last page is the padding page: CUDA-graph padding rows write there.
         self.pad_block = num_blocks
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
@@ -100,14 +99,25 @@ class ModelRunner(RunsWhole):
         if self.linear_states is not None:  # the gated delta rule's kernel: refused here if it cannot run
             check_linear_attention_kernel(linear_attention_kernel, device)
             self.linear_states.kernel = linear_attention_kernel
-        shape = (len(layers), cfg.kv_planes, self.num_cache_blocks, block_size, backend.num_kv_heads, cfg.head_dim)
+        self._allocate_kv_cache(layers, num_cpu_blocks, kv_cache_dtype, index_cache_dtype, calculate_kv_scales)
+
+    def _allocate_kv_cache(
+        self, layers: list[int], num_cpu_blocks: int, kv_cache_dtype: str, index_cache_dtype: str, calibrate: bool
+    ) -> None:
+        """The pages of `layers` (the stage's attention layers): K/V, quantized pages' scales (fp8's
+        calibrated on the first step if `calibrate`), index keys, and `num_cpu_blocks` of swap space.
+        One allocation; each layer's K and V are views [num_blocks + 1, block_size, H_kv, D] (this
+        rank's KV heads)."""
+        cfg, device, dtype = self.model.config, self.device, self.dtype
+        heads = (self.backend.num_kv_heads, cfg.head_dim)
+        shape = (len(layers), cfg.kv_planes, self.num_cache_blocks, self.block_size, *heads)
         storage = kv_storage_dtype(kv_cache_dtype, dtype)
         try:
             self.kv_cache = torch.zeros(shape, device=device, dtype=storage)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             gib = math.prod(shape) * storage.itemsize / 2**30
             raise ValueError(
-                f"cannot allocate a KV cache of {num_blocks} blocks ({gib:.1f} GiB) on {device}: {one_line(e)}"
+                f"cannot allocate a KV cache of {self.pad_block} blocks ({gib:.1f} GiB) on {device}: {one_line(e)}"
             ) from None
         # Latent attention has one plane: its values are a view of the latent's first kv_lora_rank dims.
         value_plane = 1 if cfg.mla is None else 0
@@ -117,7 +127,7 @@ class ModelRunner(RunsWhole):
         for i, layer in enumerate(layers):
             self.kv_caches[layer] = (self.kv_cache[i, 0], self.kv_cache[i, value_plane, ..., :value_dims])
         # Quantized pages' scales (base.write_kv): per layer for fp8 (1.0 unless calibrated on the
-        # first step, `calculate_kv_scales`), per slot and KV head for int8 (moved with its page).
+        # first step), per slot and KV head for int8 (moved with its page).
         self.kv_scale, self.kv_scales, self.calibrate_kv = None, None, False
         self.paged = [self.kv_cache]  # what page copies and swaps move
         if storage != dtype:
@@ -129,7 +139,7 @@ class ModelRunner(RunsWhole):
             if per_token_scales(storage):
                 self.paged.append(self.kv_scale)
             else:
-                self.calibrate_kv = calculate_kv_scales
+                self.calibrate_kv = calibrate
         # DeepSeek-V3.2's index keys: a plane of their own under the same block ids, moved with the pages.
         # fp8 (index_cache_dtype): e4m3 keys and an fp32 scale per token, its own plane of the same block ids.
         self.index_caches = [None] * cfg.num_layers
