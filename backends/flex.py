@@ -66,23 +66,21 @@ class FlexCall:
     packed_heads: int = 1  # G query heads sharing a KV head packed into each query row (CPU decodes)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """The call's rows of the step's q [T, H, D] as flex's queries: [batch, H, q_len, D], or packed
-        [batch, H_kv, q_len * G, D]."""
+        """The call's rows of the step's q [T, H, D] as flex's queries: packed [batch, H_kv, q_len * G, D],
+        or with G = 1 [batch, H, q_len, D]."""
         rows = q[: self.batch * self.q_len] if self.gather is None else q.index_select(0, self.gather)
-        if self.packed_heads == 1:
-            return rearrange(rows, "(b q) h d -> b h q d", b=self.batch)
         return rearrange(rows, "(b q) (h g) d -> b h (q g) d", b=self.batch, g=self.packed_heads)
 
     def answers(self, y: torch.Tensor) -> torch.Tensor:
         """flex's output -> a row per query row [batch * q_len, H, D]."""
-        if self.packed_heads == 1:
-            return rearrange(y, "b h q d -> (b q) h d")
         return rearrange(y, "b h (q g) d -> (b q) (h g) d", g=self.packed_heads)
 
     def sink_logits(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
         """Sink logits [H] shaped like flex's log-sum-exp [B, H, Q] (or packed [B, H_kv, Q * G])."""
-        if sinks is None or self.packed_heads == 1:
-            return None if sinks is None else sinks.view(1, -1, 1)
+        if sinks is None:
+            return None
+        if self.packed_heads == 1:
+            return sinks.view(1, -1, 1)
         return sinks.view(1, -1, 1, self.packed_heads).expand(-1, -1, self.q_len, -1).flatten(2)
 
 
@@ -278,8 +276,8 @@ class FlexBackend(AttentionBackend):
         return out
 
     def _flex(self, kind: str, q, k, v, block_mask, options, sinks, shapes_seen=False) -> torch.Tensor:
-        """One flex call, eager or compiled; once the step has seen its shapes (after its first layer) it
-        cannot miss the compile cache, else the seconds spent compiling count."""
+        """One flex call, eager or compiled. Only a step's first layer (shapes not yet seen) can miss the
+        compile cache; the seconds spent compiling there count."""
         args = (q, k, v, block_mask, self.scale, options, self.score_mod, sinks)
         if not self.compiled:
             return attend(*args)
