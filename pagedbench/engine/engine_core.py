@@ -14,24 +14,24 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedbench.engine.executor import Executor
+from pagedbench.engine.executor import Executor, LaunchedForward
 from pagedbench.engine.output_processor import OutputProcessor
 from pagedbench.engine.outputs import RequestOutput
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import Scheduler, SchedulerOutput
 from pagedbench.engine.speculator import Speculator
-from pagedbench.engine.stats import EngineStats, wasted_slots
+from pagedbench.engine.stats import EngineStats, StepTimes, wasted_slots
 from pagedbench.engine.token_picker import TokenPicker
 
 
 @dataclass(slots=True)
 class LaunchedStep:
     """A step whose model call has started: what it scheduled, the executor's handle, and the wall
-    times (start, scheduled, proposed) so far."""
+    times of its parts so far."""
 
     sched: SchedulerOutput
-    launched: tuple
-    times: tuple[float, float, float]
+    forward: LaunchedForward
+    times: StepTimes
     lane: int | None
 
 
@@ -122,42 +122,41 @@ class EngineCore:
 
     def _launch(self, lane: int | None) -> LaunchedStep | None:
         """Schedule (`lane`'s sequences, under pipeline parallelism) and start the model call."""
-        t_start = time.perf_counter()
+        times = StepTimes(start=time.perf_counter())
         if self.speculator is not None:
             self.speculator.before_schedule()
         sched = self.scheduler.schedule(lane)
         self.stats.preemptions += sched.num_preempted
         if sched.empty:
             return None
-        t_schedule = time.perf_counter()
+        times.scheduled = time.perf_counter()
         try:
             self._move_pages()
             if self.speculator is not None:
                 self.speculator.propose(sched)
-            t_propose = time.perf_counter()
-            launched = self.executor.launch(sched.seqs, sched.num_tokens)
+            times.proposed = time.perf_counter()
+            forward = self.executor.launch(sched.seqs, sched.num_tokens, times)
         except BaseException:
             self.scheduler.abandon(sched)
             raise
-        return LaunchedStep(sched, launched, (t_start, t_schedule, t_propose), lane)
+        return LaunchedStep(sched, forward, times, lane)
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's logits, sample (the model runner's output), apply the step to
         its sequences (Scheduler.update_from_output) and make the outputs of its new tokens."""
         sched = step.sched
         try:
-            inputs, logits, forward_times = self.executor.collect(step.launched)
+            logits = self.executor.collect(step.forward, step.times)
         except BaseException:
             self.scheduler.abandon(sched)
             raise
-        output = self.token_picker(sched, inputs.plan, logits, self.speculator)
+        output = self.token_picker(sched, step.forward.inputs.plan, logits, self.speculator)
         progressed = self.scheduler.update_from_output(sched, output)
-        t_end = time.perf_counter()
+        step.times.end = time.perf_counter()
         bm, running = self.block_manager, self.scheduler.running
         wasted = wasted_slots(running, bm.block_size)
-        times = (*step.times, *forward_times, t_end)
-        self.stats.record_step(times, bm.num_used_blocks, bm.num_shared_blocks, wasted, len(running))
-        return self.outputs.process_outputs(progressed, t_end)
+        self.stats.record_step(step.times, bm.num_used_blocks, bm.num_shared_blocks, wasted, len(running))
+        return self.outputs.process_outputs(progressed, step.times.end)
 
     def _move_pages(self) -> None:
         """The page moves the block manager queued for this step: swaps and copy-on-write copies."""

@@ -7,6 +7,7 @@ is launched, and its logits collected later, so that as many steps as stages are
 import os
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.device.timer import DeviceTimer
 from pagedbench.engine.kv_budget import size_kv_cache
 from pagedbench.engine.sequence import Sequence
+from pagedbench.engine.stats import StepTimes
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.llama import CausalLM
 from pagedbench.model.loader import ResolvedModel, build_model, resolve_model_config, weights_path
@@ -24,10 +26,21 @@ from pagedbench.model.parallel import NO_TP, WHOLE_MODEL, PPStage, TPShard, plac
 from pagedbench.worker.cuda_graphs import capture_decode_graphs, graphs_off_reason
 from pagedbench.worker.layer_attention import LayerAttention, build_layer_attention
 from pagedbench.worker.model_runner import ModelRunner
-from pagedbench.worker.pipeline import PipelineRunner
+from pagedbench.worker.pipeline import InFlight, PipelineRunner
 from pagedbench.worker.pipeline_stage import StageLink
 from pagedbench.worker.step_plan import StepInputs
 from pagedbench.worker.tp_workers import ParallelRunner, Workers, rank_device
+
+
+@dataclass(slots=True)
+class LaunchedForward:
+    """A step's model call once started: its inputs, where its device span began, and its logits,
+    or, while a pipeline's later stages run, what brings them."""
+
+    inputs: StepInputs
+    span_start: object
+    logits: torch.Tensor | None = None
+    in_flight: InFlight | None = None
 
 
 class Executor:
@@ -227,20 +240,24 @@ class Executor:
         """Steps that may be in flight at once: one per pipeline stage."""
         return self.stage.size
 
-    def launch(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
+    def launch(self, seqs: list[Sequence], num_tokens: list[int], times: StepTimes) -> LaunchedForward:
         """Start a step where `seqs[i]` runs its next `num_tokens[i]` tokens (a pipeline's first
         stage; the whole step otherwise); `collect` finishes it."""
         inputs = self.runner.prepare(seqs, num_tokens)
-        t_metadata = time.perf_counter()
+        times.metadata = time.perf_counter()
         state = self.backend.prepare(inputs.metadata)
-        t_prepare = time.perf_counter()
-        forward_start = self.timer.mark()
+        times.prepared = time.perf_counter()
+        step = LaunchedForward(inputs, self.timer.mark())
         timer = self.timer if self.timer.enabled and inputs.graph is None else None
-        return inputs, self.runner.launch(inputs, state, timer), (t_metadata, t_prepare), forward_start
+        if self.pipeline_depth > 1:
+            step.in_flight = self.runner.launch(inputs, state, timer)
+        else:
+            step.logits = self.runner.run(inputs, state, timer)
+        return step
 
-    def collect(self, launched: tuple) -> tuple[StepInputs, torch.Tensor, tuple]:
-        """(inputs, fp32 logits, wall times) of a launched step, waiting for its last stage."""
-        inputs, handle, times, forward_start = launched
-        logits = self.runner.collect(handle)
-        self.timer.span("forward" if inputs.graph is None else "forward_graph", forward_start)
-        return inputs, logits, (*times, time.perf_counter())
+    def collect(self, step: LaunchedForward, times: StepTimes) -> torch.Tensor:
+        """The fp32 logits of a launched step, once its last stage has run."""
+        logits = step.logits if step.in_flight is None else self.runner.collect(step.in_flight)
+        self.timer.span("forward" if step.inputs.graph is None else "forward_graph", step.span_start)
+        times.forward = time.perf_counter()
+        return logits

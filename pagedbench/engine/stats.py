@@ -10,6 +10,30 @@ TIME_COLUMNS = [f"time_{part}_s" for part in STEP_PARTS]
 
 
 @dataclass(slots=True)
+class StepTimes:
+    """The wall times (time.perf_counter) at which one engine step's parts end, from its start."""
+
+    start: float
+    scheduled: float = 0.0
+    proposed: float = 0.0  # speculative proposals made (the page moves before them)
+    metadata: float = 0.0  # the step's inputs and attention metadata on the device
+    prepared: float = 0.0  # the backend's prepare()
+    forward: float = 0.0  # the logits in hand
+    end: float = 0.0  # sampled, and applied to the sequences
+
+    def seconds(self) -> dict[str, float]:
+        """Each of STEP_PARTS: from the end of the part before it to its own."""
+        return {
+            "schedule": self.scheduled - self.start,
+            "propose": self.proposed - self.scheduled,
+            "metadata": self.metadata - self.proposed,
+            "backend_prepare": self.prepared - self.metadata,
+            "forward": self.forward - self.prepared,
+            "sample": self.end - self.forward,
+        }
+
+
+@dataclass(slots=True)
 class EngineStats:
     """Counters, and seconds per step part summed over steps."""
 
@@ -50,10 +74,9 @@ class EngineStats:
         return {column: self.time[part] for column, part in zip(TIME_COLUMNS, STEP_PARTS)}
 
     def record_step(
-        self, times: tuple[float, ...], blocks_used: int, shared_blocks: int, wasted: int, running: int = 0
+        self, times: StepTimes, blocks_used: int, shared_blocks: int, wasted: int, running: int = 0
     ) -> None:
-        """One step: its part boundaries (len(STEP_PARTS) + 1 wall times), its KV use and how many
-        sequences ran."""
+        """One step: its parts' times, its KV use and how many sequences ran."""
         self.steps += 1
         self.peak_running = max(self.peak_running, running)
         self.peak_blocks_used = max(self.peak_blocks_used, blocks_used)
@@ -61,9 +84,9 @@ class EngineStats:
         self.used_block_steps += blocks_used
         self.wasted_slot_steps += wasted
         self.peak_wasted_slots = max(self.peak_wasted_slots, wasted)
-        self.timeline.append((times[-1], blocks_used, wasted))
-        for part, start, end in zip(STEP_PARTS, times, times[1:]):
-            self.time[part] += end - start
+        self.timeline.append((times.end, blocks_used, wasted))
+        for part, seconds in times.seconds().items():
+            self.time[part] += seconds
 
 
 def wasted_slots(running: list[Sequence], block_size: int) -> int:

@@ -49,19 +49,7 @@ def kv_bytes_per_block(
     return slots * (cfg.head_dim * storage.itemsize + scale_bytes_per_slot(storage)) + index_keys
 
 
-class RunsWhole:
-    """A runner whose step completes inside launch(): the handle collect() takes back is the
-    logits themselves (a pipeline's runner returns before they exist: pipeline.py)."""
-
-    def launch(self, inputs: StepInputs, backend_state, timer=None):
-        return self.run(inputs, backend_state, timer)
-
-    @staticmethod
-    def collect(logits: torch.Tensor) -> torch.Tensor:
-        return logits
-
-
-class ModelRunner(RunsWhole):
+class ModelRunner:
     def __init__(
         self,
         model: CausalLM,

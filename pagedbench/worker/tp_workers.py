@@ -32,7 +32,7 @@ from pagedbench.model.loader import ResolvedModel
 from pagedbench.model.parallel import form_stage_groups, leave_stage_groups, placement
 from pagedbench.worker.child_processes import child_context, exit_now, start_child
 from pagedbench.worker.layer_attention import build_layer_attention
-from pagedbench.worker.model_runner import ModelRunner, RunsWhole
+from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.pipeline_stage import StageLink, StageRunner
 from pagedbench.worker.step_plan import StepInputs
 
@@ -240,7 +240,7 @@ def stop_children(conns: list, procs: list, exit_message: tuple, grace_s: float)
             conn.close()
 
 
-class ParallelRunner(RunsWhole):
+class ParallelRunner:
     """Rank 0's ModelRunner, with every call that touches the model or the cache mirrored on
     the workers first (same order on every rank)."""
 
