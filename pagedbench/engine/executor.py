@@ -242,7 +242,7 @@ class Executor:
 
     def launch(self, seqs: list[Sequence], num_tokens: list[int], times: StepTimes) -> LaunchedForward:
         """Start a step where `seqs[i]` runs its next `num_tokens[i]` tokens (a pipeline's first
-        stage; the whole step otherwise); `collect` finishes it."""
+        stage; the whole step otherwise), stamping `times` as its parts end; `collect` finishes it."""
         inputs = self.runner.prepare(seqs, num_tokens)
         times.metadata = time.perf_counter()
         state = self.backend.prepare(inputs.metadata)

@@ -8,7 +8,9 @@ token counts change with every chunk, and their kernels are large enough to hide
 Padding rows are one-token sequences in the runner's padding page (a page the block manager
 never hands out), so they write and read only there; their logits are computed and ignored.
 A backend takes part only if its `prepare()` refills static buffers in place
-(`cuda_graph_reason` is None); tensor-parallel steps run eagerly.
+(`cuda_graph_reason` is None); tensor-parallel steps run eagerly (`graphs_off_reason` has every
+case). The engine captures the graphs at start-up and checks them against eager steps
+(`capture_decode_graphs`), before anything is measured.
 """
 
 import bisect
