@@ -97,3 +97,38 @@ def test_every_room_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {m for m, p in modules().items() if p.name == "__init__.py"}
     assert packages == listed
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 250, 80
+
+
+def is_triton_kernel(node: ast.AST) -> bool:
+    """A Triton kernel (jit-decorated, or jitted later: it reads tl.program_id), exempt from the size rule."""
+    if isinstance(node, ast.ClassDef):
+        return False
+    return any("jit" in ast.unparse(d) for d in node.decorator_list) or "tl.program_id" in ast.unparse(node)
+
+
+def oversized() -> list[str]:
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or is_triton_kernel(node):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+            if lines > limit:
+                found.append(f"{name}.{node.name}: {lines} lines (at most {limit})")
+    return found
+
+
+def test_no_class_over_250_lines_and_no_function_over_80():
+    """The house's size rules over pagedbench/ and backends/ (docstrings count; Triton kernels exempt)."""
+    assert not oversized(), "\n".join(oversized())
+
+
+def test_the_size_rule_sees_a_long_function(tmp_path, monkeypatch):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def long():\n{body}\n")
+    monkeypatch.setitem(SOURCES, "pagedbench.scratch", tmp_path)
+    assert "pagedbench.scratch.long.long: 81 lines (at most 80)" in oversized()
