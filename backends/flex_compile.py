@@ -12,13 +12,14 @@ instead of Triton; decodes stay on flex's Triton decoding kernel (FLASH wants K/
 """
 
 import logging
-import os
 import time
 import warnings
 from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+from pagedbench import envs
 
 logger = logging.getLogger(__name__)
 # Eager flex runs only where chosen (compile=False, PAGEDBENCH_FLEX_COMPILE=0, sinks on a CPU) and
@@ -32,15 +33,12 @@ _announced: set[str] = set()  # call kinds whose first compile this process has 
 
 
 def compile_enabled() -> bool:
-    return os.environ.get("PAGEDBENCH_FLEX_COMPILE", "1") != "0"
+    return envs.enabled("PAGEDBENCH_FLEX_COMPILE")
 
 
 def kernel_choice() -> str:
     """PAGEDBENCH_FLEX_KERNEL: `triton` (default) or `flash`, FlexAttention's FA4-based kernels."""
-    choice = os.environ.get("PAGEDBENCH_FLEX_KERNEL", "triton").strip().lower() or "triton"
-    if choice not in ("triton", "flash"):
-        raise ValueError(f"PAGEDBENCH_FLEX_KERNEL={choice!r} is not one of triton, flash")
-    return choice
+    return envs.get("PAGEDBENCH_FLEX_KERNEL")
 
 
 def flash_kernel_reason(device: torch.device) -> str | None:

@@ -21,7 +21,6 @@ The tile efficiency of either is the selected share of the listed blocks' slots.
 backend's layout of both (query rows, masks, kernel options) and runs a step's call through the backend's flex.
 """
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -31,8 +30,9 @@ from pagedbench.backends.base import read_selected
 from pagedbench.backends.flex_compile import triton_options
 from torch.nn.attention.flex_attention import BlockMask
 
+from pagedbench import envs
+
 WORD_BITS = 32
-SPARSE_PATHS = ("auto", "gather", "pages")
 PAGES_MIN_TOKENS = 8  # query tokens from which a step whose sequences fit the top-k takes the page BlockMask
 SPARSE_Q_ROWS = 16  # least query rows per BlockMask block (a block lists its tokens' picks)
 GATHER_Q_ROWS = 64  # most query rows per block of a gathered call (MLA-128's decode: two blocks, two cores)
@@ -48,10 +48,7 @@ Share = Callable[[], float]  # a call's tile efficiency (it syncs: diagnostics o
 
 def forced_sparse_path() -> str:
     """PAGEDBENCH_FLEX_SPARSE: auto (default), or gather / pages, one way for every sparse step."""
-    forced = os.environ.get("PAGEDBENCH_FLEX_SPARSE", "auto").strip().lower() or "auto"
-    if forced not in SPARSE_PATHS:
-        raise ValueError(f"PAGEDBENCH_FLEX_SPARSE={forced!r} is not one of {', '.join(SPARSE_PATHS)}")
-    return forced
+    return envs.get("PAGEDBENCH_FLEX_SPARSE")
 
 
 def sparse_path(seq_lens: list[int], topk: int, num_tokens: int) -> str:

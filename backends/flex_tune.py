@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from pagedbench.backends.flex_compile import attend_compiled, attend_compiling
 
+from pagedbench import envs
+
 logger = logging.getLogger(__name__)
 
 CACHE_FILE = "flex-decode-options.json"
@@ -33,18 +35,17 @@ MAX_SPLIT = 64
 
 
 def tune_enabled() -> bool:
-    return os.environ.get("PAGEDBENCH_FLEX_TUNE", "1") != "0"
+    return envs.enabled("PAGEDBENCH_FLEX_TUNE")
 
 
 def tune_budget() -> float:
     """PAGEDBENCH_FLEX_TUNE_SECONDS: the most one shape's search may take (each candidate is a
     compile of a few seconds on a GPU); the best found by then is kept."""
-    return float(os.environ.get("PAGEDBENCH_FLEX_TUNE_SECONDS", "45"))
+    return float(envs.get("PAGEDBENCH_FLEX_TUNE_SECONDS"))
 
 
 def cache_path() -> Path:
-    root = os.environ.get("PAGEDBENCH_CACHE_DIR") or Path.home() / ".cache" / "pagedbench"
-    return Path(root) / CACHE_FILE
+    return envs.cache_dir() / CACHE_FILE
 
 
 @dataclass(frozen=True, slots=True)

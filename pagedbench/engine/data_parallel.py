@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
+from pagedbench import envs
 from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
@@ -80,7 +81,7 @@ def _replica_main(
                 if outputs:
                     conn.send(("outputs", outputs, engine.gauges()))
     except BaseException as e:
-        if os.environ.get("PAGEDBENCH_DEBUG"):
+        if envs.enabled("PAGEDBENCH_DEBUG"):
             traceback.print_exc()
         try:
             conn.send(("error", f"data-parallel replica {index}: {one_line(e)}"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagedbench import envs
 from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
@@ -119,7 +120,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                 break
             getattr(runner, method)(*args)
     except BaseException as e:
-        if os.environ.get("PAGEDBENCH_DEBUG"):
+        if envs.enabled("PAGEDBENCH_DEBUG"):
             traceback.print_exc()
         try:
             who = "pipeline stage" if spec.config.pipeline_parallel_size > 1 else "tensor-parallel"
