@@ -5,6 +5,7 @@ KV cache layout (one for every backend): per layer K and V `[num_blocks, block_s
 Slot `s` is token `s % block_size` of block `s // block_size`.
 """
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from importlib import import_module
@@ -13,6 +14,8 @@ from typing import Any, ClassVar
 import torch
 
 from pagedbench.config import KV_CACHE_DTYPE_NAMES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,12 +274,12 @@ def gather_kv_slots(meta: AttentionMetadata, seq_start: int, seq_end: int, max_l
 
 class AttentionBackend(ABC):
     """A paged-attention implementation. Subclasses set `name`, say what they cannot run
-    in `unavailable_reason`, build per-step state in `prepare` and attend in `forward`."""
+    in `unavailable_reason`, plan each step (its per-step state) in `plan` and attend in `forward`."""
 
     name: ClassVar[str]
-    # Why a decode step cannot be captured in a CUDA graph, or None when prepare() refills static
+    # Why a decode step cannot be captured in a CUDA graph, or None when plan() refills static
     # buffers in place and forward() has no host work, so a graph can replay it.
-    cuda_graph_reason: ClassVar[str | None] = "prepare() builds new tensors sized by each step"
+    cuda_graph_reason: ClassVar[str | None] = "plan() builds new tensors sized by each step"
     # Decode graphs only at power-of-two batch sizes of at least 2 (what the kernel compiles for).
     cuda_graph_powers_of_two: ClassVar[bool] = False
     # kv_cache_dtype values beyond "auto" that forward() reads (given kv_scales), and why not the others.
@@ -366,8 +369,30 @@ class AttentionBackend(ABC):
         return False
 
     @abstractmethod
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """The step's plan: per-step state derived from `meta`; called once per step, shared by all layers."""
+
     def prepare(self, meta: AttentionMetadata) -> Any:
-        """Per-step state derived from `meta`; called once per step, shared by all layers."""
+        """plan()'s name before 2026-11, still callable: runs the backend's own plan (a subclass that
+        overrides prepare() plans with it; see __init_subclass__)."""
+        for klass in type(self).__mro__:
+            plan = vars(klass).get("plan")
+            if plan is not None and not getattr(plan, "from_prepare", False):
+                return plan(self, meta)
+        raise NotImplementedError(f"{type(self).__name__} has no plan()")
+
+    def __init_subclass__(cls, **kwargs):
+        """A backend written to the old contract (prepare, not plan) plans through its prepare, with a note."""
+        super().__init_subclass__(**kwargs)
+        if "prepare" in vars(cls) and "plan" not in vars(cls):
+            logger.warning("%s.prepare() is now plan(), the backend contract's name: planning with it", cls.__name__)
+            old = vars(cls)["prepare"]
+
+            def plan(self, meta: AttentionMetadata) -> Any:
+                return old(self, meta)
+
+            plan.from_prepare = True
+            cls.plan = plan  # before ABCMeta counts the abstract methods: plan is not one of them
 
     @abstractmethod
     def forward(

@@ -93,7 +93,7 @@ class FlashAttnBackend(AttentionBackend):
         "runs only on Blackwell, and FA3's fp8 path (fp8 Q/K/V with per-(batch, KV head) descales) is "
         "not wired in yet"
     )
-    cuda_graph_reason = None  # prepare() refills StepBuffers in place
+    cuda_graph_reason = None  # plan() refills StepBuffers in place
     latent_values = True  # FA3's qv path; select_provider gives the other providers' reasons
     sparse_selection_reason = (
         "FA2/FA3/FA4 read pages through a block table, with no per-query token indices "
@@ -152,7 +152,7 @@ class FlashAttnBackend(AttentionBackend):
         self._variant = variant_kwargs(found, self.variant.sliding_window, self.variant.softcap)
         self._sink_param = sink_param(found)
 
-    def prepare(self, meta: AttentionMetadata) -> FlashAttnState:
+    def plan(self, meta: AttentionMetadata) -> FlashAttnState:
         return self.buffers.fill(meta)
 
     def forward(self, q, k_cache, v_cache, state: FlashAttnState, sinks=None) -> torch.Tensor:

@@ -2,10 +2,10 @@
 vLLM's on Blackwell, over the same paged cache (NHD: K and V pages [num_blocks, block_size,
 H_kv, D], separate).
 
-Its contract is plan/run: `prepare()` turns the step's block table into FlashInfer's CSR page
+Its contract is plan/run: `plan()` turns the step's block table into FlashInfer's CSR page
 metadata (kv_indptr, kv_indices, kv_last_page_len; qo_indptr) and calls the wrapper's `plan()`,
 its host-side scheduling, once per step; `forward()` calls `run()` per layer. `kernels` times
-the two apart ("prepare ms" is the plan). Wrappers: a step of one-token decodes only goes
+the two apart ("plan ms"). Wrappers: a step of one-token decodes only goes
 through BatchDecodeWithPagedKVCacheWrapper (tensor cores for GQA groups of 4 or more, as vLLM
 does), any other step through BatchPrefillWithPagedKVCacheWrapper (causal, queries aligned to
 the end of their keys); a layer with sinks through BatchAttentionWithAttentionSinkWrapper;
@@ -143,7 +143,7 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- per step -------------------------------------------------------------------------
 
-    def prepare(self, meta: AttentionMetadata) -> FlashInferState:
+    def plan(self, meta: AttentionMetadata) -> FlashInferState:
         """The step's CSR page metadata, and plan() for the pages' dtype (the model's until a
         forward has seen fp8 pages: that first step plans again)."""
         csr = paged_kv_csr(meta.seq_lens_cpu, self.block_size)

@@ -1,7 +1,7 @@
 """FlexAttention over the paged cache, each query block reading only its own sequence's pages.
 
 Per layer the cache `[num_pages, block_size, H_kv, D]` is viewed (no copy) as keys
-`[1, H_kv, num_pages * block_size, D]`. A step runs up to two flex calls, sharing one prepare():
+`[1, H_kv, num_pages * block_size, D]`. A step runs up to two flex calls, sharing one plan():
 
 - decode call: sequences with at most MAX_DECODE_QUERY new tokens (decodes, and short multi-token
   decodes), queries `[B, H, Q, D]` (Q = 1, 2, 4 or 8; short rows repeat their last token) against
@@ -10,8 +10,8 @@ Per layer the cache `[num_pages, block_size, H_kv, D]` is viewed (no copy) as ke
 - prefill call: longer chunks as one flat row `[1, H, T', D]`, each chunk padded to whole query
   blocks so a block never mixes sequences; block r lists its sequence's pages up to its last query.
 
-Three rooms. This one, the backend: its capabilities, prepare() once per step, forward() per layer.
-The layout: prepare() lays the calls out on the host (`flex_plan`), copies their index arrays to the
+Three rooms. This one, the backend: its capabilities, plan() once per step, forward() per layer.
+The layout: plan() lays the calls out on the host (`flex_plan`), copies their index arrays to the
 device at once and builds their BlockMasks in persistent buffers (`flex_masks`: the mask_mod, an
 inverse page table); DeepSeek-V3.2's sparse steps read their picks through `flex_sparse`. The kernels:
 forward() runs every call through one compiled function (`flex_compile`: compilation, kernel options,
@@ -103,7 +103,7 @@ class FlexBackend(AttentionBackend):
         "quantized KV too)"
     )
     # A decode step padded to a power of two is one identity call whose BlockMask, inverse page
-    # table and positions are views of persistent buffers that prepare() refills in place.
+    # table and positions are views of persistent buffers that plan() refills in place.
     cuda_graph_reason = None
     cuda_graph_powers_of_two = True
 
@@ -192,10 +192,10 @@ class FlexBackend(AttentionBackend):
             return ""
         return self.decode_tuner.used(self.kernel_options["decode"])
 
-    # --- prepare: once per step ----------------------------------------------------------------
+    # --- plan: once per step -- ----------------------------------------------------------------
 
     @torch.inference_mode()  # the mask's tensors must be alike whether built here or in forward (guards)
-    def prepare(self, meta: AttentionMetadata) -> FlexState:
+    def plan(self, meta: AttentionMetadata) -> FlexState:
         num_pages = meta.num_cache_blocks
         self._check_int32_offsets(num_pages)
         qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)

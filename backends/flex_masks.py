@@ -6,7 +6,7 @@ page table `inv[seq, physical page]` (logical page, or -1), rewritten where it c
 answers it without any global page->sequence map, so pages shared by several sequences (prefix
 caching, forks) are right, and stale table entries past a sequence's length are never visible.
 
-Every tensor a BlockMask holds is a view of a persistent buffer that prepare() refills in place and
+Every tensor a BlockMask holds is a view of a persistent buffer that plan() refills in place and
 that only grows, in power-of-two capacities: a CUDA graph replays it, and a compiled graph sees the
 same static sizes step after step (dynamic sizes in the mask_mod's buffers break the CPU kernel's
 codegen).

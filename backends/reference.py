@@ -37,7 +37,7 @@ class ReferenceBackend(AttentionBackend):
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
         return None  # every variant
 
-    def prepare(self, meta: AttentionMetadata) -> list[_Seq]:
+    def plan(self, meta: AttentionMetadata) -> list[_Seq]:
         qsl = meta.query_start_loc_cpu
         return [
             _Seq(qsl[i], qsl[i + 1], meta.context_lens_cpu[i], gather_kv_slots(meta, i, i + 1, seq_len)[0])

@@ -53,7 +53,7 @@ def _broken_backend(name: str, target: str, error: str) -> type[AttentionBackend
         def __init__(self, *args, **kwargs):
             raise ValueError(f"backend {name!r} is unavailable: {self.unavailable_reason()}")
 
-        def prepare(self, meta):
+        def plan(self, meta):
             raise NotImplementedError
 
         def forward(self, q, k_cache, v_cache, state):

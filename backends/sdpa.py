@@ -56,7 +56,7 @@ class SDPABackend(AttentionBackend):
     quantized_kv = QUANTIZED_KV  # dequantized as gathered
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
     sparse_selection = True  # each query's selected slots gathered into a batch of their own
-    cuda_graph_reason = "prepare() sizes its padded K/V gather by each step's longest sequence"
+    cuda_graph_reason = "plan() sizes its padded K/V gather by each step's longest sequence"
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
@@ -64,7 +64,7 @@ class SDPABackend(AttentionBackend):
             return "top-k sparse attention with a soft-cap or sinks: its sparse path is SDPA's, with no hook for either"
         return None  # every variant (soft-cap and sinks on the explicit score path)
 
-    def prepare(self, meta: AttentionMetadata) -> list[_Group]:
+    def plan(self, meta: AttentionMetadata) -> list[_Group]:
         groups = []
         qsl = meta.query_start_loc_cpu
         for start, end in ((0, meta.num_decodes), (meta.num_decodes, meta.num_seqs)):

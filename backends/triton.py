@@ -283,7 +283,7 @@ class TritonBackend(AttentionBackend):
             return None
         return "Triton interpreter on CPU (numpy, one program at a time): correct, but not a kernel's speed"
 
-    def prepare(self, meta: AttentionMetadata) -> TritonState:
+    def plan(self, meta: AttentionMetadata) -> TritonState:
         qsl, n, d = meta.query_start_loc_cpu, meta.num_seqs, meta.num_decodes
         launches = []
         if d:

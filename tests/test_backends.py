@@ -36,7 +36,7 @@ def run_backend(name, batch, num_heads, num_kv_heads, head_dim, block_size, dtyp
     backend = get_backend(name)(
         num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size, torch.device(device), dtype, **kwargs
     )
-    state = backend.prepare(batch.metadata)
+    state = backend.plan(batch.metadata)
     return backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
 
 
@@ -123,7 +123,7 @@ def test_sdpa_packs_gqa_heads_into_query_rows(heads, variant):
     out = []
     for cls in (SDPABackend, ReferenceBackend):
         backend = cls(*args)
-        out.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata), sinks=sinks))
+        out.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.plan(batch.metadata), sinks=sinks))
     torch.testing.assert_close(out[0], out[1])
-    state = SDPABackend(*args).prepare(batch.metadata)
+    state = SDPABackend(*args).plan(batch.metadata)
     assert [g.mask.shape[2] for g in state] == [g.max_q * num_heads // num_kv_heads for g in state]

@@ -107,10 +107,10 @@ class IgnoresPartialLastPage(ReferenceBackend):
 
     name = "faulty-partial-page"
 
-    def prepare(self, meta):
+    def plan(self, meta):
         return [
             dataclasses.replace(s, kv_slots=s.kv_slots[: max(len(s.kv_slots) // meta.block_size * meta.block_size, 1)])
-            for s in super().prepare(meta)
+            for s in super().plan(meta)
         ]
 
 
@@ -119,12 +119,12 @@ class ReadsNeighboursPage(ReferenceBackend):
 
     name = "faulty-neighbour"
 
-    def prepare(self, meta):
+    def plan(self, meta):
         table = meta.block_table.clone()
         for i in range(meta.num_seqs - 1):
             last = -(-meta.seq_lens_cpu[i] // meta.block_size) - 1
             table[i, last] = meta.block_table[i + 1, 0]
-        return super().prepare(dataclasses.replace(meta, block_table=table))
+        return super().plan(dataclasses.replace(meta, block_table=table))
 
 
 class DependsOnPlacement(ReferenceBackend):
@@ -133,8 +133,8 @@ class DependsOnPlacement(ReferenceBackend):
 
     name = "faulty-placement"
 
-    def prepare(self, meta):
-        return [dataclasses.replace(s, kv_slots=s.kv_slots.sort().values) for s in super().prepare(meta)]
+    def plan(self, meta):
+        return [dataclasses.replace(s, kv_slots=s.kv_slots.sort().values) for s in super().plan(meta)]
 
 
 @pytest.mark.parametrize(

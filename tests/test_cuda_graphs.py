@@ -1,6 +1,6 @@
 """Decode CUDA graphs, checked on CPU: bucket choice, padding, and replay. A fake capture stands
 for a CUDA graph — its replay reruns the captured call with the objects captured, so a backend
-whose prepare() does not refill static buffers in place replays stale state and is caught."""
+whose plan() does not refill static buffers in place replays stale state and is caught."""
 
 import functools
 import gc
@@ -14,8 +14,8 @@ from pagedbench.backends.flash_attn import FlashAttnBackend
 from pagedbench import LLM, SamplingParams
 from pagedbench.device.transfer import counting
 from pagedbench.engine.sequence import Sequence
-from pagedbench.worker.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets, graphable, pad_decode_plan
-from pagedbench.worker.step_plan import plan_step
+from pagedbench.worker.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets, graphable, pad_decode_batch
+from pagedbench.worker.step_batch import step_batch
 from tests.test_flash_attn import install_only
 
 CPU = torch.device("cpu")
@@ -49,18 +49,18 @@ def decode_seqs(lens, block_size, rng, num_blocks):
 def test_padding_rows_live_in_the_padding_page():
     rng = np.random.default_rng(0)
     seqs = decode_seqs([5, 17, 33], 16, rng, 20)
-    plan = plan_step(seqs, [1, 1, 1], 16, 21)
-    assert graphable(plan)
-    padded = pad_decode_plan(plan, 8, 6, pad_block=20)
-    assert padded.block_table.shape == (8, 6) and np.array_equal(padded.block_table[:3, :3], plan.block_table)
+    batch = step_batch(seqs, [1, 1, 1], 16, 21)
+    assert graphable(batch)
+    padded = pad_decode_batch(batch, 8, 6, pad_block=20)
+    assert padded.block_table.shape == (8, 6) and np.array_equal(padded.block_table[:3, :3], batch.block_table)
     assert (padded.block_table[3:, 0] == 20).all() and (padded.slot_mapping[3:] == 20 * 16).all()
     assert padded.seq_lens.tolist() == [5, 17, 33, 1, 1, 1, 1, 1]
     assert padded.query_start_loc.tolist() == list(range(9)) and padded.logits_indices.tolist() == list(range(8))
-    assert padded.sampling_rows == plan.sampling_rows == [0, 1, 2]
+    assert padded.sampling_rows == batch.sampling_rows == [0, 1, 2]
     with pytest.raises(ValueError, match="exceeds"):
-        pad_decode_plan(plan, 2, 6, 20)
+        pad_decode_batch(batch, 2, 6, 20)
     seqs[2].num_computed_tokens -= 1  # a two-token chunk: not a decode step
-    prefill = plan_step(seqs, [1, 1, 2], 16, 21)
+    prefill = step_batch(seqs, [1, 1, 2], 16, 21)
     assert not graphable(prefill)
 
 
@@ -70,17 +70,17 @@ def test_padding_does_not_change_the_real_rows(backend):
     runner = llm.engine.runner
     rng = np.random.default_rng(1)
     seqs = decode_seqs([3, 20, 45, 9], 16, rng, 40)
-    plan = plan_step(seqs, [1] * 4, 16, runner.num_cache_blocks)
-    inputs = plan.to(CPU)
-    eager = runner.run_eager(inputs, runner.backend.prepare(inputs.metadata))
-    padded = pad_decode_plan(plan, 8, 8, runner.pad_block).to(CPU)
-    got = runner.run_eager(padded, runner.backend.prepare(padded.metadata))
+    batch = step_batch(seqs, [1] * 4, 16, runner.num_cache_blocks)
+    inputs = batch.to(CPU)
+    eager = runner.run_eager(inputs, runner.backend.plan(inputs.metadata))
+    padded = pad_decode_batch(batch, 8, 8, runner.pad_block).to(CPU)
+    got = runner.run_eager(padded, runner.backend.plan(padded.metadata))
     torch.testing.assert_close(got[:4], eager, atol=1e-5, rtol=1e-5)
 
 
 def graph_engine(monkeypatch, backend_cls=FlashAttnBackend, max_num_seqs=8, capture=fake_capture):
     """A tiny engine whose runner replays fake-captured decode graphs through `backend_cls`
-    (flash-attn with the FA4 fake: the backend whose prepare() is graph-safe)."""
+    (flash-attn with the FA4 fake: the backend whose plan() is graph-safe)."""
     install_only(monkeypatch, "fa4")
     llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_num_seqs=max_num_seqs, max_model_len=128)
     engine = llm.engine
@@ -94,7 +94,7 @@ def graph_engine(monkeypatch, backend_cls=FlashAttnBackend, max_num_seqs=8, capt
 
 
 def test_graphs_keep_the_state_their_kernels_write(monkeypatch):
-    """A CUDA graph records addresses, not objects: the state prepare() gave each capture (here
+    """A CUDA graph records addresses, not objects: the state plan() gave each capture (here
     triton's split-KV scratch) must live as long as its graph. Freed, its memory goes to other
     tensors that every replay then overwrites: on an H200, `compare` at batch 256 died of an
     illegal memory access."""
@@ -150,7 +150,7 @@ def test_graphs_replay_decode_steps_exactly(monkeypatch):
 @pytest.mark.slow
 def test_flex_replays_decode_steps_exactly(monkeypatch):
     """flex's decode graphs (powers of two from 2, its kernel's static batches): every replay
-    reads the BlockMask, inverse page table and positions that prepare() refilled in place."""
+    reads the BlockMask, inverse page table and positions that plan() refilled in place."""
     from pagedbench.backends.flex import FlexBackend
 
     monkeypatch.setenv("PAGEDBENCH_FLEX_COMPILE", "0")  # the buffers are what is tested; eager is quicker
@@ -182,11 +182,11 @@ def test_a_backend_that_rebuilds_its_state_replays_stale_inputs(monkeypatch):
     llm, graphs = graph_engine(monkeypatch, backend_cls=SDPABackend, max_num_seqs=4)
     runner = llm.engine.runner
     seqs = decode_seqs([7, 30, 12], 16, np.random.default_rng(2), 60)
-    plan = plan_step(seqs, [1] * 3, 16, runner.num_cache_blocks)
-    inputs = plan.to(CPU)
-    eager = runner.run_eager(inputs, runner.backend.prepare(inputs.metadata))
-    static = graphs.inputs(plan, graphs.bucket(plan))
-    runner.backend.prepare(static.metadata)  # a fresh state the captured call never sees
+    batch = step_batch(seqs, [1] * 3, 16, runner.num_cache_blocks)
+    inputs = batch.to(CPU)
+    eager = runner.run_eager(inputs, runner.backend.plan(inputs.metadata))
+    static = graphs.inputs(batch, graphs.bucket(batch))
+    runner.backend.plan(static.metadata)  # a fresh state the captured call never sees
     assert not torch.allclose(graphs.replay(static)[:3], eager, atol=1e-3)
     # The engine's start-up check catches it before anything is measured, and runs eagerly.
     assert graphs.verify().startswith("the batch-1 graph's logits differ from eager ones by")
@@ -325,4 +325,4 @@ def test_cuda_graphs_on_cuda_give_the_eager_tokens(backend, dtype, model, heads,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_backends_without_static_state_say_why_they_run_eagerly():
     llm = LLM("tiny-llama", backend="sdpa", device="cuda", num_blocks=16, max_num_seqs=4)
-    assert llm.engine.cuda_graphs == "off: prepare() sizes its padded K/V gather by each step's longest sequence"
+    assert llm.engine.cuda_graphs == "off: plan() sizes its padded K/V gather by each step's longest sequence"

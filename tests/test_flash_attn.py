@@ -669,7 +669,7 @@ def make_batch(phase, heads, block_size=16, seed=0):
 
 def attend(name, batch, num_heads, num_kv_heads, block_size=16):
     backend = get_backend(name)(num_heads, num_kv_heads, 64, SCALE, block_size, torch.device("cpu"), torch.float32)
-    state = backend.prepare(batch.metadata)
+    state = backend.plan(batch.metadata)
     return backend, state, backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
 
 
@@ -721,7 +721,7 @@ def test_variants_reach_the_kernel_or_say_why_not(monkeypatch, kind, feature):
     outputs = []
     for name in ("flash-attn", "reference"):
         backend = get_backend(name)(num_heads, num_kv_heads, 64, SCALE, 16, torch.device("cpu"), torch.float32, variant)
-        outputs.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata), sinks))
+        outputs.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.plan(batch.metadata), sinks))
     torch.testing.assert_close(*outputs, atol=1e-4, rtol=1e-4)
 
 
@@ -740,7 +740,7 @@ def test_fa3_runs_latent_attention_through_qv(monkeypatch, phase):
     outputs = []
     for name in ("flash-attn", "reference"):
         backend = get_backend(name)(*heads, head_dim, SCALE, 16, torch.device("cpu"), torch.float32, LATENT)
-        outputs.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.prepare(batch.metadata)))
+        outputs.append(backend.forward(batch.q, batch.k_cache, batch.v_cache, backend.plan(batch.metadata)))
     assert calls == ["flash_attn_with_kvcache"] and outputs[0].shape == (len(batch.q), 8, 256)
     torch.testing.assert_close(*outputs, atol=1e-4, rtol=1e-4)
 
@@ -794,18 +794,18 @@ def test_state_is_built_once_and_reused_by_every_layer(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["fa4", "fa2"])
-def test_prepare_refills_static_buffers_in_place(monkeypatch, kind):
+def test_plan_refills_static_buffers_in_place(monkeypatch, kind):
     """Each step's index tensors are views of the same storage (what a captured CUDA graph reads),
     grown only when a step is larger; a smaller step after a larger one still attends correctly."""
     install_only(monkeypatch, kind)
     big, num_heads, num_kv_heads = make_batch("mixed", "gqa", seed=1)
     backend = FlashAttnBackend(num_heads, num_kv_heads, 64, SCALE, 16, torch.device("cpu"), torch.float32)
-    first = backend.prepare(big.metadata)
+    first = backend.plan(big.metadata)
     pointers = [t.data_ptr() for t in (first.cu_seqlens_q, first.seq_lens, first.block_table)]
     small, _, _ = make_batch("decode", "gqa", seed=2)
     assert small.metadata.num_seqs <= big.metadata.num_seqs
     assert small.metadata.block_table.shape[1] <= big.metadata.block_table.shape[1]
-    second = backend.prepare(small.metadata)
+    second = backend.plan(small.metadata)
     assert [t.data_ptr() for t in (second.cu_seqlens_q, second.seq_lens, second.block_table)] == pointers
     assert second.block_table.is_contiguous() and second.block_table.shape[0] == small.metadata.num_seqs
     width = small.metadata.block_table.shape[1]
@@ -828,7 +828,7 @@ def test_fa4_jit_compiles_are_announced_and_counted(monkeypatch, caplog):
     assert sum("JIT-compiles on first use" in m for m in messages) == 1
     assert sum("JIT-compiled a kernel in" in m for m in messages) == 1
     prefill, _, _ = make_batch("prefill", "gqa")
-    state = backend.prepare(prefill.metadata)
+    state = backend.plan(prefill.metadata)
     backend.forward(prefill.q, prefill.k_cache, prefill.v_cache, state)
     assert len(compile_cache) == 2
     assert sum("JIT-compiled a kernel in" in r.getMessage() for r in caplog.records) == 2

@@ -145,7 +145,7 @@ def test_block_mask_lists_each_sequences_own_pages():
     spec = [(15, 1), (40, 1), (0, 20), (9, 30)]
     meta = step_metadata(spec, 16)
     backend = FlexBackend(8, 2, 64, 0.125, 16, torch.device("cpu"), torch.float32, q_block_size=16)
-    decode, prefill = backend.prepare(meta).calls
+    decode, prefill = backend.plan(meta).calls
     table, num_pages = meta.block_table.tolist(), meta.num_cache_blocks
     assert (decode.kind, decode.batch, decode.q_len) == ("decode", 2, 1) and decode.gather is None
     mask = decode.block_mask
@@ -226,7 +226,7 @@ def test_output_depends_on_logical_content_not_placement(compile, phase, dtype):
 
 def efficiency(spec, block_size=16, q_block_size=None):
     backend = FlexBackend(16, 8, 128, 0.088, block_size, torch.device("cpu"), torch.bfloat16, q_block_size=q_block_size)
-    return backend.tile_efficiency(backend.prepare(step_metadata(spec, block_size)))
+    return backend.tile_efficiency(backend.plan(step_metadata(spec, block_size)))
 
 
 @pytest.mark.parametrize("batch_size", [1, 16, 64, 256])
@@ -256,7 +256,7 @@ def test_int32_overflow_is_refused():
     backend = FlexBackend(2, 1, 8, 0.125, 16, torch.device("cpu"), torch.float32)
     huge = dataclasses.replace(batch.metadata, num_cache_blocks=2**27 + 1)  # 2**31 + 16 slots
     with pytest.raises(ValueError, match="int32"):
-        backend.prepare(huge)
+        backend.plan(huge)
 
 
 def test_recompiles_stay_within_capacity_buckets():
@@ -373,7 +373,7 @@ def test_decode_without_full_blocks_as_on_cuda(compile):
     batch = random_attention_batch(spec, 8, 2, 64, 16, seed=4)
     backend = FlexBackend(8, 2, 64, 64**-0.5, 16, torch.device("cpu"), torch.float32, compile=compile)
     backend.decode_full_blocks = False
-    state = backend.prepare(batch.metadata)
+    state = backend.plan(batch.metadata)
     assert state.calls[0].kind == "decode" and state.calls[0].block_mask.full_kv_num_blocks is None
     got = backend.forward(batch.q, batch.k_cache, batch.v_cache, state)
     expected = run_backend("reference", batch, 8, 2, 64, 16, torch.float32, "cpu")
@@ -389,7 +389,7 @@ def test_prefill_mask_as_narrow_as_flash_requires(compile):
     batch = random_attention_batch(spec, 8, 2, 64, 16, seed=3)
     backend = FlexBackend(8, 2, 64, 64**-0.5, 16, torch.device("cpu"), torch.float32, compile=compile)
     backend._masks.exact_prefill_width = True
-    state = backend.prepare(batch.metadata)
+    state = backend.plan(batch.metadata)
     prefill = next(call for call in state.calls if call.kind == "prefill")
     num_pages = batch.k_cache.shape[0]
     assert prefill.block_mask.kv_indices.shape[-1] == num_pages  # pages of 16 = KV blocks of 16
@@ -419,7 +419,7 @@ def test_a_window_leaves_the_pages_before_it_out_of_the_block_mask(block_size):
     counts = {}
     for variant in (window, AttentionVariant()):
         backend = FlexBackend(8, 2, 64, 0.125, block_size, torch.device("cpu"), torch.float32, variant, compile=False)
-        state = backend.prepare(meta)
+        state = backend.plan(meta)
         for call in state.calls:
             mask = call.block_mask
             full = (

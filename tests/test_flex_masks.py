@@ -88,8 +88,8 @@ def test_device_built_block_masks_see_exactly_what_each_query_may(spec, block_si
     backend = FlexBackend(4, 2, 16, 0.25, block_size, CPU, torch.float32, variant=variant, compile=compiled)
     backend.decode_full_blocks = True  # CPU's choice; checked here for the listing, not the kernel
     other = place(problem, block_size, layout_seed=block_size + 1, spare_blocks=5).metadata
-    backend.prepare(other)  # a step on other pages first: its inverse entries must not leak into the next
-    state = backend.prepare(meta)
+    backend.plan(other)  # a step on other pages first: its inverse entries must not leak into the next
+    state = backend.plan(meta)
     num_pages = meta.num_cache_blocks
     want = dense_visible(meta, num_pages, block_size, window)
     got = mask_visible(backend, state, meta, num_pages)

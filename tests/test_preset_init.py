@@ -65,13 +65,13 @@ def test_flex_agrees_bit_for_bit_in_bf16():
 
 def test_a_backend_reading_a_neighbours_page_diverges():
     def neighbour_pages(backend):
-        prepare = backend.prepare
+        plan = backend.plan
 
         def shifted(meta):
             table = (meta.block_table + 1) % (meta.num_cache_blocks - 1)
-            return prepare(dataclasses.replace(meta, block_table=table))
+            return plan(dataclasses.replace(meta, block_table=table))
 
-        backend.prepare = shifted
+        backend.plan = shifted
 
     assert identical_token_share(generate(patch=neighbour_pages), generate()) < 0.5
 

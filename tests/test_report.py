@@ -40,7 +40,7 @@ def serving_rows(device_name: str) -> tuple[list[dict], list[dict]]:
                     "preemptions": 0,
                     "peak_kv_utilization": 0.5,
                     "time_forward_s": 0.9,
-                    "time_backend_prepare_s": 0.05,
+                    "time_backend_plan_s": 0.05,
                     "throughput_vs_best": speed / 150,
                     "identical_token_share": 1.0,
                 }

@@ -260,18 +260,18 @@ def test_flex_sparse_paths_equal_the_reference(path, monkeypatch):
     batch = random_attention_batch([(3, 1), (40, 1), (20, 6), (2, 5)], 6, 1, 40, 4, torch.float32, cpu,
                                    value_dim=32, topk=TOPK)  # fmt: skip
     ref = ReferenceBackend(6, 1, 40, 0.2, 4, cpu, torch.float32, variant)
-    expected = ref.forward(batch.q, batch.k_cache, batch.v_cache, ref.prepare(batch.metadata), selected=batch.selected)
+    expected = ref.forward(batch.q, batch.k_cache, batch.v_cache, ref.plan(batch.metadata), selected=batch.selected)
     flex = FlexBackend(6, 1, 40, 0.2, 4, cpu, torch.float32, variant, compile=False)
-    assert flex.prepare(batch.metadata).sparse_path == "gather"  # sequences past the top-k
+    assert flex.plan(batch.metadata).sparse_path == "gather"  # sequences past the top-k
     monkeypatch.setenv("PAGEDBENCH_FLEX_SPARSE", path)
-    state = flex.prepare(batch.metadata)
+    state = flex.plan(batch.metadata)
     got = flex.forward(batch.q, batch.k_cache, batch.v_cache, state, selected=batch.selected)
     assert state.sparse_path == path and 0 < flex.tile_efficiency(state) <= 1
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     monkeypatch.delenv("PAGEDBENCH_FLEX_SPARSE")
     for seqs, expected_path in (([(3, 1), (1, 6), (0, 3)], "pages"), ([(3, 1), (2, 5)], "gather")):
         short = random_attention_batch(seqs, 6, 1, 40, 4, torch.float32, cpu, value_dim=32, topk=TOPK)
-        assert flex.prepare(short.metadata).sparse_path == expected_path  # every query selects its whole past
+        assert flex.plan(short.metadata).sparse_path == expected_path  # every query selects its whole past
 
 
 @pytest.mark.slow

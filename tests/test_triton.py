@@ -25,7 +25,7 @@ def triton_backend(num_heads, num_kv_heads, head_dim, block_size=16, dtype=torch
 
 
 def attend(backend, batch, dtype):
-    state = backend.prepare(batch.metadata)
+    state = backend.plan(batch.metadata)
     out = backend.forward(batch.q.to(dtype), batch.k_cache.to(dtype), batch.v_cache.to(dtype), state)
     return out, state
 
@@ -76,7 +76,7 @@ def test_page_sizes_head_dims_and_groups(block_size, head_dim, heads):
 
 
 def test_forward_reads_lengths_from_the_device():
-    """Graph safety: the state prepared for one decode step, reused after the step's tensors were
+    """Graph safety: the state planned for one decode step, reused after the step's tensors were
     refilled in place with another step of the same shape (as a graph replay does), attends to the
     new step -- nothing about lengths or pages is baked into the state on the host."""
     first = place(random_problem([(40, 1), (100, 1), (3, 1)], 4, 2, 64, seed=1), 16, layout_seed=1)
@@ -84,8 +84,8 @@ def test_forward_reads_lengths_from_the_device():
     second = place(second_problem, 16, layout_seed=2)
     backend = triton_backend(4, 2, 64)
     graph_shaped = replace(first.metadata, max_seq_len=512)
-    state = backend.prepare(graph_shaped)
-    assert backend.prepare(replace(second.metadata, max_seq_len=512)).launches == state.launches
+    state = backend.plan(graph_shaped)
+    assert backend.plan(replace(second.metadata, max_seq_len=512)).launches == state.launches
     for name in ("query_start_loc", "seq_lens", "block_table"):
         old, new = getattr(first.metadata, name), getattr(second.metadata, name)
         old.zero_()[tuple(slice(0, n) for n in new.shape)] = new
@@ -167,7 +167,7 @@ def test_kernels_compile_for_the_gpu(arch, dtype, head_dim, query_len, kv):
     backend.tuning = backend_module.cuda_tuning(dtype, head_dim, num_sms=132, shared_limit=limit)
     problem = random_problem([(2000, query_len)] * 4, 16, 4, head_dim)
     meta = place(problem, 16, layout_seed=0).metadata
-    launch = backend.prepare(meta).launches[0]
+    launch = backend.plan(meta).launches[0]
     assert (launch.num_segments > 1) == (query_len <= 16)
     kernels = [(triton_kernels.paged_attention, backend.constants(launch, 16, kv), launch.num_warps)]
     if launch.num_segments > 1:
@@ -235,7 +235,7 @@ def test_latent_kernel_compiles_for_the_gpu(arch, dtype, kv, tmp_path):
     limit = {90: 227, 80: 163}[arch] * 1024
     backend.tuning = backend_module.cuda_tuning(dtype, 576, num_sms=132, shared_limit=limit)
     meta = place(random_problem([(4000, 1)] * 4, 128, 1, 576, value_dim=512), 64, layout_seed=0).metadata
-    launch = backend.prepare(meta).launches[0]
+    launch = backend.plan(meta).launches[0]
     assert launch.num_segments > 1
     element = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     kv_type = {None: None, torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}[kv]

@@ -80,7 +80,7 @@ def capability_row(name: str, device: torch.device, dtype: torch.dtype, head_dim
     why = reason(**SPARSE_SHAPE)
     row[SPARSE_FEATURE] = YES if why is None else short(why)
     row["quantized KV"] = _listed(KV_PAGES, lambda kv: reason(kv_cache_dtype=kv))
-    # ✓: prepare() refills static buffers and forward() has no host work (captured where there is CUDA).
+    # ✓: plan() refills static buffers and forward() has no host work (captured where there is CUDA).
     row["CUDA graphs"] = short(cls.cuda_graph_reason or base or "") or YES
     return row
 

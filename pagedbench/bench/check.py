@@ -243,7 +243,7 @@ def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scal
     device = batch.q.device
     variant = {} if case.variant == PLAIN else {"variant": case.variant}  # third-party backends may predate it
     backend = cls(num_heads, num_kv_heads, case.head_dim, scale, case.block_size, device, case.dtype, **variant)
-    state = backend.prepare(batch.metadata)
+    state = backend.plan(batch.metadata)
     extra = {} if sinks is None else {"sinks": sinks.to(device)}  # a backend with no variant need not know them
     if batch.selected is not None:
         extra["selected"] = batch.selected
@@ -341,7 +341,7 @@ def teacher_forced_logits(
     from pagedbench.engine.llm_engine import LLMEngine
     from pagedbench.engine.sequence import Sequence
     from pagedbench.sample.sampling_params import SamplingParams
-    from pagedbench.worker.step_plan import prepare_step
+    from pagedbench.worker.step_batch import build_step_inputs
 
     pages = [-(-len(t) // block_size) for t in tokens]
     engine = LLMEngine(
@@ -372,10 +372,10 @@ def teacher_forced_logits(
     for step, num_new in enumerate(schedule):
         for s, table, n in zip(seqs, tables, num_new):  # the pages a sequence holds so far
             s.block_table = table[: -(-(s.num_computed_tokens + n) // block_size)]
-        inputs = prepare_step(seqs, num_new, block_size, runner.num_cache_blocks, device)
+        inputs = build_step_inputs(seqs, num_new, block_size, runner.num_cache_blocks, device)
         ends = torch.tensor(inputs.metadata.query_start_loc_cpu[1:], device=device) - 1
         inputs.logits_indices = ends  # every sequence's last token, prompt finished or not
-        out = runner.run(inputs, runner.backend.prepare(inputs.metadata))
+        out = runner.run(inputs, runner.backend.plan(inputs.metadata))
         if step:
             logits.append(out.float().cpu())
         for s, n in zip(seqs, num_new):

@@ -1,4 +1,4 @@
-"""`pagedbench kernels`: each attention backend's prepare() and forward() timed apart on fragmented
+"""`pagedbench kernels`: each attention backend's plan() and forward() timed apart on fragmented
 block tables (random_attention_batch), over variant x phase x query length x heads x block size x
 context x batch (KernelGrid). Variant gdn times a hybrid model's DeltaNet layer instead, and the dsa
 variant's rows carry its indexer's time (kernels_non_attention.py).
@@ -207,7 +207,7 @@ def dense_forward(calls, scale: float) -> None:
 def run_kernels(
     backends: list[str], grid: KernelGrid, device: str | None = None, dtype: str | None = None, rows: list | None = None
 ) -> list[dict]:
-    """One row per backend x grid point: min and median of prepare and forward, bandwidth, TFLOP/s.
+    """One row per backend x grid point: min and median of plan and forward, bandwidth, TFLOP/s.
     Rows are appended to `rows` (a report.CsvLog writes each one out) as they are measured; under
     torchrun each rank times every world-th point and rank 0 appends every rank's, in grid order."""
     grid.validate()
@@ -373,19 +373,19 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
     def forward(state):
         return backend.forward(batch.q, k_cache, v_cache, state, **sinks, **quantized, **selected)
 
-    state = backend.prepare(batch.metadata)
+    state = backend.plan(batch.metadata)
     if grid.warmup:
         forward(state)  # a JIT-compiling first call is never timed
-    prepare = time_call(lambda: backend.prepare(batch.metadata), device, grid.warmup, grid.repeats)
-    state = backend.prepare(batch.metadata)
+    plan = time_call(lambda: backend.plan(batch.metadata), device, grid.warmup, grid.repeats)
+    state = backend.plan(batch.metadata)
     timed, graphed = (lambda: forward(state)), ""
     if grid.cuda_graphs:
         timed, graphed = _graphed(forward, state, backend)
     forward_times = time_kernel(timed, device, grid.warmup, grid.repeats)
     efficiency = getattr(backend, "tile_efficiency", None)  # flex: share of computed scores its mask keeps
     return {
-        "prepare_min_ms": 1e3 * min(prepare),
-        "prepare_median_ms": 1e3 * statistics.median(prepare),
+        "plan_min_ms": 1e3 * min(plan),
+        "plan_median_ms": 1e3 * statistics.median(plan),
         **forward_columns(forward_times, point),
         "tile_efficiency": efficiency(state) if efficiency else float("nan"),
         # flex on CUDA: the decode kernel options it ran with (searched per batch, or the defaults)

@@ -15,7 +15,7 @@ from pagedbench.config import EngineConfig
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.sequence import Sequence
 from pagedbench.sample.sampling_params import SamplingParams
-from pagedbench.worker.step_plan import prepare_step
+from pagedbench.worker.step_batch import build_step_inputs
 
 MILESTONE = "top-1 agreement >= 99 % and perplexity within 1 %"
 
@@ -70,9 +70,9 @@ def teacher_forced_logprobs(
         num_new = [min(chunk, s.num_tokens - 1 - s.num_computed_tokens) for s in active]
         for s, n in zip(active, num_new):
             bm.allocate(s, s.num_computed_tokens + n)
-        inputs = prepare_step(active, num_new, block_size, runner.num_cache_blocks, engine.device)
+        inputs = build_step_inputs(active, num_new, block_size, runner.num_cache_blocks, engine.device)
         inputs.logits_indices = torch.arange(sum(num_new), device=engine.device)  # every position
-        logits = runner.run(inputs, runner.backend.prepare(inputs.metadata)).float().log_softmax(dim=-1).cpu()
+        logits = runner.run(inputs, runner.backend.plan(inputs.metadata)).float().log_softmax(dim=-1).cpu()
         for s, part in zip(active, logits.split(num_new)):
             rows[int(s.request_id)].append(part)
             s.num_computed_tokens += len(part)

@@ -15,7 +15,7 @@ from pagedbench.backends.base import PLAIN, AttentionMetadata, AttentionVariant,
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.engine.sequence import Sequence
 from pagedbench.sample.sampling_params import SamplingParams
-from pagedbench.worker.step_plan import prepare_step
+from pagedbench.worker.step_batch import build_step_inputs
 
 
 @dataclass(slots=True)
@@ -146,7 +146,7 @@ def place(
         s = Sequence(str(i), None, [0] * (ctx + qlen), SamplingParams())
         s.num_computed_tokens, s.block_table = ctx, table
         sequences.append(s)
-    step = prepare_step(sequences, [q for _, q in problem.seqs], block_size, num_blocks, device)
+    step = build_step_inputs(sequences, [q for _, q in problem.seqs], block_size, num_blocks, device)
     selected = None
     if problem.selected is not None:  # the selected positions as this layout's cache slots
         by_pos = [torch.tensor(t, dtype=torch.long).repeat_interleave(block_size) * block_size

@@ -14,7 +14,7 @@ from pagedbench.bench.report_plots import (
     plot_rate_sweep,
     plot_throughput,
 )
-from pagedbench.bench.report_schema import SCHEMAS
+from pagedbench.bench.report_schema import RENAMED_COLUMNS, SCHEMAS
 from pagedbench.bench.report_tables import (
     bench_serve_table,
     check_section,
@@ -88,7 +88,7 @@ def load_csvs(paths: list[str]) -> pd.DataFrame:
     for p in files:
         if not p.is_file():
             raise FileNotFoundError(f"no such CSV: {p}")
-        frame = pd.read_csv(p)
+        frame = pd.read_csv(p).rename(columns=RENAMED_COLUMNS)
         if "kind" not in frame and {"base_url", "request_rate"} <= set(frame):  # bench-serve before its kind column
             frame = frame.assign(kind="bench-serve", backend=frame["base_url"])
         if "kind" not in frame or not set(frame["kind"]) <= set(SCHEMAS):

@@ -8,6 +8,12 @@ from pagedbench.bench.serve_client import PERCENTILES
 from pagedbench.config import EngineConfig
 from pagedbench.engine.stats import TIME_COLUMNS
 
+# Columns of older CSVs under their current names (a backend's prepare() is its plan() since 2026-11).
+RENAMED_COLUMNS = {
+    "time_backend_prepare_s": "time_backend_plan_s",
+    "prepare_min_ms": "plan_min_ms",
+    "prepare_median_ms": "plan_median_ms",
+}
 # Every engine setting by its EngineConfig name, but those a row says otherwise: backend, device and
 # dtype (ENVIRONMENT's, resolved) and speculative_config (the `speculative` label).
 SETTING_COLUMNS = [n for n in EngineConfig.names() if n not in ("backend", "device", "dtype", "speculative_config")]
@@ -157,8 +163,8 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "flops",
     "warmup",
     "repeats",
-    "prepare_min_ms",
-    "prepare_median_ms",
+    "plan_min_ms",
+    "plan_median_ms",
     "forward_min_ms",
     "forward_median_ms",
     "forward_max_ms",

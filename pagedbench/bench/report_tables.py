@@ -74,7 +74,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             **_kv_storage(med),
             **_speculation(med),
             **_structured(med),
-            "prepare %": _prepare_pct(med),
+            "plan %": _plan_pct(med),
             "attention % of forward": _pct(med, "attention_share"),
             **_moe(med),
             **_linear(med),
@@ -109,7 +109,7 @@ def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
             **_kv_storage(ok),
             **_speculation(ok),
             **_structured(ok),
-            "prepare %": _prepare_pct(ok),
+            "plan %": _plan_pct(ok),
             "attention % of forward": _pct(ok, "attention_share"),
             **_moe(ok),
             **_linear(ok),
@@ -284,9 +284,9 @@ def _pct(df: pd.DataFrame, share: str) -> pd.Series:
     return (100 * _column(df, share)).round(1)
 
 
-def _prepare_pct(df: pd.DataFrame) -> pd.Series:
-    """backend.prepare()'s share of the engine step time, in %."""
-    return (100 * df["time_backend_prepare_s"] / df[TIME_COLUMNS].sum(axis=1).replace(0, np.nan)).round(2)
+def _plan_pct(df: pd.DataFrame) -> pd.Series:
+    """backend.plan()'s share of the engine step time, in %."""
+    return (100 * df["time_backend_plan_s"] / df[TIME_COLUMNS].sum(axis=1).replace(0, np.nan)).round(2)
 
 
 def _pair(df: pd.DataFrame, name: str) -> pd.Series:
@@ -379,7 +379,7 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
             "block": ok["block_size"],
             "heads": ok["num_heads"].astype("Int64").astype(str) + "/" + ok["num_kv_heads"].astype("Int64").astype(str),
             "head_dim": ok["head_dim"],
-            "prepare ms": ok["prepare_median_ms"].round(3),
+            "plan ms": ok["plan_median_ms"].round(3),
             "forward ms (median)": ok["forward_median_ms"].round(3),
             "95% CI ms": [
                 interval_text(lo, hi, 3)

@@ -45,7 +45,7 @@ def time_kernel(fn, device: torch.device, warmup: int, repeats: int) -> list[flo
 
 
 def time_call(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call, host included (a step's prepare): CUDA events around each call, synced
+    """Seconds per call, host included (a step's plan): CUDA events around each call, synced
     after each, on GPU; perf_counter on CPU; after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()

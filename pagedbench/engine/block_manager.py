@@ -18,7 +18,7 @@ shared, so a fork costs at most one page copy per sequence.
 
 Sliding windows (as vLLM v1): when every layer of the model is windowed (Mistral), a page whose
 tokens have all fallen out of the window of the sequence's next token is released; its table
-entry becomes NO_BLOCK (the step plan points it at the padding page, and no backend reads keys
+entry becomes NO_BLOCK (the step batch points it at the padding page, and no backend reads keys
 outside the window). Models that mix global and local layers (Gemma 2/3) keep every page: one
 page holds a block of tokens for all layers, and the global layers read every one.
 

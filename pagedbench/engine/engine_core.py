@@ -150,7 +150,7 @@ class EngineCore:
         except BaseException:
             self.scheduler.abandon(sched)
             raise
-        output = self.token_picker(sched, step.forward.inputs.plan, logits, self.speculator)
+        output = self.token_picker(sched, step.forward.inputs.batch, logits, self.speculator)
         progressed = self.scheduler.update_from_output(sched, output)
         step.times.end = time.perf_counter()
         bm, running = self.block_manager, self.scheduler.running

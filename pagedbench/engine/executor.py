@@ -1,7 +1,7 @@
 """Executor: the worker side as the engine sees it. It builds rank 0's model (and starts the
 tensor- and pipeline-parallel workers), allocates the paged KV cache (as kv_budget sizes it), has
 the decode CUDA graphs captured where they can run (cuda_graphs), and runs each step: page moves,
-then inputs and metadata, the backend's prepare and the forward. Under pipeline parallelism a step
+then inputs and metadata, the backend's plan and the forward. Under pipeline parallelism a step
 is launched, and its logits collected later, so that as many steps as stages are in flight."""
 
 import os
@@ -28,7 +28,7 @@ from pagedbench.worker.layer_attention import LayerAttention, build_layer_attent
 from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.pipeline import InFlight, PipelineRunner
 from pagedbench.worker.pipeline_stage import StageLink
-from pagedbench.worker.step_plan import StepInputs
+from pagedbench.worker.step_batch import StepInputs
 from pagedbench.worker.tp_workers import ParallelRunner, Workers, rank_device
 
 
@@ -243,10 +243,10 @@ class Executor:
     def launch(self, seqs: list[Sequence], num_tokens: list[int], times: StepTimes) -> LaunchedForward:
         """Start a step where `seqs[i]` runs its next `num_tokens[i]` tokens (a pipeline's first
         stage; the whole step otherwise), stamping `times` as its parts end; `collect` finishes it."""
-        inputs = self.runner.prepare(seqs, num_tokens)
+        inputs = self.runner.build_inputs(seqs, num_tokens)
         times.metadata = time.perf_counter()
-        state = self.backend.prepare(inputs.metadata)
-        times.prepared = time.perf_counter()
+        state = self.backend.plan(inputs.metadata)
+        times.planned = time.perf_counter()
         step = LaunchedForward(inputs, self.timer.mark())
         timer = self.timer if self.timer.enabled and inputs.graph is None else None
         if self.pipeline_depth > 1:

@@ -22,7 +22,7 @@ from pagedbench.sample.sampling_params import SamplingParams
 from pagedbench.worker.cuda_graphs import decode_buckets
 from pagedbench.worker.linear_state import state_bytes_per_sequence
 from pagedbench.worker.model_runner import ModelRunner, kv_bytes_per_block
-from pagedbench.worker.step_plan import plan_step
+from pagedbench.worker.step_batch import step_batch
 
 logger = logging.getLogger(__name__)
 
@@ -233,13 +233,13 @@ def profile_activation_bytes(
         seq = Sequence(str(i), None, [0] * seq_len, params)
         seq.block_table = list(range(i * pages, (i + 1) * pages))
         seqs.append(seq)
-    plan = plan_step(seqs, [seq_len] * num_seqs, block_size, runner.num_cache_blocks)
-    plan.logits_indices = np.arange(num_logits, dtype=np.int64) % len(plan.input_ids)  # the sampler's rows
+    batch = step_batch(seqs, [seq_len] * num_seqs, block_size, runner.num_cache_blocks)
+    batch.logits_indices = np.arange(num_logits, dtype=np.int64) % len(batch.input_ids)  # the sampler's rows
     sampling = SamplingBatch.from_seqs([seqs[i % num_seqs] for i in range(num_logits)], model.config.vocab_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    Sampler(device, seed=0)(runner.run_plan(plan), sampling)
+    Sampler(device, seed=0)(runner.run_batch(batch), sampling)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del runner

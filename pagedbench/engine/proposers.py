@@ -48,7 +48,7 @@ class NgramProposer:
 
 @dataclass(slots=True)
 class _DraftView:
-    """A sequence as the draft's step plan reads it: its tokens so far (proposals appended), the
+    """A sequence as the draft's step batch reads it: its tokens so far (proposals appended), the
     target's pages, and how many of them the draft's cache holds."""
 
     token_ids: list[int]
@@ -78,8 +78,8 @@ class DraftModelProposer:
         while active:
             active.sort(key=lambda i: views[i].num_tokens - views[i].num_computed_tokens != 1)  # decodes first
             batch = [views[i] for i in active]
-            inputs = self.runner.prepare(batch, [v.num_tokens - v.num_computed_tokens for v in batch])
-            logits = self.runner.run(inputs, self.runner.backend.prepare(inputs.metadata))
+            inputs = self.runner.build_inputs(batch, [v.num_tokens - v.num_computed_tokens for v in batch])
+            logits = self.runner.run(inputs, self.runner.backend.plan(inputs.metadata))
             for i, token in zip(active, to_list(logits[: len(active)].argmax(dim=-1))):
                 views[i].num_computed_tokens = views[i].num_tokens
                 views[i].token_ids.append(token)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pagedbench.engine.sequence import Sequence
 
 # The parts of one engine step, in order; reports name their columns time_<part>_s.
-STEP_PARTS = ("schedule", "propose", "metadata", "backend_prepare", "forward", "sample")
+STEP_PARTS = ("schedule", "propose", "metadata", "backend_plan", "forward", "sample")
 TIME_COLUMNS = [f"time_{part}_s" for part in STEP_PARTS]
 
 
@@ -17,7 +17,7 @@ class StepTimes:
     scheduled: float = 0.0
     proposed: float = 0.0  # speculative proposals made (the page moves before them)
     metadata: float = 0.0  # the step's inputs and attention metadata on the device
-    prepared: float = 0.0  # the backend's prepare()
+    planned: float = 0.0  # the backend's plan()
     forward: float = 0.0  # the logits in hand
     end: float = 0.0  # sampled, and applied to the sequences
 
@@ -27,8 +27,8 @@ class StepTimes:
             "schedule": self.scheduled - self.start,
             "propose": self.proposed - self.scheduled,
             "metadata": self.metadata - self.proposed,
-            "backend_prepare": self.prepared - self.metadata,
-            "forward": self.forward - self.prepared,
+            "backend_plan": self.planned - self.metadata,
+            "forward": self.forward - self.planned,
             "sample": self.end - self.forward,
         }
 

@@ -19,7 +19,7 @@ from pagedbench.engine.step_update import BeamCandidates, ModelRunnerOutput, Sam
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.config import ModelConfig
 from pagedbench.sample.sampler import Sampler, SamplingBatch
-from pagedbench.worker.step_plan import StepPlan
+from pagedbench.worker.step_batch import StepBatch
 
 
 class TokenPicker:
@@ -41,17 +41,17 @@ class TokenPicker:
         self.sampling_batch: SamplingBatch | None = None  # last step's, reused while its sequences run on
 
     def __call__(
-        self, sched: SchedulerOutput, plan: StepPlan, logits: torch.Tensor, speculator: Speculator | None = None
+        self, sched: SchedulerOutput, batch: StepBatch, logits: torch.Tensor, speculator: Speculator | None = None
     ) -> ModelRunnerOutput:
-        """Step `sched`'s output from its `logits` (rows as `plan` laid them out: the sampling rows,
+        """Step `sched`'s output from its `logits` (rows as `batch` laid them out: the sampling rows,
         each verifying sequence's 1 + proposals among them, then the prompt chunks' that want prompt logprobs)."""
-        num_sampling = plan.num_sampling_logits
-        out = ModelRunnerOutput(prompt_logprob_rows=plan.prompt_logprob_rows)
-        if plan.prompt_logprob_rows:
+        num_sampling = batch.num_sampling_logits
+        out = ModelRunnerOutput(prompt_logprob_rows=batch.prompt_logprob_rows)
+        if batch.prompt_logprob_rows:
             out.prompt_logits = logits[num_sampling:]
-        seqs, logits = [sched.seqs[i] for i in plan.sampling_rows], logits[:num_sampling]
-        if any(plan.num_spec):  # verifying sequences emit the proposals they accept, then the target's token
-            seqs, logits, out.sampled = speculator.verify(seqs, plan.num_spec, logits)
+        seqs, logits = [sched.seqs[i] for i in batch.sampling_rows], logits[:num_sampling]
+        if any(batch.num_spec):  # verifying sequences emit the proposals they accept, then the target's token
+            seqs, logits, out.sampled = speculator.verify(seqs, batch.num_spec, logits)
         if not seqs:
             return out
         seqs, rows, groups, parents = self._fork_samples(seqs)

@@ -7,7 +7,7 @@ token counts change with every chunk, and their kernels are large enough to hide
 
 Padding rows are one-token sequences in the runner's padding page (a page the block manager
 never hands out), so they write and read only there; their logits are computed and ignored.
-A backend takes part only if its `prepare()` refills static buffers in place
+A backend takes part only if its `plan()` refills static buffers in place
 (`cuda_graph_reason` is None); tensor-parallel steps run eagerly (`graphs_off_reason` has every
 case). The engine captures the graphs at start-up and checks them against eager steps
 (`capture_decode_graphs`), before anything is measured.
@@ -27,7 +27,7 @@ from pagedbench.backends.base import one_line
 from pagedbench.config import EngineConfig
 from pagedbench.device.transfer import copy_to_device_, pack, to_device, unpack
 from pagedbench.model.config import ModelConfig
-from pagedbench.worker.step_plan import StepInputs, StepPlan
+from pagedbench.worker.step_batch import StepBatch, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -89,37 +89,37 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def pad_decode_plan(plan: StepPlan, rows: int, width: int, pad_block: int) -> StepPlan:
-    """The decode-only `plan` grown to `rows` sequences and `width` block-table columns. Each
+def pad_decode_batch(batch: StepBatch, rows: int, width: int, pad_block: int) -> StepBatch:
+    """The decode-only `batch` grown to `rows` sequences and `width` block-table columns. Each
     padding row is a one-token sequence at position 0 of page `pad_block`."""
-    n, bs = len(plan.seq_lens), plan.block_size
+    n, bs = len(batch.seq_lens), batch.block_size
     extra = rows - n
-    if extra < 0 or plan.block_table.shape[1] > width:
-        raise ValueError(f"a step of {n} sequences x {plan.block_table.shape[1]} pages exceeds {rows} x {width}")
+    if extra < 0 or batch.block_table.shape[1] > width:
+        raise ValueError(f"a step of {n} sequences x {batch.block_table.shape[1]} pages exceeds {rows} x {width}")
     table = np.zeros((rows, width), dtype=np.int32)
-    table[:n, : plan.block_table.shape[1]] = plan.block_table
+    table[:n, : batch.block_table.shape[1]] = batch.block_table
     table[n:, 0] = pad_block
     zeros, ones = np.zeros(extra, dtype=np.int64), np.ones(extra, dtype=np.int64)
     return replace(
-        plan,
-        input_ids=np.concatenate([plan.input_ids, zeros]),
-        positions=np.concatenate([plan.positions, zeros]),
+        batch,
+        input_ids=np.concatenate([batch.input_ids, zeros]),
+        positions=np.concatenate([batch.positions, zeros]),
         query_start_loc=np.arange(rows + 1, dtype=np.int64),
-        seq_lens=np.concatenate([plan.seq_lens, ones]),
-        context_lens=np.concatenate([plan.context_lens, zeros]),
+        seq_lens=np.concatenate([batch.seq_lens, ones]),
+        context_lens=np.concatenate([batch.context_lens, zeros]),
         block_table=table,
-        slot_mapping=np.concatenate([plan.slot_mapping, np.full(extra, pad_block * bs, dtype=np.int64)]),
+        slot_mapping=np.concatenate([batch.slot_mapping, np.full(extra, pad_block * bs, dtype=np.int64)]),
         token_seq_idx=np.arange(rows, dtype=np.int64),
         logits_indices=np.arange(rows, dtype=np.int64),
     )
 
 
-def graphable(plan: StepPlan) -> bool:
+def graphable(batch: StepBatch) -> bool:
     """A pure decode step whose every sequence samples (no prompt logprob rows)."""
     return (
-        len(plan.input_ids) == len(plan.seq_lens)
-        and not plan.prompt_logprob_rows
-        and len(plan.sampling_rows) == len(plan.seq_lens)
+        len(batch.input_ids) == len(batch.seq_lens)
+        and not batch.prompt_logprob_rows
+        and len(batch.sampling_rows) == len(batch.seq_lens)
     )
 
 
@@ -174,10 +174,10 @@ class DecodeGraphs:
         # pool (reused by the next capture), not [bucket, V] kept alive per bucket.
         self.logits = torch.empty(self.buckets[-1], vocab, dtype=torch.float32, device=self.runner.device)
         for bucket in reversed(self.buckets):
-            plan = self._padding_plan(bucket)
-            buffers = {d: to_device(h, self.runner.device) for d, h in pack(plan.arrays()).items()}
-            inputs = self._graph_shaped(plan.inputs(unpack(buffers, plan.arrays())))
-            state = self.runner.backend.prepare(inputs.metadata)
+            batch = self._padding_batch(bucket)
+            buffers = {d: to_device(h, self.runner.device) for d, h in pack(batch.arrays()).items()}
+            inputs = self._graph_shaped(batch.inputs(unpack(buffers, batch.arrays())))
+            state = self.runner.backend.plan(inputs.metadata)
             step = functools.partial(self._step, inputs, state, self.logits[:bucket])
             for _ in range(2):  # warm-up outside the graph: lazy initialisation, JIT compiles
                 step()
@@ -202,7 +202,7 @@ class DecodeGraphs:
             rows = min(bucket, self.runner.pad_block)
             context = rng.integers(0, bs, rows)
             pages = rng.permutation(self.runner.pad_block)[:rows].astype(np.int32)
-            plan = StepPlan(
+            batch = StepBatch(
                 input_ids=rng.integers(0, self.runner.model.config.vocab_size, rows),
                 positions=context,
                 query_start_loc=np.arange(rows + 1, dtype=np.int64),
@@ -219,10 +219,10 @@ class DecodeGraphs:
             )
             # The eager step gets the graph's shapes (padding, table width, max length), so both
             # run the same kernels and may be compared closely.
-            eager_inputs = self._graph_shaped(self._pad(plan, bucket).to(self.runner.device))
-            eager = self.runner.run_eager(eager_inputs, self.runner.backend.prepare(eager_inputs.metadata))[:rows]
-            inputs = self.inputs(plan, bucket)
-            self.runner.backend.prepare(inputs.metadata)
+            eager_inputs = self._graph_shaped(self._pad(batch, bucket).to(self.runner.device))
+            eager = self.runner.run_eager(eager_inputs, self.runner.backend.plan(eager_inputs.metadata))[:rows]
+            inputs = self.inputs(batch, bucket)
+            self.runner.backend.plan(inputs.metadata)
             replayed = self.replay(inputs)[:rows]
             diff = (replayed - eager).abs().max().item()
             scale = eager.abs().max().item()
@@ -230,29 +230,29 @@ class DecodeGraphs:
                 return f"the batch-{bucket} graph's logits differ from eager ones by {diff:.3g} (of {scale:.3g})"
         return None
 
-    def bucket(self, plan: StepPlan) -> int | None:
-        return bucket_for(len(plan.seq_lens), self.buckets) if graphable(plan) else None
+    def bucket(self, batch: StepBatch) -> int | None:
+        return bucket_for(len(batch.seq_lens), self.buckets) if graphable(batch) else None
 
-    def inputs(self, plan: StepPlan, bucket: int) -> StepInputs:
-        """`plan` padded to `bucket` and copied into that graph's static inputs (one copy per dtype)."""
+    def inputs(self, batch: StepBatch, bucket: int) -> StepInputs:
+        """`batch` padded to `bucket` and copied into that graph's static inputs (one copy per dtype)."""
         graph = self.graphs[bucket]
-        padded = self._pad(plan, bucket)
+        padded = self._pad(batch, bucket)
         for dtype, host in pack(padded.arrays()).items():
             copy_to_device_(graph.buffers[dtype], host)
-        inputs = replace(graph.inputs, plan=plan, graph=bucket)
+        inputs = replace(graph.inputs, batch=batch, graph=bucket)
         inputs.metadata = self._metadata(padded, graph.inputs)
         return inputs
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [bucket, V]: the first len(plan.seq_lens) rows are the step's."""
+        """Logits [bucket, V]: the first len(batch.seq_lens) rows are the step's."""
         return self.graphs[inputs.graph].replay()
 
-    def _pad(self, plan: StepPlan, bucket: int) -> StepPlan:
-        return pad_decode_plan(plan, bucket, self.width, self.runner.pad_block)
+    def _pad(self, batch: StepBatch, bucket: int) -> StepBatch:
+        return pad_decode_batch(batch, bucket, self.width, self.runner.pad_block)
 
-    def _padding_plan(self, bucket: int) -> StepPlan:
+    def _padding_batch(self, bucket: int) -> StepBatch:
         empty = np.zeros(0, dtype=np.int64)
-        nothing = StepPlan(
+        nothing = StepBatch(
             input_ids=empty,
             positions=empty,
             query_start_loc=np.zeros(1, dtype=np.int64),
@@ -274,7 +274,7 @@ class DecodeGraphs:
         inputs.metadata = replace(inputs.metadata, max_seq_len=self.max_seq_len)
         return inputs
 
-    def _metadata(self, padded: StepPlan, captured: StepInputs):
+    def _metadata(self, padded: StepBatch, captured: StepInputs):
         """The captured metadata (same tensors, refilled) with this step's host-side lengths."""
         return replace(
             captured.metadata,

@@ -1,5 +1,5 @@
 """The attention backends of a model's layers: one backend instance per distinct AttentionVariant
-(e.g. Gemma 2's sliding-window and global layers), each prepared once per step and shared by
+(e.g. Gemma 2's sliding-window and global layers), each planned once per step and shared by
 every layer of its variant."""
 
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ class LayerStates:
 
 class LayerAttention:
     """Per-layer backends that look, to the rest of the worker, like the one backend of a plain
-    model: `prepare` builds every distinct backend's state once; `primary` (the first layer's)
+    model: `plan` plans every distinct backend's step once; `primary` (the first layer's)
     answers for the name, CUDA-graph settings and diagnostics."""
 
     def __init__(self, layer_backends: list[AttentionBackend]):
@@ -34,8 +34,8 @@ class LayerAttention:
     def uniform(cls, backend: AttentionBackend, num_layers: int) -> "LayerAttention":
         return cls([backend] * num_layers)
 
-    def prepare(self, meta: AttentionMetadata) -> LayerStates:
-        states = {id(b): b.prepare(meta) for b in self.distinct}
+    def plan(self, meta: AttentionMetadata) -> LayerStates:
+        states = {id(b): b.plan(meta) for b in self.distinct}
         return LayerStates(self.layer_backends, [states[id(b)] for b in self.layer_backends])
 
     @property

@@ -1,5 +1,5 @@
 """ModelRunner: owns the model, the paged KV cache (and its swap space) and the backend; runs a
-step's page moves and its forward over one flat token batch (worker/step_plan.py)."""
+step's page moves and its forward over one flat token batch (worker/step_batch.py)."""
 
 import math
 
@@ -23,7 +23,7 @@ from pagedbench.model.parallel import NO_TP, TPShard
 from pagedbench.model.sparse_index import SparseStep
 from pagedbench.worker.layer_attention import LayerAttention, LayerStates
 from pagedbench.worker.linear_state import LinearStateCache, LinearStep
-from pagedbench.worker.step_plan import ScheduledSequence, StepInputs, StepPlan, plan_step
+from pagedbench.worker.step_batch import ScheduledSequence, StepBatch, StepInputs, step_batch
 
 
 def kv_bytes_per_block(
@@ -165,17 +165,17 @@ class ModelRunner:
         for paged, cpu in zip(self.paged, self.cpu_paged):
             paged[:, :, device_index] = to_device(cpu[:, :, cpu_index], self.device)
 
-    def prepare(self, seqs: list[ScheduledSequence], num_tokens: list[int]) -> StepInputs:
+    def build_inputs(self, seqs: list[ScheduledSequence], num_tokens: list[int]) -> StepInputs:
         """The step's inputs on the device (`seqs[i]` runs its next `num_tokens[i]` tokens): a
         captured graph's static inputs for a decode step that fits one, else fresh tensors."""
-        plan = plan_step(seqs, num_tokens, self.block_size, self.num_cache_blocks)
-        bucket = self.graphs.bucket(plan) if self.graphs is not None else None
-        return plan.to(self.device) if bucket is None else self.graphs.inputs(plan, bucket)
+        batch = step_batch(seqs, num_tokens, self.block_size, self.num_cache_blocks)
+        bucket = self.graphs.bucket(batch) if self.graphs is not None else None
+        return batch.to(self.device) if bucket is None else self.graphs.inputs(batch, bucket)
 
-    def run_plan(self, plan: StepPlan) -> torch.Tensor | None:
+    def run_batch(self, batch: StepBatch) -> torch.Tensor | None:
         """A whole step from its host arrays (what a tensor-parallel worker does)."""
-        inputs = plan.to(self.device)
-        return self.run(inputs, self.backend.prepare(inputs.metadata))
+        inputs = batch.to(self.device)
+        return self.run(inputs, self.backend.plan(inputs.metadata))
 
     def run(self, inputs: StepInputs, backend_state, timer=None, hidden=None) -> torch.Tensor | None:
         """fp32 logits [len(logits_indices), vocab] (None on tensor-parallel ranks other than 0);
@@ -195,17 +195,17 @@ class ModelRunner:
             timer,
             self.kv_scales,
             self.calibrate_kv,
-            self._linear_step(inputs.plan),
+            self._linear_step(inputs.batch),
             self._sparse_step(inputs.metadata, timer),
         )
         self.calibrate_kv = False  # the first step's K/V set the fp8 scales
         return self.model(inputs.input_ids, inputs.metadata.positions, ctx, inputs.logits_indices, hidden)
 
-    def _linear_step(self, plan) -> LinearStep | None:
+    def _linear_step(self, batch) -> LinearStep | None:
         if self.linear_states is None:
             return None
-        qsl, ctx = plan.query_start_loc.tolist(), plan.context_lens.tolist()
-        return LinearStep(self.linear_states, plan.state_slots, qsl, ctx, plan.state_snapshots)
+        qsl, ctx = batch.query_start_loc.tolist(), batch.context_lens.tolist()
+        return LinearStep(self.linear_states, batch.state_slots, qsl, ctx, batch.state_snapshots)
 
     def _sparse_step(self, meta, timer) -> SparseStep | None:
         cfg = self.model.config
@@ -218,7 +218,7 @@ class ModelRunner:
 
     @property
     def backend(self) -> LayerAttention:
-        """Every layer's backend, prepared once per step for all of them (`prepare` -> LayerStates)."""
+        """Every layer's backend, planned once per step for all of them (`plan` -> LayerStates)."""
         return self._attention
 
     @backend.setter

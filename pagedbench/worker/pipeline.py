@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pagedbench.model.parallel import logits_group
 from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.pipeline_stage import StageLink
-from pagedbench.worker.step_plan import StepInputs
+from pagedbench.worker.step_batch import StepInputs
 from pagedbench.worker.tp_workers import ParallelRunner
 
 
@@ -29,7 +29,7 @@ class InFlight:
 
 
 class PipelineRunner(ParallelRunner):
-    """The driver's stage 0: `launch` sends the plan to every worker, runs stage 0's layers and
+    """The driver's stage 0: `launch` sends the batch to every worker, runs stage 0's layers and
     posts their send; `collect` receives the step's logits from the last stage."""
 
     def __init__(self, runner: ModelRunner, workers, link: StageLink):
@@ -38,13 +38,13 @@ class PipelineRunner(ParallelRunner):
         self.vocab_size = runner.model.config.vocab_size
 
     def launch(self, inputs: StepInputs, backend_state, timer=None) -> InFlight:
-        self.workers.send("run_plan", inputs.plan)
+        self.workers.send("run_batch", inputs.batch)
         try:
             hidden = self.local.run(inputs, backend_state, timer)
             send = dist.isend(hidden, dst=self.link.next)
         except RuntimeError as e:
             raise self._broken(e) from None
-        return InFlight(send, hidden, len(inputs.plan.logits_indices))
+        return InFlight(send, hidden, len(inputs.batch.logits_indices))
 
     def collect(self, step: InFlight) -> torch.Tensor:
         logits = torch.empty(step.num_logits, self.vocab_size, dtype=torch.float32, device=self.local.device)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from pagedbench.model.parallel import PPStage, logits_group
 from pagedbench.worker.model_runner import ModelRunner
-from pagedbench.worker.step_plan import StepPlan
+from pagedbench.worker.step_batch import StepBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +42,13 @@ class StageRunner:
         self.runner, self.link = runner, link
         self.hidden_size = runner.model.config.hidden_size
 
-    def run_plan(self, plan: StepPlan) -> None:
+    def run_batch(self, batch: StepBatch) -> None:
         runner, link = self.runner, self.link
-        inputs = plan.to(runner.device)
-        state = runner.backend.prepare(inputs.metadata)
+        inputs = batch.to(runner.device)
+        state = runner.backend.plan(inputs.metadata)
         hidden = None
         if not link.stage.first:
-            hidden = torch.empty(len(plan.input_ids), self.hidden_size, dtype=runner.dtype, device=runner.device)
+            hidden = torch.empty(len(batch.input_ids), self.hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(hidden, src=link.prev)
         out = runner.run(inputs, state, hidden=hidden)
         if not link.stage.last:

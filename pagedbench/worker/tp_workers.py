@@ -2,7 +2,7 @@
 rank 0 is the engine's own process. World rank = pipeline stage x tensor_parallel_size +
 tensor-parallel rank.
 
-Rank 0 alone schedules and samples: it sends each step's host arrays (a StepPlan) and its
+Rank 0 alone schedules and samples: it sends each step's host arrays (a StepBatch) and its
 page copies and swaps down one pipe per worker, and every rank runs the same model call with
 its shard, meeting in the all-reduces (gloo on CPU, NCCL on CUDA); pipeline stages pass hidden
 states on (pipeline.py). Logits reach rank 0 only.
@@ -35,7 +35,7 @@ from pagedbench.worker.child_processes import child_context, exit_now, start_chi
 from pagedbench.worker.layer_attention import build_layer_attention
 from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.pipeline_stage import StageLink, StageRunner
-from pagedbench.worker.step_plan import StepInputs
+from pagedbench.worker.step_batch import StepInputs
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # a first step may JIT-compile for minutes on a CPU
 START_TIMEOUT_S = 600.0
@@ -256,8 +256,8 @@ class ParallelRunner:
     def kv_cache(self) -> torch.Tensor:
         return self.local.kv_cache
 
-    def prepare(self, seqs, num_tokens: list[int]) -> StepInputs:
-        return self.local.prepare(seqs, num_tokens)
+    def build_inputs(self, seqs, num_tokens: list[int]) -> StepInputs:
+        return self.local.build_inputs(seqs, num_tokens)
 
     def copy_blocks(self, copies) -> None:
         self._everywhere("copy_blocks", copies)
@@ -272,7 +272,7 @@ class ParallelRunner:
         self._everywhere("copy_states", pairs)
 
     def run(self, inputs: StepInputs, backend_state, timer=None) -> torch.Tensor:
-        self.workers.send("run_plan", inputs.plan)
+        self.workers.send("run_batch", inputs.batch)
         try:
             return self.local.run(inputs, backend_state, timer)
         except RuntimeError as e:

@@ -282,7 +282,7 @@ def register(sub) -> None:
 
 def register_kernels(sub) -> None:
     kern = sub.add_parser(
-        "kernels", help="attention microbenchmark: prepare and forward per backend (variant gdn: DeltaNet layers)"
+        "kernels", help="attention microbenchmark: plan and forward per backend (variant gdn: DeltaNet layers)"
     )
     kern.add_argument("--backends", default=None, help="comma-separated (default: every registered backend)")
     kern.add_argument("--preset", choices=["cpu", "gpu"], default=None, help="grid (default: gpu on cuda, else cpu)")

@@ -1,4 +1,4 @@
-"""A step's inputs: the host arrays of one flat, unpadded token batch (StepPlan, built from
+"""A step's inputs: the host arrays of one flat, unpadded token batch (StepBatch, built from
 the scheduled sequences with numpy) and their device copies with the step's AttentionMetadata
 (StepInputs), built once per step and shared by every layer."""
 
@@ -13,7 +13,7 @@ from pagedbench.device.transfer import to_device_packed
 
 
 class ScheduledSequence(Protocol):
-    """What a step plan reads of a scheduled sequence (the engine's Sequence)."""
+    """What a step batch reads of a scheduled sequence (the engine's Sequence)."""
 
     token_ids: list[int]
     spec_token_ids: list[int]  # proposed tokens after token_ids, run this step to verify them
@@ -35,12 +35,12 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     logits_indices: torch.Tensor  # [S + D + P] each sampling sequence's last token (and verified ones), prompt rows
     metadata: AttentionMetadata
-    plan: "StepPlan"  # the host arrays these were copied from (and the rows' meaning)
+    batch: "StepBatch"  # the host arrays these were copied from (and the rows' meaning)
     graph: int | None = None  # the CUDA-graph bucket whose static inputs these are (None: eager)
 
 
 @dataclass(slots=True)
-class StepPlan:
+class StepBatch:
     """A step's inputs as host arrays: what rank 0 sends to the other tensor-parallel ranks."""
 
     input_ids: np.ndarray  # [T] int64
@@ -110,10 +110,10 @@ class StepPlan:
             seq_lens_cpu=self.seq_lens.tolist(),
             context_lens_cpu=self.context_lens.tolist(),
         )
-        return StepInputs(input_ids=input_ids, logits_indices=logits_indices, metadata=meta, plan=self)
+        return StepInputs(input_ids=input_ids, logits_indices=logits_indices, metadata=meta, batch=self)
 
 
-def plan_step(seqs: list[ScheduledSequence], num_new: list[int], block_size: int, num_cache_blocks: int) -> StepPlan:
+def step_batch(seqs: list[ScheduledSequence], num_new: list[int], block_size: int, num_cache_blocks: int) -> StepBatch:
     """Flat host inputs for running `num_new[i]` more tokens of `seqs[i]` (decodes first)."""
     context = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
     q_lens = np.array(num_new, dtype=np.int64)
@@ -155,7 +155,7 @@ def plan_step(seqs: list[ScheduledSequence], num_new: list[int], block_size: int
             if last > first:
                 prompt_logprob_rows.append((i, first, last - first))
                 logits_indices.append(qsl[i] + np.arange(first, last) - context[i])
-    return StepPlan(
+    return StepBatch(
         input_ids=input_ids,
         positions=positions,
         query_start_loc=qsl,
@@ -183,9 +183,9 @@ def _tokens(seq: ScheduledSequence, end: int) -> list[int]:
     return seq.token_ids if end <= len(seq.token_ids) else seq.token_ids + seq.spec_token_ids
 
 
-def prepare_step(
+def build_step_inputs(
     seqs: list[ScheduledSequence], num_new: list[int], block_size: int, num_cache_blocks: int, device: torch.device
 ) -> StepInputs:
     """Flat inputs and AttentionMetadata for running `num_new[i]` more tokens of `seqs[i]`
     (decodes first). Host-side numpy, then one copy per tensor: no device sync."""
-    return plan_step(seqs, num_new, block_size, num_cache_blocks).to(device)
+    return step_batch(seqs, num_new, block_size, num_cache_blocks).to(device)
