@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from pagedbench import envs
 from pagedbench.device.cpu_threads import usable_cores
 
 
@@ -25,11 +26,7 @@ def pytest_configure(config):
 def pytest_runtest_logreport(report):
     """A failure's report printed as it happens (controller side under xdist), not only in the
     summary at the end: a run cut at its time limit (the GPU suite's) still names why each failed."""
-    if (
-        report.failed
-        and os.environ.get("PAGEDBENCH_EARLY_FAILURES") == "1"
-        and not os.environ.get("PYTEST_XDIST_WORKER")
-    ):
+    if report.failed and envs.enabled("PAGEDBENCH_EARLY_FAILURES") and not os.environ.get("PYTEST_XDIST_WORKER"):
         print(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n", flush=True)
 
 

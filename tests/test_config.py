@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,35 @@ def test_a_setting_added_once_reaches_llm_flags_scenarios_and_reports(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "one setting, four places: ok" in done.stdout
+
+
+def test_every_environment_knob_is_defined_once_and_documented():
+    """Every PAGEDBENCH_* name the code uses is a knob of envs.py (or an older name of one), read
+    through it (no os.environ reads of them elsewhere), and docs/usage.md's table lists each."""
+    import re
+
+    from pagedbench import envs
+
+    root = Path(pagedbench.config.__file__).parents[1]
+    sources = [p for d in ("pagedbench", "backends") for p in (root / d).rglob("*.py") if p.name != "envs.py"]
+    used = {name for p in sources for name in re.findall(r"PAGEDBENCH_[A-Z_]+", p.read_text())}
+    assert used <= set(envs.KNOBS) | set(envs.RENAMED), used - set(envs.KNOBS)
+    direct = [p.name for p in sources if re.search(r"environ(\.get)?[\[(]\s*[\"']PAGEDBENCH_", p.read_text())]
+    assert not direct, f"read PAGEDBENCH_* knobs through envs.get: {direct}"
+    docs = (root / "docs" / "usage.md").read_text()
+    assert all(f"| `{name}` |" in docs for name in envs.KNOBS)
+
+
+def test_a_knob_outside_its_choices_is_a_one_line_error(monkeypatch, caplog):
+    from pagedbench import envs
+
+    monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", "cute")
+    with pytest.raises(ValueError, match=r"^PAGEDBENCH_FLEX_KERNEL='cute' is not one of triton, flash$"):
+        envs.get("PAGEDBENCH_FLEX_KERNEL")
+    monkeypatch.setenv("PAGEDBENCH_FLEX_KERNEL", " Flash ")
+    assert envs.get("PAGEDBENCH_FLEX_KERNEL") == "flash"
+    monkeypatch.delenv("PAGEDBENCH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PAGEDBENCH_CACHE", "/tmp/old-cache")
+    with caplog.at_level("WARNING", logger="pagedbench.envs"):
+        assert envs.cache_dir() == Path("/tmp/old-cache")
+    assert "PAGEDBENCH_CACHE is deprecated: set PAGEDBENCH_CACHE_DIR instead" in caplog.text

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STASH = Path(os.environ.get("PAGEDBENCH_GPU_STASH", "/tmp/pagedbench-gpu"))  # survives between calls while warm
+from pagedbench import envs
+
+STASH = Path(envs.get("PAGEDBENCH_GPU_STASH"))  # survives between calls while warm
 MIN_STEP_SECONDS = 20  # a step with less time than this left is skipped, not started
 KILL_GRACE_SECONDS = 5  # between SIGTERM to a step's process group and SIGKILL
 TARBALL = "gpu-suite.tar.gz"

@@ -1,7 +1,6 @@
 """`pagedbench kernels`, `check` and `backends`: the attention backends on their own -- timed on a
 grid, held to a dense oracle, and what each runs here."""
 
-import argparse
 import dataclasses
 import sys
 import textwrap
@@ -11,6 +10,7 @@ import pandas as pd
 import torch
 
 from pagedbench.backends.base import KV_CACHE_DTYPES
+from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import dtype_name, resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
     NothingMeasured,
@@ -348,18 +348,13 @@ def register_check(sub) -> None:
         action="store_true",
         help="also teacher-force the whole model through each backend and compare logits (in --full)",
     )
-    chk.add_argument(
-        "--model",
-        default=None,
-        help="model of --engine (default tiny-llama), --kv-cache-dtype and --loglikelihood (py-byte-target)",
+    engine = chk.add_argument_group(
+        "engine settings: the model of --engine (unset: tiny-llama), --kv-cache-dtype and --loglikelihood "
+        "(py-byte-target), --index-cache-dtype (deepseek-v3.2); --engine's backends compiled or not, against "
+        "the eager reference"
     )
-    chk.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="--engine: each backend's model compiled (fused.py) or not, against the eager reference "
-        "(default: on for CUDA, off on CPU)",
-    )
+    only = ("model", "compile")  # what check's engine runs take; --kv-cache-dtype is a list of dtypes here
+    EngineConfig.add_cli_args(engine, skip=tuple(set(EngineConfig.names()) - set(only)), unset="check's")
     chk.add_argument(
         "--kv-cache-dtype",
         default=None,
