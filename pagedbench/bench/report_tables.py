@@ -6,9 +6,21 @@ import textwrap
 import numpy as np
 import pandas as pd
 
-from pagedbench.bench.noise import MIN_RUNS_FOR_INTERVAL, NO_INTERVAL, interval_text, rankings, spread
+from pagedbench.bench.noise import (
+    LEVEL,
+    MIN_RUNS_FOR_INTERVAL,
+    NO_INTERVAL,
+    RUNS_FOR_LEVEL,
+    interval_text,
+    median_interval_level,
+    rankings,
+    spread,
+)
 from pagedbench.bench.report_schema import SERVE_LATENCIES
 from pagedbench.engine.stats import TIME_COLUMNS
+
+# Summary keys that say how a backend ran, not what it computed: rows differing only in them are ranked together.
+HOW_IT_RAN = ("enforce_eager", "compile", "speculative", "moe_kernel")
 
 
 def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
@@ -30,16 +42,20 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
     keys += [col for col in optional if col in ok]
     numeric = ok.select_dtypes("number").columns.difference(keys)
     groups = ok.groupby(keys, sort=False, dropna=False)
-    med = groups[list(numeric)].median().reset_index()
+    med = groups[list(numeric)].median().copy().reset_index().copy()  # consolidated: the columns below add blocks
     med["runs"] = groups.size().values
-    # vs best over the rows shown (a merged report compares across the CSVs it read)
-    peers = [k for k in keys if k != "backend"]
+    for text in ("replica_requests", "cuda_graphs"):  # a run's words, the same in every run of a group
+        if text in ok:
+            med[text] = groups[text].first().values
+    # vs best over the rows shown (a merged report compares across the CSVs it read): rows of one
+    # workload are compared however each ran (compiled, eager, speculating, a peer library), as compare ranks them
+    peers = [k for k in keys if k != "backend" and k not in HOW_IT_RAN]
     med["throughput_vs_best"] = med["output_throughput"] / med.groupby(peers, dropna=False)[
         "output_throughput"
     ].transform("max")
     # Each group's spread over its runs (noise.py), ranked among the rows it is compared with.
     spreads = [spread(g["output_throughput"]) for _, g in groups]
-    med["ci"] = [interval_text(sp["ci_low"], sp["ci_high"]) for sp in spreads]
+    med["ci"] = [interval_text(sp["ci_low"], sp["ci_high"], level=sp["level"]) for sp in spreads]
     med["range"] = [interval_text(sp["min"], sp["max"]) for sp in spreads]
     med["rank"] = ""
     for _, idx in med.groupby(peers, dropna=False, sort=False).groups.items():
@@ -81,54 +97,32 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             **_indexer(med),
             "overhead %": _pct(med, "engine_overhead_share"),
             **_launches(med),
+            **_graphs(med),
             "identical tokens": med["identical_token_share"].round(4),
         }
     )
 
 
 def console_table(serving: pd.DataFrame, cross_backend: bool) -> str:
-    """The table run/compare print: one row per run, the throughput columns first."""
-    ok = serving[serving["status"] == "ok"]
-    table = pd.DataFrame(
-        {
-            "backend": ok["backend"],
-            "device": ok["device_name"],
-            "dtype": ok["dtype"],
-            **_parallel(ok),
-            "requests": ok["num_requests"].astype(int),
-            "output tokens": ok["total_output_tokens"].astype(int),
-            "duration s": ok["duration_s"].round(2),
-            "output tok/s": ok["output_throughput"].round(1),
-            "total tok/s": ok["total_token_throughput"].round(1),
-            "mean TTFT ms": ok["mean_ttft_ms"].round(1),
-            "mean TPOT ms": ok["mean_tpot_ms"].round(2),
-            "steps": ok["steps"].astype("Int64"),  # empty for a peer: its internals are not ours to count
-            "preemptions": ok["preemptions"].astype("Int64"),
-            "peak seqs": _column(ok, "peak_running_seqs").astype("Int64"),
-            **_sharing(ok),
-            **_kv_storage(ok),
-            **_speculation(ok),
-            **_structured(ok),
-            "plan %": _plan_pct(ok),
-            "attention % of forward": _pct(ok, "attention_share"),
-            **_moe(ok),
-            **_linear(ok),
-            **_indexer(ok),
-            "overhead %": _pct(ok, "engine_overhead_share"),
-            **_launches(ok),
-            **_graphs(ok),
-        }
-    )
+    """The table run/compare print: one row per backend (serving_summary: the median over its runs,
+    the interval, min–max and how many runs), the throughput columns first, as many others as fit."""
+    if not (serving["status"] == "ok").any():
+        return "\n".join(not_run_lines(serving))
+    table = serving_summary(serving)
     if cross_backend:
-        table["rank"] = ok["ranking"].replace(NO_INTERVAL, "< 3 runs") if "ranking" in ok else ""
-        table["vs best"] = ok["throughput_vs_best"].round(3)
-        table["identical tokens"] = ok["identical_token_share"].round(4)
-    return "\n".join([*fit_terminal(table, CONSOLE_FIRST), *not_run_lines(serving)])
+        table["rank"] = table["rank"].replace(NO_INTERVAL, f"< {MIN_RUNS_FOR_INTERVAL} runs")
+    else:
+        table = table.drop(columns=["rank", "vs best", "identical tokens"])
+    if table["runs"].max() == 1:
+        table = table.drop(columns=["min–max"])
+    empty = [c for c in table.columns if table[c].astype(object).isna().all() or (table[c].astype(str) == "").all()]
+    return "\n".join([*fit_terminal(table.drop(columns=empty), CONSOLE_FIRST), *not_run_lines(serving)])
 
 
 TERMINAL_COLUMNS = 120
 # What a terminal shows first; the rest follow while the table fits (the markdown report has them all).
-CONSOLE_FIRST = ["backend", "output tok/s", "rank", "vs best", "identical tokens", "mean TTFT ms", "mean TPOT ms"]
+CONSOLE_FIRST = ["backend", "output tok/s", "95% CI", "min–max", "runs", "rank", "vs best", "identical tokens"]
+CONSOLE_FIRST += ["TTFT mean/p99 ms", "TPOT mean/p99 ms"]
 
 
 def fit_terminal(table: pd.DataFrame, first: list[str], width: int = TERMINAL_COLUMNS) -> list[str]:
@@ -346,8 +340,9 @@ def _noise_notes(summary: pd.DataFrame, serving: pd.DataFrame) -> list[str]:
         )
     else:
         notes.append(
-            "95% CI: a bootstrap interval of the median over the runs; backends whose interval overlaps the "
-            'best\'s rank "tied".\n'
+            "95% CI: the order-statistic interval of the median over the runs (distribution-free); backends whose "
+            f'interval overlaps the best\'s rank "tied". Under {RUNS_FOR_LEVEL} runs no such interval reaches 95 %: '
+            "the cell is min–max with its own confidence in parentheses (75% at 3 runs, 94% at 5).\n"
         )
     ok = serving[serving["status"] == "ok"]
     share = _column(ok, "attention_share")
@@ -382,8 +377,10 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
             "plan ms": ok["plan_median_ms"].round(3),
             "forward ms (median)": ok["forward_median_ms"].round(3),
             "95% CI ms": [
-                interval_text(lo, hi, 3)
-                for lo, hi in zip(_column(ok, "forward_ci_low_ms"), _column(ok, "forward_ci_high_ms"))
+                interval_text(lo, hi, 3, median_interval_level(int(n)) if np.isfinite(n) else LEVEL)
+                for lo, hi, n in zip(
+                    _column(ok, "forward_ci_low_ms"), _column(ok, "forward_ci_high_ms"), _column(ok, "repeats")
+                )
             ],
             "forward ms (min)": ok["forward_min_ms"].round(3),
             "GB/s": ok["bandwidth_gbps"].round(1),

@@ -90,9 +90,9 @@ def bandwidth_columns(device: torch.device) -> dict:
 
 
 def forward_columns(forward: list[float], point: dict) -> dict:
-    """The forward's timing columns: min, median, max and the median's bootstrap 95 % interval
-    (noise.py; none under 3 repeats), and the bandwidth and TFLOP/s of the median (`point` holds
-    kv_bytes, flops and the bandwidth_columns)."""
+    """The forward's timing columns: min, median, max and the median's interval (noise.py: order
+    statistics, 95 % from 6 repeats, min-max below; none under 3), and the bandwidth and TFLOP/s of
+    the median (`point` holds kv_bytes, flops and the bandwidth_columns)."""
     median = statistics.median(forward)
     bandwidth = point["kv_bytes"] / median / 1e9
     low, high = median_interval(forward)
