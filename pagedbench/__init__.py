@@ -10,6 +10,7 @@ from pagedbench.sample.sampling_params import (
     BatchLogitsProcessor,
     BeamSearchParams,
     GuidedDecodingParams,
+    RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "EngineArgs",
     "Logprob",
     "SamplingParams",
+    "RequestOutputKind",
     "StructuredOutputsParams",
     "GuidedDecodingParams",
     "BatchLogitsProcessor",

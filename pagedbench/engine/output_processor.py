@@ -1,8 +1,11 @@
 """OutputProcessor: what a step's new tokens mean for their requests. It detokenizes them
 incrementally and records logprobs and prompt logprobs (for Scheduler.update_from_output, which
-appends the tokens and checks stops), and builds each request's RequestOutput."""
+appends the tokens and checks stops), and builds each request's RequestOutput of the kind it asked
+for (SamplingParams.output_kind, vLLM's): everything so far (CUMULATIVE), what is new since its last
+output (DELTA: O(new tokens) a step), or nothing until it finishes (FINAL_ONLY: O(1) a step)."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,6 +15,15 @@ from pagedbench.engine.outputs import CompletionOutput, Logprob, RequestMetrics,
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.sequence import Sequence
 from pagedbench.sample.sampler import SamplerOutput
+from pagedbench.sample.sampling_params import RequestOutputKind
+
+
+@dataclass(slots=True)
+class Sent:
+    """What a DELTA request's sample has been given so far: output tokens (and their logprobs) and text."""
+
+    tokens: int = 0
+    text: int = 0
 
 
 class OutputProcessor:
@@ -19,6 +31,7 @@ class OutputProcessor:
         if tokenizer is not None:
             backend_tokenizer(tokenizer)  # a tokenizer DecodeStream cannot use fails here, not mid-step
         self.tokenizer = tokenizer
+        self.sent: dict[str, dict[int, Sent]] = {}  # DELTA requests: per sample index, what went out
 
     def new_text(self, seq: Sequence, token: int) -> str:
         """The text `seq`'s new output `token` adds to its output_text ("" where it is not decoded)."""
@@ -82,10 +95,34 @@ class OutputProcessor:
 
     def process_outputs(self, progressed: list, now: float) -> list[RequestOutput]:
         """The outputs of the requests a step progressed (RequestProgress, from update_from_output),
-        whose new tokens arrived `now` (tokens verified together arrive together)."""
+        whose new tokens arrived `now` (tokens verified together arrive together), each of its
+        output_kind: a FINAL_ONLY request's only once it has finished."""
+        outputs = []
         for p in progressed:
-            p.group.token_times += [now] * p.num_new_tokens
-        return [self.output(p.group) for p in progressed]
+            group = p.group
+            group.token_times += [now] * p.num_new_tokens
+            kind = getattr(group.params, "output_kind", RequestOutputKind.CUMULATIVE)  # beam search: cumulative
+            if kind is RequestOutputKind.DELTA:
+                outputs.append(self.delta_output(group))
+            elif kind is RequestOutputKind.CUMULATIVE or group.finished:
+                outputs.append(self.output(group))
+        return outputs
+
+    def delta_output(self, group: SequenceGroup) -> RequestOutput:
+        """What is new in the request since its last output (its prompt logprobs in the first)."""
+        first = group.request_id not in self.sent
+        sent = self.sent.setdefault(group.request_id, {})
+        stop = group.params.stop
+        holdback = max(map(len, stop)) - 1 if stop else 0
+        samples = [delta_completion(s, sent.setdefault(s.index, Sent()), holdback) for s in group.seqs]
+        if group.finished:
+            del self.sent[group.request_id]
+        return request_output(group, samples=sorted(samples, key=lambda c: c.index), with_prompt_logprobs=first)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that left unfinished (aborted): nothing more goes out for them."""
+        for request_id in request_ids:
+            self.sent.pop(request_id, None)
 
     def _decodes(self, seq: Sequence) -> bool:
         """Whether `seq`'s tokens become text: there is a tokenizer and the request did not ask for token ids only."""
@@ -132,29 +169,58 @@ def completions(group: SequenceGroup, decode: Callable[[list[int]], str] | None)
             s.output_token_ids,
             s.finish_reason,
             s.stop_reason,
-            s.cumulative_logprob if p.best_of > 1 or p.logprobs is not None else None,
+            reported_cumulative_logprob(s),
             None if s.logprobs is None else list(s.logprobs),
         )
         for s in seqs[: p.n]
     ]
 
 
-def request_output(group: SequenceGroup, decode: Callable[[list[int]], str] | None = None) -> RequestOutput:
-    """The request's output so far; metrics once it has finished."""
+def delta_completion(seq: Sequence, sent: Sent, holdback: int) -> CompletionOutput:
+    """`seq`'s tokens, logprobs and text since `sent` (then marked sent). Until it finishes, the last
+    `holdback` characters wait: they could start a stop string, which cuts them (vLLM's rule)."""
+    text_end = len(seq.output_text) if seq.finished else max(sent.text, len(seq.output_text) - holdback)
+    delta = CompletionOutput(
+        seq.index,
+        seq.output_text[sent.text : text_end],
+        seq.token_ids[seq.num_prompt_tokens + sent.tokens :],
+        seq.finish_reason,
+        seq.stop_reason,
+        reported_cumulative_logprob(seq),
+        None if seq.logprobs is None else seq.logprobs[sent.tokens :],
+    )
+    sent.tokens, sent.text = seq.num_output_tokens, text_end
+    return delta
+
+
+def reported_cumulative_logprob(seq: Sequence) -> float | None:
+    """A sample's cumulative logprob where its request can read it (best_of, logprobs), else None."""
+    p = seq.params
+    return seq.cumulative_logprob if p.best_of > 1 or p.logprobs is not None else None
+
+
+def request_output(
+    group: SequenceGroup,
+    decode: Callable[[list[int]], str] | None = None,
+    samples: list[CompletionOutput] | None = None,
+    with_prompt_logprobs: bool = True,
+) -> RequestOutput:
+    """The request's output so far (`samples`: its completions, else all of each so far); metrics
+    once it has finished."""
     metrics = None
     finished = group.finished
     if finished:
         times = group.token_times
         metrics = RequestMetrics(group.arrival_time, times[0], times, times[-1], group.num_preemptions)
     first = group.seqs[0] if group.seqs and group.beam is None else None
-    wanted = first is not None and first.params.prompt_logprobs is not None
+    wanted = with_prompt_logprobs and first is not None and first.params.prompt_logprobs is not None
     prompt_logprobs = (first.prompt_logprobs or []) if wanted else None
     group.note_cached_tokens()
     return RequestOutput(
         group.request_id,
         group.prompt,
         group.prompt_token_ids,
-        completions(group, decode),
+        completions(group, decode) if samples is None else samples,
         finished,
         metrics,
         None if prompt_logprobs is None else [None, *prompt_logprobs],  # nothing predicts the first token

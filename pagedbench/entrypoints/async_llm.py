@@ -58,8 +58,9 @@ class AsyncLLM:
     async def generate(
         self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output each step it progresses, the last one finished (or stop
-        quietly after `abort`). Raises ValueError/TypeError (bad request, nothing queued),
+        """Yield the request's outputs as the engine makes them (each step it progresses; what each
+        holds is params.output_kind's: DELTA for a stream, FINAL_ONLY for one finished output), the
+        last one finished (or stop quietly after `abort`). Raises ValueError/TypeError (bad request, nothing queued),
         EngineFull or EngineDead."""
         if self.error is not None:
             raise EngineDead(f"the engine stopped: {self.error}")

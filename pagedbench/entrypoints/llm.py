@@ -8,7 +8,7 @@ from pagedbench.engine.input_processor import prompt_list
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedbench.model.tokenizer import chat_prompt
-from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams
+from pagedbench.sample.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, with_output_kind
 
 # vLLM arguments that change nothing here, accepted so vLLM scripts run: the value each may take.
 NO_OP_ARGS = {
@@ -118,7 +118,8 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
-        return self._run(prompts, sampling_params, "generate", use_tqdm, priority)
+        final_only = with_output_kind(list(sampling_params), RequestOutputKind.FINAL_ONLY)  # it returns only those
+        return self._run(prompts, final_only, "generate", use_tqdm, priority)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search per prompt (vLLM's API; Hugging Face's num_beams algorithm, see

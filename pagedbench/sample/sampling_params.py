@@ -2,10 +2,20 @@
 StructuredOutputsParams for constrained decoding), and BeamSearchParams for beam search."""
 
 import dataclasses
+import enum
 import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's RequestOutputKind: what a request's RequestOutputs hold, step by step."""
+
+    CUMULATIVE = 0  # every step it progresses: everything so far (LLMEngine.step's default)
+    DELTA = 1  # every step it progresses: only the new tokens, text and logprobs (streaming)
+    FINAL_ONLY = 2  # nothing until it finishes, then everything (LLM.generate, the benchmarks)
+
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy (dividing by it overflows)
@@ -124,6 +134,7 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only (text "", no stop strings)
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name: moved to structured_outputs
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step's RequestOutput holds
     _bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized by the engine
 
     def __post_init__(self):
@@ -156,6 +167,7 @@ class SamplingParams:
         self._validate_counts()
         self._validate_stops()
         self._validate_token_lists()
+        self._validate_output_kind()
         check_bools(self, ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"))
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError(
@@ -242,6 +254,12 @@ class SamplingParams:
                 if not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
+    def _validate_output_kind(self) -> None:
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.output_kind is RequestOutputKind.DELTA and self.best_of != self.n:
+            raise ValueError("best_of must equal n to use output_kind=DELTA (the best samples are known at the end)")
+
     def clone(self) -> "SamplingParams":
         """A copy whose lists and dicts are its own (logits processors are shared)."""
         return dataclasses.replace(self, logit_bias=None if self.logit_bias is None else dict(self.logit_bias))
@@ -289,6 +307,16 @@ class BeamSearchParams:
     @property
     def width(self) -> int:
         return self.beam_width
+
+
+def with_output_kind(params: list, kind: RequestOutputKind) -> list:
+    """`params` with `kind` of outputs: a copy of each distinct SamplingParams that asks for another
+    (the caller's stay as they are); beam searches' as they are (they have no kind)."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if isinstance(p, SamplingParams) and p.output_kind is not kind and id(p) not in copies:
+            copies[id(p)] = dataclasses.replace(p, output_kind=kind)
+    return [copies.get(id(p), p) for p in params]
 
 
 def structured_outputs_params(fields: dict) -> StructuredOutputsParams:

@@ -20,7 +20,7 @@ from pagedbench.entrypoints.openai.protocol import (
 )
 from pagedbench.entrypoints.openai.streaming import achain, stream_events
 from pagedbench.entrypoints.openai.structured import structured_outputs_of
-from pagedbench.sample.sampling_params import SamplingParams
+from pagedbench.sample.sampling_params import RequestOutputKind, SamplingParams
 
 
 class OpenAIServing:
@@ -154,6 +154,8 @@ class OpenAIServing:
         created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.get("stream") and params.best_of != params.n:
             raise APIError(400, "best_of != n cannot be streamed (the best samples are known only at the end)")
+        # a stream sends what is new, a response the finished outputs: the engine makes only those
+        params.output_kind = RequestOutputKind.DELTA if body.get("stream") else RequestOutputKind.FINAL_ONLY
         await self.compile_grammar(body, params)
         stream = self.run(prompts, params, body.get("priority", 0))  # vLLM's extra: with --scheduling-policy priority
         first = await anext(stream)  # errors before the first output are plain JSON errors
