@@ -92,7 +92,11 @@ def speculation_variants(scenario: Scenario) -> list[dict | None]:
 
 def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[float, list[RequestOutput]]:
     """Add each request when its arrival time has come, step until all finish (sleeping while
-    idle until the next arrival). Returns the wall time and the finished outputs in request order."""
+    idle until the next arrival). Returns the wall time and the finished outputs in request order,
+    the only ones the engine makes (FINAL_ONLY: no output work per step that grows with its length)."""
+    from pagedbench.sample.sampling_params import RequestOutputKind, with_output_kind
+
+    params = with_output_kind([r.params for r in requests], RequestOutputKind.FINAL_ONLY)
     pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_time))
     finished: dict[int, RequestOutput] = {}
     with tqdm(total=len(requests), desc=desc, disable=None, leave=False) as bar:
@@ -104,7 +108,7 @@ def drive(engine: LLMEngine, requests: list[Request], desc: str = "") -> tuple[f
                 i = pending.popleft()
                 engine.add_request(
                     {"prompt_token_ids": requests[i].prompt_token_ids},
-                    requests[i].params,
+                    params[i],
                     request_id=str(i),
                     arrival_time=start + requests[i].arrival_time,
                 )

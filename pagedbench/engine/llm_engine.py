@@ -187,7 +187,9 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one request or several (vLLM v1 takes a list); unknown ids are ignored. A request
         whose step is in flight is aborted when the step comes back."""
-        self.core.abort_requests([request_id] if isinstance(request_id, str) else list(request_id))
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.core.abort_requests(request_ids)
+        self.output_processor.forget([r for r in request_ids if r not in self.requests])  # not left in flight
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
