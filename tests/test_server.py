@@ -810,3 +810,109 @@ def test_health_reports_a_dead_replica_or_a_stopped_engine():
     stopped = SimpleNamespace(error=RuntimeError("boom"), engine=SimpleNamespace())
     assert fatal_problem(alive) is None and fatal_problem(SimpleNamespace(error=None, engine=object())) is None
     assert fatal_problem(dead) == "data-parallel replica x exited" and fatal_problem(stopped) == "engine stopped: boom"
+
+
+def get(url, path, key=KEY):
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers)) as r:
+        return json.loads(r.read())
+
+
+def test_tokenizer_info_and_the_requests_lm_eval_sends(server, chat_model):
+    """lm-eval's local-completions uses the server's tokenizer by itself when GET /tokenizer_info
+    answers with eos_token and POST /tokenize {"prompt": "test", "add_special_tokens": false} with
+    tokens; it then finds eos/bos ids by tokenizing their text, decodes through /detokenize and
+    renders chat_template itself. Those exact requests, against Hugging Face's tokenizer."""
+    import jinja2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chat_model))
+    info = get(server, "/tokenizer_info")
+    assert info["tokenizer_class"] == type(tok).__name__ and info["model_max_length"] == 512
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (tok.eos_token, tok.bos_token, tok.pad_token)
+    assert info["chat_template"] == tok.chat_template and "vocab_file" not in info
+
+    def tokenize(text):
+        status, body = post(server, "/tokenize", json.dumps({"prompt": text, "add_special_tokens": False}).encode())
+        assert status == 200 and isinstance(body["tokens"], list)
+        return body["tokens"]
+
+    assert tokenize("test") == tok.encode("test", add_special_tokens=False)
+    assert tokenize(info["eos_token"])[0] == tok.eos_token_id and tokenize(info["bos_token"])[0] == tok.bos_token_id
+    ids = tokenize("the quick brown fox")
+    assert post(server, "/detokenize", json.dumps({"tokens": ids}).encode())[1]["prompt"] == tok.decode(ids)
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = jinja2.Environment().from_string(info["chat_template"]).render(messages=messages)
+    assert rendered == tok.apply_chat_template(messages, tokenize=False)
+    assert get(server, "/v1/models")["data"][0]["root"] == str(chat_model)  # the tokenizer's directory
+
+
+@pytest.mark.parametrize(
+    "path,body,param,message",
+    [
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+        ("/v1/chat/completions", {"logprobs": 5}, "logprobs", "logprobs must be true or false, got 5"),
+        ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "yes"}},
+         "stream_options.include_usage", "stream_options.include_usage must be true or false, got 'yes'"),
+        ("/v1/completions", {"stream": True, "stream_options": {"usage": True}}, "stream_options",
+         "stream_options has unknown key(s) usage; known: include_usage"),
+        ("/tokenize", {"add_special_tokens": "x"}, "add_special_tokens", "add_special_tokens must be true or false"),
+    ],
+)  # fmt: skip
+def test_mistyped_fields_are_one_line_400s(server, path, body, param, message):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    status, error = post(server, path, json.dumps(base | body).encode())
+    assert status == 400 and error["error"]["param"] == param and message in error["error"]["message"], error
+    assert "\n" not in error["error"]["message"]
+
+
+def stream_lines(url, body: dict) -> list[str]:
+    """A streamed completion's SSE data lines, read to the end of the response."""
+    parsed = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    response = conn.getresponse()
+    return [line for line in response.read().decode().split("\n\n") if line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second_ctrl_c", [False, True])
+def test_ctrl_c_drains_then_answers_503_and_exits_130(tiny_models, second_ctrl_c):
+    """Ctrl-C with a stream in flight: one line saying so, new requests refused, the stream finishes
+    within the grace period or ends with a 503 error event; a second Ctrl-C ends it at once; exit
+    130 with one last line and no traceback."""
+    import signal
+    import threading
+
+    grace = 60 if second_ctrl_c else 2
+    proc, url = start_server(tiny_models["llama"][0], "--shutdown-grace-period", str(grace))
+    lines: list[str] = []
+    body = {"prompt": "hello", "max_tokens": 480, "ignore_eos": True, "stream": True, "temperature": 0}
+    client = threading.Thread(target=lambda: lines.extend(stream_lines(url, body)))
+    client.start()
+    deadline = time.time() + 30
+    while metrics(url)["vllm:num_requests_running"] < 1 and time.time() < deadline:
+        time.sleep(0.02)
+    start = time.time()
+    proc.send_signal(signal.SIGINT)
+    if second_ctrl_c:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=grace + 30)
+    seconds = time.time() - start
+    client.join(timeout=30)
+    printed = server_output(proc)
+    assert proc.returncode == 130 and "Traceback" not in printed, printed
+    assert "pagedbench: stopping: 1 request in flight, up to" in printed and "(Ctrl-C again to stop now)" in printed
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith("pagedbench: stopped") and "Error" not in printed.split("stopping:")[1], printed
+    end = lines[-1]
+    if second_ctrl_c:
+        assert seconds < 15 and json.loads(end.removeprefix("data: "))["error"]["code"] == 503
+        assert "a second Ctrl-C" in last
+    else:
+        assert seconds < grace + 10
+        assert end == "data: [DONE]" or json.loads(end.removeprefix("data: "))["error"]["code"] == 503, end
+    with pytest.raises(OSError):  # no longer listening
+        urllib.request.urlopen(url + "/health", timeout=2)
+    assert f"tokenizer: {tiny_models['llama'][0]}" in printed  # the banner names the tokenizer's directory

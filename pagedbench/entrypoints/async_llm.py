@@ -24,6 +24,10 @@ class EngineDead(Exception):
     """The step loop stopped on an error; no request can complete."""
 
 
+class EngineClosed(Exception):
+    """The server is stopping: new requests are refused, and those still running when it stops end."""
+
+
 _ABORTED = object()  # put on a stream by abort(): the generator ends
 
 
@@ -37,6 +41,7 @@ class AsyncLLM:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.error: BaseException | None = None
+        self.closed: str | None = None  # why new requests are refused (the server is stopping)
 
     @property
     def num_requests(self) -> int:
@@ -55,13 +60,26 @@ class AsyncLLM:
                 pass
             self._loop_task = None
 
+    def close(self, reason: str) -> None:
+        """Refuse new requests from now on (generate raises EngineClosed(reason)); those in flight run on."""
+        self.closed = reason
+
+    def end_all(self, reason: str) -> int:
+        """End every request in flight with EngineClosed(reason) (their blocks freed before the
+        next step); how many there were."""
+        for stream in self._streams.values():
+            stream.put_nowait(EngineClosed(reason))
+        return len(self._streams)
+
     async def generate(
         self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine makes them (each step it progresses; what each
         holds is params.output_kind's: DELTA for a stream, FINAL_ONLY for one finished output), the
         last one finished (or stop quietly after `abort`). Raises ValueError/TypeError (bad request, nothing queued),
-        EngineFull or EngineDead."""
+        EngineFull, EngineDead or EngineClosed."""
+        if self.closed is not None:
+            raise EngineClosed(self.closed)
         if self.error is not None:
             raise EngineDead(f"the engine stopped: {self.error}")
         if len(self._streams) >= self.max_pending:
@@ -83,7 +101,7 @@ class AsyncLLM:
                 item = await stream.get()
                 if item is _ABORTED:
                     return
-                if isinstance(item, (ValueError, TypeError)):
+                if isinstance(item, (ValueError, TypeError, EngineClosed)):
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine stopped: {item}") from item

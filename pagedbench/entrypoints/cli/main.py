@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"pagedbench: {e}", file=sys.stderr)
         return 130
+    except KeyboardInterrupt:  # before or outside a command's own handling (keep_partial's, serve's)
+        print(f"{_who()}: interrupted", file=sys.stderr)
+        return 130
     except WorkerError as e:  # a tensor-parallel rank failed: its own one-line error
         print(f"{_who()}: error: {e}", file=sys.stderr)
         return 1

@@ -18,6 +18,8 @@ from pagedbench.entrypoints.openai.protocol import (
     REQUEST_MODELS,
     APIError,
     ServerLimits,
+    bool_or_none,
+    chat_logprobs,
     completion_prompts,
     error_body,
     int_or_none,
@@ -146,10 +148,19 @@ def _add_tokenizer_routes(app, serving: OpenAIServing, authorized) -> None:
         if "messages" in body:
             ids = _chat_prompt(engine.tokenizer, body["messages"])["prompt_token_ids"]
         elif isinstance(prompt, str):
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
+            special = bool_or_none(body, "add_special_tokens")
+            ids = engine.tokenizer.encode(prompt, add_special_tokens=special is not False)
         else:
             raise APIError(400, "prompt must be a string (or give messages)", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.get("/tokenizer_info", dependencies=[authorized])
+    async def tokenizer_info():
+        """vLLM's: the tokenizer's configuration, so a client (lm-eval's local-completions) can use
+        the server's tokenizer through /tokenize and /detokenize instead of loading one."""
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return tokenizer_config(engine.tokenizer, engine.max_model_len)
 
     @app.post("/detokenize", dependencies=[authorized], openapi_extra=openapi_body(REQUEST_MODELS["DetokenizeRequest"]))
     async def detokenize(request: Request):
@@ -171,9 +182,7 @@ def _add_completion_routes(app, serving: OpenAIServing, authorized) -> None:
         body = await serving.body_of(request, "CompletionRequest")
         prompts = completion_prompts(body.get("prompt"))
         logprobs = int_or_none(body.get("logprobs"), "logprobs")
-        echo = body.get("echo", False)
-        if not isinstance(echo, bool):
-            raise APIError(400, "echo must be true or false", param="echo")
+        echo = bool_or_none(body, "echo") or False
         if echo and body.get("stream"):
             raise APIError(400, "echo is not supported with stream", param="echo")
         extra = {}
@@ -190,10 +199,42 @@ def _add_completion_routes(app, serving: OpenAIServing, authorized) -> None:
         prompt = _chat_prompt(serving.engine.tokenizer, body.get("messages"), "; use /v1/completions")
         if "max_completion_tokens" in body:
             body["max_tokens"] = body["max_completion_tokens"]
-        top = int_or_none(body.get("top_logprobs"), "top_logprobs")
         # A chat reply may run to the end of the context (vLLM's default); a completion stops at 16.
-        params = serving.sampling_params(body, (top or 0) if body.get("logprobs") else None, default_max_tokens=None)
+        params = serving.sampling_params(body, chat_logprobs(body), default_max_tokens=None)
         return await serving.respond(request, body, [prompt], params, chat=True)
+
+
+def tokenizer_config(tokenizer, max_model_len: int) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's init arguments (as tokenizer_config.json has them,
+    without file paths), its class, its special tokens as strings (or null), its chat template and
+    the longest sequence this server takes as model_max_length."""
+    config = {k: _json_value(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
+    for path in ("vocab_file", "merges_file", "tokenizer_file"):
+        config.pop(path, None)
+    special = {name: _json_value(getattr(tokenizer, name, None)) for name in ("eos_token", "bos_token", "pad_token")}
+    return (
+        config
+        | special
+        | {
+            "tokenizer_class": type(tokenizer).__name__,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": max_model_len,
+        }
+    )
+
+
+def _json_value(value):
+    """A tokenizer setting as JSON: an AddedToken as its text, containers item by item, anything
+    else JSON cannot hold as its string."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
 
 
 def fatal_problem(llm: AsyncLLM) -> str | None:

@@ -75,6 +75,11 @@ def check_stream_and_user(body: dict) -> None:
     if options is not None:
         if not isinstance(options, dict):
             raise APIError(400, "stream_options must be an object", param="stream_options")
+        unknown = sorted(set(options) - {"include_usage"})
+        if unknown:
+            message = f"stream_options has unknown key(s) {', '.join(unknown)}; known: include_usage"
+            raise APIError(400, message, param="stream_options")
+        bool_or_none(options, "include_usage", "stream_options.include_usage")
         if not body.get("stream"):
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -115,6 +120,24 @@ def completion_prompts(prompt) -> list:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return [one(p) for p in prompt]
     return [one(prompt)]
+
+
+def bool_or_none(body: dict, name: str, param: str | None = None) -> bool | None:
+    """A boolean field's value (None when absent); anything else is a 400 naming it."""
+    value, param = body.get(name), param or name
+    if value is not None and not isinstance(value, bool):
+        raise APIError(400, f"{param} must be true or false, got {value!r}", param=param)
+    return value
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """A chat request's top alternatives per token, or None without logprobs. As OpenAI and vLLM
+    take them: `logprobs` a boolean, `top_logprobs` only beside `logprobs: true`."""
+    wanted = bool_or_none(body, "logprobs")
+    top = int_or_none(body.get("top_logprobs"), "top_logprobs")
+    if top is not None and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def int_or_none(value, name: str) -> int | None:
