@@ -8,7 +8,13 @@ from pathlib import Path
 
 from pagedbench.bench.scenario import build_requests, load_scenario, model_requests
 from pagedbench.config import EngineConfig
-from pagedbench.entrypoints.cli.common import NothingMeasured, add_overwrite_flag, prepare_out_dir, report_stem
+from pagedbench.entrypoints.cli.common import (
+    Interrupted,
+    NothingMeasured,
+    add_overwrite_flag,
+    prepare_out_dir,
+    report_stem,
+)
 from pagedbench.entrypoints.cli.run import add_dataset_args
 from pagedbench.model.presets import PRESETS
 from pagedbench.worker.tp_workers import WorkerError
@@ -78,10 +84,13 @@ def cmd_serve(args) -> None:
     args.model = resolve_serve_model(args)
     note_no_op_flags(args)
     check_address(args.host, args.port)
+    if args.shutdown_grace_period < 0:
+        raise ValueError(f"--shutdown-grace-period must be >= 0 seconds, got {args.shutdown_grace_period:g}")
     try:
         import uvicorn
 
         from pagedbench.entrypoints.openai.api_server import ServerLimits, build_app
+        from pagedbench.entrypoints.openai.shutdown import FLUSH_S, DrainingServer
     except ImportError as e:
         raise ValueError(f"serving needs the server extra (pip install 'pagedbench[server]'): {e}") from None
     from pagedbench.engine.data_parallel import make_engine
@@ -110,8 +119,11 @@ def cmd_serve(args) -> None:
         server.should_exit = True
 
     app = build_app(llm, args.served_model_name or args.model, args.api_key, limits, on_fatal=stop)
-    print(f"pagedbench: serving {args.model} ({args.backend}) on http://{args.host}:{args.port}/v1", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    address = f"http://{args.host}:{args.port}/v1"
+    print(f"pagedbench: serving {args.model} ({args.backend}) on {address}; {_tokenizer_note(engine)}", flush=True)
+    http = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    http.timeout_graceful_shutdown = FLUSH_S  # after the drain (shutdown.py): the last answers' time to leave
+    server = DrainingServer(http, llm, args.shutdown_grace_period)
     if not args.disable_log_requests:  # an access line per request, as vLLM prints (whatever --log-level)
         import logging
 
@@ -119,6 +131,17 @@ def cmd_serve(args) -> None:
     server.run()
     if fatal:
         raise WorkerError(f"{fatal[0]}; the server stopped")
+    if server.outcome is not None:  # stopped by Ctrl-C or SIGTERM
+        raise Interrupted(server.outcome)
+
+
+def _tokenizer_note(engine) -> str:
+    """Where a client finds the served model's tokenizer (the start banner says it)."""
+    if engine.tokenizer is None:
+        return "no tokenizer: prompts must be token ids"
+    if engine.model_path is not None:
+        return f"tokenizer: {engine.model_path} (also GET /tokenizer_info, POST /tokenize)"
+    return "tokenizer: the preset's byte-level one (GET /tokenizer_info, POST /tokenize)"
 
 
 def _set_chat_template(engine, path: str) -> None:
@@ -269,6 +292,14 @@ def register(sub) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (max-model-len)")
     serve.add_argument("--max-n", type=int, default=16)
+    serve.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on Ctrl-C or SIGTERM, how long requests in flight may run on before they are answered 503 "
+        "(a second Ctrl-C: at once)",
+    )
     serve.add_argument("--log-level", "--uvicorn-log-level", default="warning", help="the HTTP server's log level")
     serve.add_argument(
         "--disable-log-requests", action="store_true", help="no access-log line per request (vLLM's flag)"
