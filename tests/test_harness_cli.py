@@ -528,3 +528,55 @@ def test_check_kv_skips_an_unavailable_backend_among_others(tmp_path, capsys):
     status = dict(zip(frame["backend"], frame["status"]))
     assert status == {"sdpa": "ok", "flash-attn": "unavailable"}
     assert frame.loc[frame["backend"] == "flash-attn", "reason"].str.startswith("kv_cache_dtype int8: ").all()
+
+
+def test_a_cut_compare_keeps_finished_runs_and_names_the_cut_backends(monkeypatch, tmp_path, capsys):
+    """Ctrl-C in a backend's second run: its first run and every earlier backend's runs stay in the
+    reports, and the terminal, the .md and the exit message name what was cut and what never ran."""
+    from pagedbench.bench import compare as compare_module
+
+    measure = compare_module.measure
+
+    def measure_then_stop(engine, requests, desc):
+        if desc == "reference run 2/3":
+            raise KeyboardInterrupt
+        return measure(engine, requests, desc)
+
+    monkeypatch.setattr(compare_module, "measure", measure_then_stop)
+    args = ["compare", "--backends", "sdpa,reference,flex", "--num-prompts", "2", "--input-len", "8", "--output-len"]
+    code = main([*args, "2", "--repeats", "3", "--no-warmup", "--device", "cpu", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 130 and "cut: reference: interrupted after 1 of 3 runs" in err
+    rows = pd.read_csv(tmp_path / "compare-synthetic.csv")
+    ok = rows[rows["status"] == "ok"]
+    assert list(ok["backend"]) == ["sdpa"] * 3 + ["reference"] and ok["ranking"].notna().all()
+    cut = rows[rows["status"] == "cut"].set_index("backend")["reason"]
+    assert cut.to_dict() == {
+        "reference": "interrupted after 1 of 3 runs",
+        "flex": "not run: reference interrupted before it",
+    }
+    assert "reference: cut: interrupted after 1 of 3 runs" in out and "flex: cut: not run" in out
+    md = (tmp_path / "compare-synthetic.md").read_text()
+    assert "Not run or cut short" in md and "interrupted after 1 of 3 runs" in md
+    assert len(pd.read_csv(tmp_path / "compare-synthetic-requests.csv")) == 4 * 2  # 3 + 1 runs of 2 requests
+
+
+def test_a_failing_backend_keeps_the_runs_before_it(monkeypatch, tmp_path, capsys):
+    """A backend's RuntimeError stops the compare like Ctrl-C: reports first, then the error itself."""
+    from pagedbench.bench import compare as compare_module
+
+    measure = compare_module.measure
+
+    def measure_then_fail(engine, requests, desc):
+        if desc == "reference run 1/2":
+            raise RuntimeError("out of teapots")
+        return measure(engine, requests, desc)
+
+    monkeypatch.setattr(compare_module, "measure", measure_then_fail)
+    args = ["compare", "--backends", "sdpa,reference", "--num-prompts", "1", "--input-len", "8", "--output-len", "2"]
+    with pytest.raises(RuntimeError, match="out of teapots"):
+        main([*args, "--repeats", "2", "--no-warmup", "--device", "cpu", "--out", str(tmp_path)])
+    rows = pd.read_csv(tmp_path / "compare-synthetic.csv")
+    assert list(rows["status"]) == ["ok", "ok", "cut"]
+    assert rows["reason"].iloc[-1] == "failed after 0 of 2 runs: RuntimeError: out of teapots"
+    assert "reference: cut: failed after 0 of 2 runs: RuntimeError: out of teapots" in capsys.readouterr().out

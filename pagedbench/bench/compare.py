@@ -52,6 +52,10 @@ class Comparison:
     request_rows: list[dict]
     kv_rows: list[dict]
     unavailable: dict[str, str]
+    # What cut the compare short (Ctrl-C, or a backend's RuntimeError), None when it ran to the end:
+    # the runs that finished are rows, and a "cut" row names each backend it stopped or never started.
+    stopped: BaseException | None = None
+    running: tuple | None = None  # the backend being measured: its row head and finished runs
 
 
 def engine_config(
@@ -281,9 +285,11 @@ def run_backend(
     dtype,
     repeats: int,
     warmup: bool,
+    runs: list[Measurement],
     speculative_config: dict | None = None,
-) -> tuple[int, list[Measurement]]:
-    """The engine's max_model_len and `repeats` measurements of one backend on one engine."""
+) -> None:
+    """`repeats` measurements of one backend on one engine, each appended to `runs` as it finishes
+    (a run cut short keeps the ones before it), its row with the engine's max_model_len."""
     engine = make_engine(engine_config(scenario, model.config, backend, device, dtype, speculative_config), model=model)
     if speculative_config is not None:
         backend = f"{backend} [{speculation_label(speculative_config)}]"  # what the progress bars say
@@ -300,13 +306,15 @@ def run_backend(
             engine.reset_counters()
             drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
             compile_seconds = engine.run_counters().model_compile_seconds
-        runs = [measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}") for i in range(repeats)]
-        launched = decode_launches(engine, max(m.row["peak_running_seqs"] for m in runs), scenario.engine.block_size)
-        for i, m in enumerate(runs):
-            m.row.update(launched, compile=engine.config.compiles(engine.device))
+        for i in range(repeats):
+            m = measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}")
+            m.row.update(max_model_len=engine.max_model_len, compile=engine.config.compiles(engine.device))
             if i == 0:  # the model's compile time lands in the first run it happened in
                 m.row["time_model_compile_s"] += compile_seconds
-        return engine.max_model_len, runs
+            runs.append(m)
+        launched = decode_launches(engine, max(m.row["peak_running_seqs"] for m in runs), scenario.engine.block_size)
+        for m in runs:
+            m.row.update(launched)
     finally:
         engine.shutdown()
 
@@ -352,8 +360,26 @@ def compare(
     requests = model_requests(scenario, *model)
     workload = scenario_columns(scenario, scale, dt, model.config) | expert_columns(model.config, dev, dt)
     env = environment(dev, dt)
-    out = Comparison([] if rows is None else rows, [], [], {})
-    measured = _compare_backends(scenario, model, backends, requests, dev, dt, repeats, warmup, (env, workload), out)
+    out, measured = Comparison([] if rows is None else rows, [], [], {}), {}
+    try:
+        _compare_backends(scenario, model, backends, requests, dev, dt, repeats, warmup, (env, workload), out, measured)
+        _compare_peers(scenario, model, peers, requests, (dev, dt, repeats, warmup), (env, workload), out, measured)
+    except (KeyboardInterrupt, RuntimeError) as stop:  # Ctrl-C, or one backend failed: keep what finished
+        out.stopped = stop
+        _mark_cut(out, [*backends, *peers], repeats, {**env, **workload})
+    measured = {key: runs for key, runs in measured.items() if runs}
+    _add_cross_backend_columns(out.rows, measured, greedy=scenario.temperature == 0)
+    if model.path is None:  # a preset: the peer's random weights differ
+        for row in out.rows:
+            if row["backend"] in peers and "identical_token_share" in row:
+                row["identical_token_share"] = np.nan
+    return out
+
+
+def _compare_peers(scenario, model, peers, requests, how, columns, out, measured) -> None:
+    """Each peer library's runs on the same requests (`how`: device, dtype, repeats, warmup), as
+    rows of `out` that start with `columns` (environment, workload); the unavailable ones with their reason."""
+    env, workload = columns
     for peer in peers:
         head = {**env, "backend": peer, "provider": peer_provider(peer, model.config), **workload, "speculative": "off"}
         reason = peer_unavailable_reason(peer, scenario)
@@ -361,16 +387,31 @@ def compare(
             out.unavailable[peer] = reason
             out.rows.append({**head, "status": "unavailable", "reason": reason})
             continue
-        measured[peer, "off"] = run_peer(scenario, model, requests, dev, dt, repeats, warmup)
-        for repeat, m in enumerate(measured[peer, "off"]):
-            out.rows.append({**head, "status": "ok", "reason": "", "repeat": repeat, **m.row})
+        runs = measured[peer, "off"] = []
+        out.running = head, runs
+        try:
+            run_peer(scenario, model, requests, *how, runs)
+        finally:
+            for repeat, m in enumerate(runs):
+                out.rows.append({**head, "status": "ok", "reason": "", "repeat": repeat, **m.row})
+        out.running = None
         gc.collect()
-    _add_cross_backend_columns(out.rows, measured, greedy=scenario.temperature == 0)
-    if model.path is None:  # a preset: the peer's random weights differ
-        for row in out.rows:
-            if row["backend"] in peers and "identical_token_share" in row:
-                row["identical_token_share"] = np.nan
-    return out
+
+
+def _mark_cut(out: Comparison, names: list[str], repeats: int, columns: dict) -> None:
+    """A "cut" row for the backend (or peer) the stop caught, saying how many of its runs finished
+    (their rows are kept), and one for each asked for that never started."""
+    stop = out.stopped
+    why = "interrupted" if isinstance(stop, KeyboardInterrupt) else "failed"
+    if out.running is not None:
+        head, runs = out.running
+        error = "" if why == "interrupted" else " ".join(f": {type(stop).__name__}: {stop}".split())  # one line
+        out.rows.append({**head, "status": "cut", "reason": f"{why} after {len(runs)} of {repeats} runs{error}"})
+        why = f"{head['backend']} {why}"
+    started = {row["backend"] for row in out.rows}
+    for name in dict.fromkeys(names):
+        if name not in started:
+            out.rows.append({**columns, "backend": name, "status": "cut", "reason": f"not run: {why} before it"})
 
 
 def expert_columns(model: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
@@ -416,10 +457,12 @@ def _compare_backends(
     repeats: int,
     warmup: bool,
     columns,
-    out,
-) -> dict[str, list[Measurement]]:
-    """Each backend's runs, as rows of `out` (a Comparison) that start with `columns` (environment,
-    workload); the unavailable ones with their reason."""
+    out: Comparison,
+    measured: dict,
+) -> None:
+    """Each backend's runs into `measured` and as rows of `out` that start with `columns`
+    (environment, workload), a run's rows as soon as it finishes or is cut; the unavailable ones
+    with their reason."""
     env, workload = columns
     cfg = model.config
     num_heads, num_kv_heads = TPShard(0, scenario.engine.tensor_parallel_size).local_heads(cfg)  # per rank
@@ -435,7 +478,6 @@ def _compare_backends(
         )
         for name in backends
     ]
-    measured = {}
     for name, cls, provider, reason in found:
         if reason:
             out.unavailable[name] = reason
@@ -445,38 +487,50 @@ def _compare_backends(
         for spec in speculation_variants(scenario):
             label = speculation_label(spec)
             head = {**env, "backend": name, "provider": provider, **workload, "speculative": label}
-            max_model_len, runs = run_backend(scenario, model, requests, name, device, dtype, repeats, warmup, spec)
-            measured[name, label] = runs
             caveat = cls.timing_caveat(device) or ""  # an interpreted backend: its times are not a kernel's
             linear_caveat = (
                 linear_timing_caveat(scenario.engine.linear_attention_kernel, device) if cfg.linear else None
             )
             caveat = "; ".join(filter(None, [caveat, linear_caveat]))  # or interpreted DeltaNet layers (fla on CPU)
-            for repeat, m in enumerate(runs):
-                row = {**head, "status": "ok", "reason": caveat, "max_model_len": max_model_len, "repeat": repeat}
-                out.rows.append(row | m.row)
-                out.request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
-                out.kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]
+            runs = measured[name, label] = []
+            out.running = head, runs
+            try:
+                run_backend(scenario, model, requests, name, device, dtype, repeats, warmup, runs, spec)
+            finally:
+                _add_run_rows(out, {**head, "status": "ok", "reason": caveat}, runs)
+            out.running = None
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the next engine gets the memory this one held
-    return measured
+
+
+def _add_run_rows(out: Comparison, head: dict, runs: list[Measurement]) -> None:
+    """One backend's finished runs as rows of `out`: the serving row, its requests and KV timeline."""
+    for repeat, m in enumerate(runs):
+        out.rows.append({**head, "repeat": repeat} | m.row)
+        out.request_rows += [{**head, "repeat": repeat, **r} for r in m.requests]
+        out.kv_rows += [{**head, "repeat": repeat, **r} for r in m.kv]
 
 
 def run_peer(
-    scenario: Scenario, model: ResolvedModel, requests: list[Request], device, dtype, repeats: int, warmup: bool
-):
-    """`repeats` measurements of the Hugging Face peer on the requests (throughput only: it
-    reports no per-token times)."""
+    scenario: Scenario,
+    model: ResolvedModel,
+    requests: list[Request],
+    device,
+    dtype,
+    repeats: int,
+    warmup: bool,
+    runs: list[Measurement],
+) -> None:
+    """`repeats` measurements of the Hugging Face peer on the requests, each appended to `runs` as
+    it finishes (throughput only: it reports no per-token times)."""
     peer = hf_peer(scenario, model, device, dtype)
     if warmup:
         peer.drive(warmup_requests(requests))
-    runs = []
     for _ in range(repeats):
         duration, outputs = peer.drive(requests)
         row = throughput_summary([len(r.prompt_token_ids) for r in requests], list(map(len, outputs)), duration)
         runs.append(Measurement(row, outputs, [], []))
-    return runs
 
 
 def _add_cross_backend_columns(

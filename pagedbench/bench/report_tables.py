@@ -436,7 +436,7 @@ def check_section(check: pd.DataFrame) -> str:
 
 def _unavailable_lines(df: pd.DataFrame) -> list[str]:
     bad = df[df["status"] != "ok"][["device_name", "backend", "status", "reason"]].drop_duplicates()
-    return ["Not run:\n\n" + markdown(bad) + "\n"] if len(bad) else []
+    return ["Not run or cut short:\n\n" + markdown(bad) + "\n"] if len(bad) else []
 
 
 # ---- plots --------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from pagedbench.bench.scenario import COMMAND_SETTINGS, LengthRange, Scenario, b
 from pagedbench.config import EngineConfig, json_object
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.entrypoints.cli.common import (
+    Interrupted,
     NothingMeasured,
     add_overwrite_flag,
     add_threads_flag,
@@ -171,8 +172,19 @@ def serving_report(args, backends: list[str], command: str) -> None:
     }
     paths = write_reports(frames, args.out, stem)
     print(f"reports: {', '.join(map(str, paths))}")
+    if result.stopped is not None:
+        stopped_early(result.stopped, serving)
     if not (serving["status"] == "ok").any():
         raise NothingMeasured(f"no backend ran: {'; '.join(f'{b}: {r}' for b, r in result.unavailable.items())}")
+
+
+def stopped_early(stop: BaseException, serving: pd.DataFrame) -> None:
+    """After the reports of a compare cut short are written: Ctrl-C exits as interrupted, naming the
+    backends it cut; a backend's failure is raised again (its traceback is the bug report)."""
+    if not isinstance(stop, KeyboardInterrupt):
+        raise stop
+    cut = "; ".join(f"{b}: {r}" for b, r in serving.loc[serving["status"] == "cut", ["backend", "reason"]].values)
+    raise Interrupted(f"interrupted; the reports keep every finished run; cut: {cut}")
 
 
 def cmd_scenarios(args) -> None:
