@@ -18,7 +18,7 @@ from pagedbench.entrypoints.openai.protocol import (
     check_fields,
     check_stream_and_user,
 )
-from pagedbench.entrypoints.openai.streaming import achain, stream_events
+from pagedbench.entrypoints.openai.streaming import stream_events
 from pagedbench.entrypoints.openai.structured import structured_outputs_of
 from pagedbench.sample.sampling_params import RequestOutputKind, SamplingParams
 
@@ -158,15 +158,15 @@ class OpenAIServing:
         params.output_kind = RequestOutputKind.DELTA if body.get("stream") else RequestOutputKind.FINAL_ONLY
         await self.compile_grammar(body, params)
         stream = self.run(prompts, params, body.get("priority", 0))  # vLLM's extra: with --scheduling-policy priority
-        first = await anext(stream)  # errors before the first output are plain JSON errors
         head = {"id": rid, "created": created, "model": self.model_name}
         if body.get("stream"):
             from fastapi.responses import StreamingResponse
 
+            first = await anext(stream)  # errors before the first output are plain JSON errors
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             events = stream_events(request, first, stream, params, chat, head, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        finals = await _collect(first, stream, request)
+        finals = await _collect(stream, request)  # its first output is a finished one: wait watching the client
         choices = []
         for i in sorted(finals):
             for c in finals[i].outputs:
@@ -197,13 +197,13 @@ def _raise_engine_error(item) -> None:
         raise APIError(503, str(item), "service_unavailable")
 
 
-async def _collect(first, stream, request) -> dict:
+async def _collect(stream, request) -> dict:
     """Every prompt's finished output; a client that goes away meanwhile cancels the collection,
     which closes `stream` and aborts the requests."""
 
     async def collect():
         finals = {}
-        async for i, out in achain(first, stream):
+        async for i, out in stream:
             if out.finished:
                 finals[i] = out
         return finals
