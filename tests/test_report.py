@@ -155,6 +155,27 @@ def test_runs_of_different_scales_and_models_are_never_pooled():
     assert _title("Output throughput", one) == "Output throughput\nmixed, scale 0.5, tiny-llama, cpu, float32"
 
 
+def test_runs_of_two_datasets_are_never_pooled():
+    """A run on a user's dataset is named by it (scenario custom:<file stem>, run by compare): two
+    datasets merged into one report stay two workloads in its tables and plots."""
+    from pagedbench.bench.report_plots import _labels
+    from pagedbench.bench.report_tables import serving_section, serving_summary
+
+    rows = []
+    for stem, digest in (("chats", "aa"), ("support", "bb")):
+        dataset = {"dataset_name": "custom", "dataset_path": f"/data/{stem}.jsonl", "prompts": "custom"}
+        rows += [
+            {**row, "scenario": f"custom:{stem}", "scenario_hash": digest * 32, **dataset}
+            for row in serving_rows("cpu")[0]
+        ]
+    serving = tidy(rows, "serving", "compare")
+    summary = serving_summary(serving)
+    assert len(summary) == 4 and set(summary["scenario"]) == {"custom:chats", "custom:support"}
+    assert {"sdpa · custom:chats", "sdpa · custom:support"} <= set(_labels(serving[serving["status"] == "ok"]))
+    section = serving_section(serving)
+    assert "| custom:chats " in section and "| custom:support " in section
+
+
 def test_cpu_rows_name_the_machine():
     """Two CPUs are two devices in a merged report: the model name and core count, not just "cpu"."""
     import os

@@ -23,6 +23,7 @@ from pagedbench.bench.step_profile import profile_decode
 from pagedbench.config import EngineConfig, speculation_label
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.engine.data_parallel import make_engine
+from pagedbench.engine.kv_budget import longest_sequence
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
 from pagedbench.model.config import ModelConfig
@@ -56,6 +57,7 @@ class Comparison:
     # the runs that finished are rows, and a "cut" row names each backend it stopped or never started.
     stopped: BaseException | None = None
     running: tuple | None = None  # the backend being measured: its row head and finished runs
+    num_requests: int = 0  # the requests each backend runs (a dataset may hold fewer than num_prompts)
 
 
 def engine_config(
@@ -74,6 +76,13 @@ def engine_config(
     return dataclasses.replace(
         engine, backend=backend, device=device, dtype=dtype, num_blocks=blocks, speculative_config=spec
     )
+
+
+def engine_max_model_len(scenario: Scenario, model: ModelConfig, dtype: torch.dtype) -> int:
+    """The longest sequence every backend's engine takes (the scenario's max_model_len, else the
+    model's, capped by the KV budget, as the engine sizes it), known before any engine is built."""
+    config = engine_config(scenario, model, "", None, dtype)
+    return longest_sequence(config, model, config.num_blocks)
 
 
 def kv_blocks(scenario: Scenario, dtype: torch.dtype, model: ModelConfig) -> int:
@@ -295,7 +304,7 @@ def run_backend(
         backend = f"{backend} [{speculation_label(speculative_config)}]"  # what the progress bars say
     try:
         engine.set_timing(True)  # device time from CUDA events read after each run: no sync in the loop
-        if scenario.longest_request > engine.max_model_len:
+        if scenario.dataset_name is None and scenario.longest_request > engine.max_model_len:
             raise ValueError(
                 f"scenario {scenario.name!r}: its longest request needs {scenario.longest_request} tokens, "
                 f"more than max_model_len={engine.max_model_len} (the model's limit or the KV budget "
@@ -357,10 +366,10 @@ def compare(
         peer_unavailable_reason(peer, scenario)  # an unknown name fails here, before any run
     dev, dt = resolve_device_dtype(device, dtype)
     model = resolve_model_config(scenario.engine.model)  # once: every engine, peer and column below reuses it
-    requests = model_requests(scenario, *model)
+    requests = model_requests(scenario, *model, engine_max_model_len(scenario, model.config, dt))
     workload = scenario_columns(scenario, scale, dt, model.config) | expert_columns(model.config, dev, dt)
     env = environment(dev, dt)
-    out, measured = Comparison([] if rows is None else rows, [], [], {}), {}
+    out, measured = Comparison([] if rows is None else rows, [], [], {}, num_requests=len(requests)), {}
     try:
         _compare_backends(scenario, model, backends, requests, dev, dt, repeats, warmup, (env, workload), out, measured)
         _compare_peers(scenario, model, peers, requests, (dev, dt, repeats, warmup), (env, workload), out, measured)
@@ -432,10 +441,10 @@ def scenario_columns(scenario: Scenario, scale: float, dtype: torch.dtype, model
     EngineConfig name among it (the backend, device and dtype are the row's own columns)."""
     config = engine_config(scenario, model, "", None, dtype)
     return {
-        "scenario": scenario.name,
+        "scenario": scenario.label,  # a user's dataset by its kind and file (custom:prompts), else the name
         "scenario_hash": scenario.content_hash(),
         "scale": scale,
-        "prompts": scenario.prompts,
+        "prompts": scenario.dataset_name or scenario.prompts,
         "dataset_name": scenario.dataset_name or "",
         "dataset_path": scenario.dataset_path or "",
         **setting_columns(config),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedbench.bench.datasets import DATASET_NAMES, load_dataset
+from pagedbench.bench.datasets import DATASET_NAMES, MAX_REQUEST_TOKENS, load_dataset
 from pagedbench.config import EngineConfig
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.sample.sampling_params import SamplingParams, is_int, structured_outputs_params
@@ -44,7 +44,6 @@ CHAT_CONVERSATIONS = "chat-conversations.json"  # in pagedbench.scenarios, writt
 
 
 MAX_PROMPTS = 1_000_000
-MAX_REQUEST_TOKENS = 1 << 22  # 4M tokens: past every model's context
 MAX_WORKLOAD_TOKENS = 1 << 31  # tokens of every request together
 
 
@@ -98,6 +97,8 @@ class Scenario:
     # arrivals and lengths, from dataset_path; num_prompts caps the requests taken.
     dataset_name: str | None = None
     dataset_path: str | None = None
+    # A dataset's requests longer than the engine's max_model_len: skipped (and counted), not an error.
+    skip_long_requests: bool = False
     engine: EngineConfig = field(default_factory=default_engine)
 
     def __getattr__(self, name: str):
@@ -130,6 +131,8 @@ class Scenario:
             self._fail("dataset_name", f"must be one of {', '.join(DATASET_NAMES)}, got {self.dataset_name!r}")
         if (self.dataset_name is None) != (self.dataset_path is None):
             self._fail("dataset_name", "and dataset_path go together (--dataset-name NAME --dataset-path FILE)")
+        if self.skip_long_requests and self.dataset_name is None:
+            self._fail("skip_long_requests", "applies to a dataset's requests (--dataset-name, --dataset-path)")
         if self.prompts == "chat" and self.shared_prefix_len:
             self._fail("shared_prefix_len", "must be 0 with prompts 'chat' (turns of a conversation share theirs)")
         if self.speculation_baseline and self.engine.speculative_config is None:
@@ -182,6 +185,14 @@ class Scenario:
 
     def _fail(self, field: str, message: str):
         _fail(self.name, field, message)
+
+    @property
+    def label(self) -> str:
+        """What reports call the workload: `<dataset_name>:<file stem>` for a user's dataset (e.g.
+        custom:prompts), else the scenario's name."""
+        if self.dataset_name is None:
+            return self.name
+        return f"{self.dataset_name}:{Path(self.dataset_path).stem}"
 
     @property
     def kv_blocks(self) -> int:
@@ -257,7 +268,7 @@ class Scenario:
         if self.dataset_path is not None:  # the file's content is the workload, wherever it lies
             content["dataset_path"] = _file_sha256(self.dataset_path)
         defaults = {"dataset_name": None, "dataset_path": None, "prompts": "random", "structured_outputs": None}
-        for name, default in (defaults | {"speculation_baseline": False}).items():
+        for name, default in (defaults | {"speculation_baseline": False, "skip_long_requests": False}).items():
             if content[name] == default:  # hashes from before these fields existed still match
                 del content[name]
         if "structured_outputs" in content:  # its JSON schema's key order is part of the workload
@@ -279,11 +290,14 @@ def _file_sha256(path: str) -> str:
         return path  # a missing file fails where it is read, naming it
 
 
-def build_requests(scenario: Scenario, vocab_size: int, tokenizer=None) -> list[Request]:
+def build_requests(
+    scenario: Scenario, vocab_size: int, tokenizer=None, max_model_len: int | None = None
+) -> list[Request]:
     """The scenario's request set; the same in every process for the same seed and vocabulary
-    (and, for prompts "chat", the model's tokenizer, whose chat template formats them)."""
+    (and, for prompts "chat", the model's tokenizer, whose chat template formats them). A
+    dataset's requests are each checked against `max_model_len` (the engine's) as they are read."""
     if scenario.dataset_name is not None:
-        return _dataset_requests(scenario, vocab_size, tokenizer)
+        return _dataset_requests(scenario, vocab_size, tokenizer, max_model_len)
     rng = np.random.default_rng(scenario.engine.seed)
     n = scenario.num_prompts
     prefix = rng.integers(0, vocab_size, size=scenario.shared_prefix_len).tolist()
@@ -307,10 +321,17 @@ def build_requests(scenario: Scenario, vocab_size: int, tokenizer=None) -> list[
     ]
 
 
-def _dataset_requests(scenario: Scenario, vocab_size: int, tokenizer) -> list[Request]:
+def _dataset_requests(scenario: Scenario, vocab_size: int, tokenizer, max_model_len: int | None) -> list[Request]:
     """A dataset's prompts and output lengths; a trace's own arrivals, else the scenario's."""
     loaded = load_dataset(
-        scenario.dataset_name, scenario.dataset_path, scenario.num_prompts, vocab_size, tokenizer, scenario.engine.seed
+        scenario.dataset_name,
+        scenario.dataset_path,
+        scenario.num_prompts,
+        vocab_size,
+        tokenizer,
+        scenario.engine.seed,
+        max_model_len,
+        scenario.skip_long_requests,
     )
     if scenario.arrival == "poisson" and loaded[0].arrival_time is None:
         gaps = np.random.default_rng(scenario.engine.seed).exponential(1.0 / scenario.request_rate, size=len(loaded))
@@ -322,9 +343,10 @@ def _dataset_requests(scenario: Scenario, vocab_size: int, tokenizer) -> list[Re
     ]
 
 
-def model_requests(scenario: Scenario, config, path) -> list[Request]:
+def model_requests(scenario: Scenario, config, path, max_model_len: int | None = None) -> list[Request]:
     """build_requests for the resolved model (`config`, its directory `path` or None for a
-    preset), loading its tokenizer only for prompts that need it."""
+    preset), loading its tokenizer only for prompts that need it; a dataset's requests within
+    `max_model_len` (the engines'; None: only a sane maximum)."""
     from pagedbench.model.tokenizer import tokenizer_for
     from pagedbench.model.trained_pair import VOCAB
 
@@ -334,7 +356,7 @@ def model_requests(scenario: Scenario, config, path) -> list[Request]:
     text_dataset = scenario.dataset_name in ("sharegpt", "custom")
     if scenario.prompts == "chat" or real_tokens or text_dataset:
         tokenizer = tokenizer_for(None, path, config.vocab_size, config.eos_token_ids)
-    return build_requests(scenario, config.vocab_size, tokenizer)
+    return build_requests(scenario, config.vocab_size, tokenizer, max_model_len)
 
 
 def _python_source(

@@ -24,7 +24,7 @@ from pagedbench.model.presets import PRESETS
 
 # The workload's own flags (a scenario's fields); every engine setting has its flag from EngineConfig.
 WORKLOAD_OVERRIDES = ("dataset_name", "dataset_path", "num_prompts", "input_len", "output_len", "n")
-WORKLOAD_OVERRIDES += ("speculation_baseline", "structured_outputs")
+WORKLOAD_OVERRIDES += ("speculation_baseline", "structured_outputs", "skip_long_requests")
 
 
 def structured_outputs_arg(text: str) -> dict:
@@ -92,6 +92,13 @@ def add_dataset_args(group) -> None:
         "trace (CSV/JSONL arrivals and lengths: BurstGPT's, Azure's or timestamp,input_len,output_len)",
     )
     group.add_argument("--dataset-path", default=None, help="the dataset's file (with --dataset-name)")
+    group.add_argument(
+        "--skip-long-requests",
+        action="store_true",
+        default=None,
+        help="skip (and count) a dataset's requests longer than max_model_len, prompt + output; "
+        "default: such a request is an error naming its line",
+    )
 
 
 CPU_MODEL = "tiny-llama"  # what benchmark commands run on a CPU unless --model says otherwise
@@ -139,7 +146,7 @@ def serving_report(args, backends: list[str], command: str) -> None:
     prepare_out_dir(args.out)
     scenario = scenario_from_args(args)
     warn_if_busy(resolve_device_dtype(args.device, args.dtype)[0])
-    stem = report_stem(args.out, f"{command}-{scenario.name}", args.overwrite)
+    stem = report_stem(args.out, f"{command}-{scenario.label.replace(':', '-')}", args.overwrite)
     log = CsvLog(args.out, stem, "serving", command)
     with keep_partial(log):
         result = compare(
@@ -156,11 +163,12 @@ def serving_report(args, backends: list[str], command: str) -> None:
     if command == "run" and result.unavailable:
         raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
     serving = tidy(result.rows, "serving", command)
+    workload = f"scenario {scenario.name}" if scenario.dataset_name is None else f"dataset {scenario.label}"
     print(
         textwrap.fill(
-            f"scenario {scenario.name} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): "
-            f"{scenario.num_prompts} requests, model {scenario.engine.model}, KV budget {scenario.kv_blocks} blocks "
-            f"x {scenario.engine.block_size} for every backend",
+            f"{workload} (scale {args.scale:g}, hash {scenario.content_hash()[:12]}): {result.num_requests} "
+            f"requests, model {scenario.engine.model}, KV budget {scenario.kv_blocks} blocks x "
+            f"{scenario.engine.block_size} for every backend",
             120,
         )
     )

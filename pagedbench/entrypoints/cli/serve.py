@@ -165,7 +165,8 @@ def cmd_bench_serve(args) -> None:
     if args.num_prompts is not None:
         scenario = dataclasses.replace(scenario, num_prompts=args.num_prompts)
     if args.dataset_name is not None or args.dataset_path is not None:
-        scenario = dataclasses.replace(scenario, dataset_name=args.dataset_name, dataset_path=args.dataset_path)
+        dataset = {"dataset_name": args.dataset_name, "dataset_path": args.dataset_path}
+        scenario = dataclasses.replace(scenario, **dataset, skip_long_requests=bool(args.skip_long_requests))
         scenario.validate()
     if scenario.dataset_name == "trace" and args.request_rate is None:
         rates = [None]  # the trace's own arrivals
@@ -174,13 +175,13 @@ def cmd_bench_serve(args) -> None:
     model = args.model or card["id"]
     backend = args.label or card.get("backend") or url  # pagedbench serve names its backend
     prepare_out_dir(args.out)
-    requests = _requests(scenario, model)
-    head = {"backend": backend, "base_url": url, "model": model, "scenario": scenario.name, "scale": args.scale}
+    requests = _requests(scenario, model, card.get("max_model_len"))
+    head = {"backend": backend, "base_url": url, "model": model, "scenario": scenario.label, "scale": args.scale}
     if args.num_warmups:
         _warm_up(url, model, requests, scenario.engine.seed, args)
     rows = [_load_at(rate, url, requests, scenario.engine.seed, slos, args, head) for rate in rates]
-    stem = report_stem(args.out, f"bench-serve-{scenario.name}", args.overwrite)
-    _write_bench_serve(rows, Path(args.out) / stem, url, model, scenario.name)
+    stem = report_stem(args.out, f"bench-serve-{scenario.label.replace(':', '-')}", args.overwrite)
+    _write_bench_serve(rows, Path(args.out) / stem, url, model, scenario.label)
     if not any(row["completed"] for row in rows):
         raise NothingMeasured(f"every request to {url} failed: nothing was measured")
 
@@ -218,9 +219,10 @@ def _server_card(url: str, api_key: str | None, model: str | None) -> dict:
         return {}
 
 
-def _requests(scenario, model: str):
+def _requests(scenario, model: str, max_model_len: int | None):
     """The scenario's requests for the served `model`, resolved here where it can be (a preset,
-    directory or GGUF file); else random ids that every real vocabulary has."""
+    directory or GGUF file); else random ids that every real vocabulary has. A dataset's requests
+    fit `max_model_len`, the server's (its /v1/models card's), where it says."""
     from pagedbench.model.loader import resolve_model_config
 
     try:
@@ -231,8 +233,8 @@ def _requests(scenario, model: str):
                 f"scenario {scenario.name!r} formats its prompts with the model's chat template: "
                 f"--model must name the served model's directory, GGUF file or preset here (got {model!r})"
             ) from None
-        return build_requests(scenario, 1000)
-    return model_requests(scenario, config, path)
+        return build_requests(scenario, 1000, max_model_len=max_model_len)
+    return model_requests(scenario, config, path, max_model_len)
 
 
 def _load_at(rate: float, url: str, requests, seed: int, slos, args, head: dict) -> dict:
