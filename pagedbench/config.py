@@ -194,6 +194,13 @@ class EngineConfig:
         maximum=1,
     )
     max_logprobs: int = setting(20, "most logprobs / prompt_logprobs a request may ask for", minimum=0)
+    async_scheduling: bool | None = setting(
+        None,
+        "schedule step N+1 and build its inputs while step N runs on the device, N's sampled tokens fed to N+1 "
+        "there and learnt by the host one step late (vLLM's name; docs/async-scheduling.md says what runs "
+        "synchronously and why); None: on where it is supported and measured faster (docs)",
+        workload=False,
+    )
     enforce_eager: bool = setting(
         False,
         "never capture CUDA graphs and never compile the model (vLLM's meaning): every step runs eagerly",

@@ -82,6 +82,34 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cpu()
 
 
+class HostCopy:
+    """A device-to-host copy under way (async scheduling's sampled tokens): on CUDA it runs on a side
+    stream after the work that made `tensor`, into pinned memory, and `wait()` waits for its event
+    only; elsewhere the tensor is already on the host."""
+
+    _streams: dict = {}  # one side stream per device
+
+    def __init__(self, tensor: torch.Tensor):
+        _count("d2h")
+        self.event = None
+        if tensor.device.type != "cuda":
+            self.host = tensor
+            return
+        side = self._streams.setdefault(tensor.device, torch.cuda.Stream(tensor.device))
+        side.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(side):
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(side)
+        tensor.record_stream(side)
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
 def to_list(tensor: torch.Tensor) -> list:
     """A device tensor as Python values: one device-to-host copy."""
     return to_host(tensor).tolist()

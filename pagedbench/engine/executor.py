@@ -10,6 +10,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,8 +29,12 @@ from pagedbench.worker.layer_attention import LayerAttention, build_layer_attent
 from pagedbench.worker.model_runner import ModelRunner
 from pagedbench.worker.pipeline import InFlight, PipelineRunner
 from pagedbench.worker.pipeline_stage import StageLink
-from pagedbench.worker.step_batch import StepInputs
+from pagedbench.worker.step_batch import StepBatch, StepInputs
 from pagedbench.worker.tp_workers import ParallelRunner, Workers, rank_device
+
+# Async scheduling: (input positions of PLACEHOLDERs, the previous step's sampled tokens on the device,
+# their rows there) -- StepInputs.fill_placeholders.
+Feed = tuple[np.ndarray, torch.Tensor, np.ndarray]
 
 
 @dataclass(slots=True)
@@ -243,7 +248,17 @@ class Executor:
     def launch(self, seqs: list[Sequence], num_tokens: list[int], times: StepTimes) -> LaunchedForward:
         """Start a step where `seqs[i]` runs its next `num_tokens[i]` tokens (a pipeline's first
         stage; the whole step otherwise), stamping `times` as its parts end; `collect` finishes it."""
-        inputs = self.runner.build_inputs(seqs, num_tokens)
+        return self._start(self.runner.build_inputs(seqs, num_tokens), times)
+
+    def launch_laid_out(self, batch: StepBatch, times: StepTimes, feed: Feed | None = None) -> LaunchedForward:
+        """Async scheduling's launch (on the device lane): a step laid out ahead (`runner.lay_out`), its
+        PLACEHOLDER inputs taking the previous step's sampled tokens on the device (`feed`)."""
+        inputs = self.runner.device_inputs(batch)
+        if feed is not None:
+            inputs.fill_placeholders(*feed)
+        return self._start(inputs, times)
+
+    def _start(self, inputs: StepInputs, times: StepTimes) -> LaunchedForward:
         times.metadata = time.perf_counter()
         state = self.backend.plan(inputs.metadata)
         times.planned = time.perf_counter()

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 
 from pagedbench.config import EngineConfig
+from pagedbench.engine.async_scheduling import async_scheduling
 from pagedbench.engine.block_manager import BlockManager
 from pagedbench.engine.engine_core import EngineCore
 from pagedbench.engine.executor import Executor
@@ -89,9 +90,11 @@ class LLMEngine:
             config.speculative, ex, self.scheduler, cfg, self.token_picker.sampler, self.max_model_len,
             self.structured_outputs,
         )  # fmt: skip
+        self.async_scheduling = async_scheduling(config, cfg, self.device)
         self.core = EngineCore(
-            self.scheduler, ex, self.token_picker, self.speculator, self.output_processor, self.stats, self.requests
-        )
+            self.scheduler, ex, self.token_picker, self.speculator, self.output_processor, self.stats, self.requests,
+            run_ahead=self.async_scheduling,
+        )  # fmt: skip
         self.lane_load = self.core.lane_load  # pipeline parallelism: unfinished requests per lane
         self._ids = itertools.count()
 
@@ -110,6 +113,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        self.core.device_lane.shutdown()
         self.executor.shutdown()
 
     # ---- what a benchmark run reads -------------------------------------------------------
@@ -227,7 +231,7 @@ class LLMEngine:
         return time.perf_counter() - start, backend + model
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.core.in_flight)
 
     # ---- one step -------------------------------------------------------------------------
 

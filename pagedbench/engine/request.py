@@ -35,5 +35,16 @@ class SequenceGroup:
         return len(self.seqs) == self.params.width and all(s.finished for s in self.seqs)
 
     @property
+    def needs_host_tokens(self) -> bool:
+        """Whether a step of this request needs its previous step's tokens on the host (async scheduling
+        then waits for them): beams, samples forked at the first token, grammars, penalties, bad words,
+        logits processors and prompt logprobs read the tokens or the output so far."""
+        p = self.params
+        if self.beam is not None or p.width > 1:
+            return True
+        grammar_or_prompt = p.structured_outputs is not None or p.prompt_logprobs is not None
+        return grammar_or_prompt or p.penalized or bool(p.bad_words or p.logits_processors)
+
+    @property
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.seqs)

@@ -113,8 +113,8 @@ class Scheduler:
         for seq in candidates:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.paused:
-                continue  # preempted earlier in this loop, or paused
+            if seq.status is not SequenceStatus.RUNNING or seq.paused or seq.num_uncomputed_tokens == 0:
+                continue  # preempted earlier in this loop, paused, or (async) finishing with the step in flight
             wanted = seq.num_uncomputed_tokens
             extra = self.lookahead(seq) if wanted == 1 and self.lookahead is not None else 0
             if extra and self.block_manager.can_allocate(seq, seq.num_computed_tokens + 1 + extra):
@@ -250,6 +250,9 @@ class Scheduler:
         self.block_manager.take_copies()  # moves planned for the abandoned step, if not yet taken
         self.block_manager.take_swaps()
         for seq in out.seqs:
+            if seq.num_placeholders:  # async scheduling: tokens that will never come
+                del seq.token_ids[-seq.num_placeholders :]
+                seq.num_placeholders = 0
             if seq.status is SequenceStatus.RUNNING:
                 self.preempt(seq, swap=False)
 

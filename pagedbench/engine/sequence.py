@@ -60,6 +60,7 @@ class Sequence:
     draft_computed: int = 0
     grammar: object | None = None  # its xgrammar GrammarMatcher, past its output (structured outputs)
     lane: int = 0  # under pipeline parallelism, which of the steps in flight it runs in (its request's)
+    num_placeholders: int = 0  # async scheduling: PLACEHOLDERs ending token_ids (its tokens still on the device)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -83,6 +84,7 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.paused = self.paused
         child.lane = self.lane
+        child.num_placeholders = self.num_placeholders
         child.grammar = None if self.grammar is None else self.grammar.fork()
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)

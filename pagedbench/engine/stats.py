@@ -49,7 +49,7 @@ class EngineStats:
     used_block_steps: int = 0  # blocks in use, summed over steps (mean utilization = / steps / num_blocks)
     wasted_slot_steps: int = 0  # allocated slots holding no token (last pages), summed over steps
     peak_wasted_slots: int = 0
-    in_flight_steps: int = 0  # pipeline parallelism: steps in flight when each was launched, summed
+    in_flight_steps: int = 0  # pipeline parallelism, async scheduling: steps in flight when each was launched, summed
     time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # per step: (time, blocks used, empty slots)
     spec: "SpecStats" = field(default_factory=lambda: SpecStats())

@@ -28,6 +28,7 @@ from pagedbench.engine.stopping import stop_check
 from pagedbench.engine.structured_outputs import advance
 from pagedbench.model.config import ModelConfig
 from pagedbench.sample.sampler import SamplerOutput
+from pagedbench.worker.step_batch import PLACEHOLDER
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    advanced: bool = False  # async scheduling: its tokens already count as computed (StepUpdate.advance)
 
     @property
     def empty(self) -> bool:
@@ -135,11 +137,13 @@ class StepUpdate:
     def apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestProgress]:
         """Apply step `sched`'s output `out` to its sequences (see the module's docstring); returns the
         requests that got tokens, in the order their outputs go out."""
-        for seq, n in zip(sched.seqs, sched.num_tokens):
-            self.stats.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
         verified = [s for s in out.sampled if s.num_proposed]
         drawn = [s for s in out.sampled if not s.num_proposed]
-        self.computed(sched, {id(s.seq): s.num_rejected for s in verified})
+        if sched.advanced:  # async: a sequence that stopped at the step before drops this step's token
+            drawn = [s for s in drawn if not s.seq.finished]
+        else:
+            self._count_prompt_tokens(sched)
+            self.computed(sched, {id(s.seq): s.num_rejected for s in verified})
         if out.prompt_logprob_rows:
             self.outputs.record_prompt_logprobs(sched.seqs, out.prompt_logprob_rows, out.prompt_logits)
         for s in verified:  # the rejected proposals' pages go back; the draft's cache keeps no rejected token
@@ -165,6 +169,30 @@ class StepUpdate:
         for group in self._continue_beams(out.beams):
             progressed[id(group)] = (group, 1)
         return [RequestProgress(group, count) for group, count in progressed.values()]
+
+    def advance(self, sched: SchedulerOutput, sampling: list[Sequence]) -> None:
+        """Async scheduling, with step `sched` in flight: its tokens count as computed now, and each
+        sequence in `sampling` (its sampling rows) gets a PLACEHOLDER for the token it draws, so the
+        next step is scheduled and laid out with exact lengths; `apply` puts the token in its place.
+        A sequence whose drawn token ends it by length gets none: nothing is scheduled for it."""
+        self._count_prompt_tokens(sched)
+        live = [(seq, n) for seq, n in zip(sched.seqs, sched.num_tokens) if not seq.finished]  # (stopped at N)
+        self.computed(SchedulerOutput([seq for seq, _ in live], [n for _, n in live]))
+        for seq in sampling:
+            if not seq.finished and not self._ends_by_length(seq, seq.num_tokens + 1):
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_placeholders += 1
+        sched.advanced = True
+
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` stops by length once it holds `num_tokens` tokens (what stop_check says last)."""
+        max_tokens = seq.params.max_tokens
+        outputs = num_tokens - seq.num_prompt_tokens
+        return num_tokens >= self.max_model_len or (max_tokens is not None and outputs >= max_tokens)
+
+    def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            self.stats.prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
 
     def fork(self, parent: Sequence, index: int, into: Sequence | None = None) -> Sequence:
         """A new sequence sharing `parent`'s tokens and pages, queued beside it (`into`: a sample
@@ -205,8 +233,13 @@ class StepUpdate:
         return count
 
     def _append_token(self, seq: Sequence, token: int) -> None:
-        """`seq`'s next token: its grammar and text move on, and a stop finishes `seq` (its pages freed)."""
-        seq.token_ids.append(token)
+        """`seq`'s next token (in its PLACEHOLDER's place, under async scheduling): its grammar and text
+        move on, and a stop finishes `seq` (its pages freed)."""
+        if seq.num_placeholders:
+            seq.token_ids[len(seq.token_ids) - seq.num_placeholders] = token
+            seq.num_placeholders -= 1
+        else:
+            seq.token_ids.append(token)
         grammar_ended = seq.grammar is not None and not advance(seq, token)
         new_text = self.outputs.new_text(seq, token)
         eos_token_ids = self.model_config.eos_token_ids if self.model_config is not None else ()

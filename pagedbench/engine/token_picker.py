@@ -5,11 +5,13 @@ best_of samples: the samples are forked for it, each reading its parent's logits
 scheduler in update_from_output. Samples draw from the batched Sampler in one call; beams give their
 best continuations for their search."""
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from pagedbench.device.timer import DeviceTimer
-from pagedbench.device.transfer import to_device, to_list
+from pagedbench.device.transfer import HostCopy, to_device, to_list
 from pagedbench.engine.input_processor import InputProcessor
 from pagedbench.engine.request import SequenceGroup
 from pagedbench.engine.scheduler import SchedulerOutput
@@ -18,8 +20,29 @@ from pagedbench.engine.speculator import Speculator
 from pagedbench.engine.step_update import BeamCandidates, ModelRunnerOutput, Sampled, logprob_row
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.model.config import ModelConfig
-from pagedbench.sample.sampler import Sampler, SamplingBatch
+from pagedbench.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedbench.worker.step_batch import StepBatch
+
+
+@dataclass(slots=True, eq=False)
+class Draw:
+    """An async step's sampling: row i draws for seqs[i]; once drawn, the tokens on the device (the next
+    step's placeholders read them) and their copy to the host under way."""
+
+    seqs: list[Sequence]
+    batch: SamplingBatch | None
+    on_device: SamplerOutput | None = None
+    copy: HostCopy | None = None
+
+    def feed(self, batch: StepBatch, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The next step's PLACEHOLDER positions in `batch` (of `seqs`, as scheduled) and the rows of
+        this draw's tokens they take (executor.Feed, with the tokens once drawn); None when it has none."""
+        positions = batch.placeholder_positions
+        if not len(positions):
+            return None
+        row = {id(seq): i for i, seq in enumerate(self.seqs)}
+        rows = np.array([row[id(seqs[i])] for i in batch.token_seq_idx[positions]], dtype=np.int64)
+        return positions, rows
 
 
 class TokenPicker:
@@ -83,6 +106,13 @@ class TokenPicker:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sampled]:
         """One batched draw for `seqs` (logits row i for seqs[i]), read back in one copy."""
+        batch = self._sampling_batch(seqs)
+        sample_start = self.timer.mark()
+        out = self.sampler(logits, batch)
+        self.timer.span("sample", sample_start)
+        return self._sampled(seqs, batch, out.to_host())  # the step's one wait for the device
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         cfg = self.model_config
         processors = self.sampler.logits_processors
         batch = SamplingBatch.from_seqs(
@@ -90,15 +120,35 @@ class TokenPicker:
         )
         self.sampling_batch = batch
         batch.grammar = self.structured.mask(seqs)
-        sample_start = self.timer.mark()
-        out = self.sampler(logits, batch)
-        self.timer.span("sample", sample_start)
-        host = out.to_host()  # the step's one wait for the device
+        return batch
+
+    def _sampled(self, seqs: list[Sequence], batch: SamplingBatch, host: SamplerOutput) -> list[Sampled]:
         place = {row: k for k, row in enumerate(batch.logprob_rows or ())}
         return [
             Sampled(seq, [token], [logprob_row(host, i, place[i])] if i in place else None)
             for i, (seq, token) in enumerate(zip(seqs, host.tokens))
         ]
+
+    # ---- async scheduling: a plain step's draw, split at the device ------------------------------
+
+    def draw_rows(self, sched: SchedulerOutput, batch: StepBatch) -> "Draw":
+        """On the host, before the step launches: who draws (every sampling row of a step without
+        forks, beams, proposals or prompt logprobs) and their SamplingBatch."""
+        seqs = [sched.seqs[i] for i in batch.sampling_rows]
+        return Draw(seqs, self._sampling_batch(seqs) if seqs else None)
+
+    def draw(self, draw: "Draw", logits: torch.Tensor) -> None:
+        """On the device lane, after the forward: the draw, its tokens kept on the device for the next
+        step's placeholders, and its copy to the host started."""
+        if draw.seqs:
+            draw.on_device = self.sampler(logits[: len(draw.seqs)], draw.batch)
+            draw.copy = draw.on_device.host_copy()
+
+    def drawn(self, draw: "Draw") -> ModelRunnerOutput:
+        """On the host, a step later: the draw's tokens (waiting for its copy only)."""
+        if not draw.seqs:
+            return ModelRunnerOutput()
+        return ModelRunnerOutput(sampled=self._sampled(draw.seqs, draw.batch, draw.on_device.from_host(draw.copy)))
 
     def _beam_candidates(self, seqs: list[Sequence], logits: torch.Tensor) -> list[BeamCandidates]:
         """Each beam's best continuations: the 2k best tokens of its log-softmax (k: its beam width)."""

@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pagedbench.device.transfer import to_device, to_list
+from pagedbench.device.transfer import HostCopy, to_device
 from pagedbench.sample.sampling_params import SamplingParams, processor_arity
 
 
@@ -204,13 +204,18 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None = None  # [L, k]
 
     def to_host(self) -> "SamplerOutput":
-        """The same fields as Python lists, read back in one device-to-host copy (the ids and
-        ranks travel as float64, exact below 2^53)."""
-        names = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
-        tensors = [getattr(self, name) for name in names]
-        flat = to_list(torch.cat([t.reshape(-1).double() for t in tensors]))
-        host, start = {}, 0
-        for name, t in zip(names, tensors):
+        """The same fields as Python lists, read back in one device-to-host copy (waits for it)."""
+        return self.from_host(self.host_copy())
+
+    def host_copy(self) -> HostCopy:
+        """Every field in one device-to-host copy, started (the ids and ranks travel as float64, exact
+        below 2^53); `from_host` reads it."""
+        return HostCopy(torch.cat([t.reshape(-1).double() for t in self._fields().values()]))
+
+    def from_host(self, copy: HostCopy) -> "SamplerOutput":
+        """The fields of `host_copy()`'s copy as Python lists (waits for it)."""
+        flat, host, start = copy.wait().tolist(), {}, 0
+        for name, t in self._fields().items():
             values = flat[start : start + t.numel()]
             start += t.numel()
             if not t.is_floating_point():
@@ -219,6 +224,9 @@ class SamplerOutput:
                 values = [values[i : i + t.shape[1]] for i in range(0, len(values), t.shape[1])]
             host[name] = values
         return SamplerOutput(**host)
+
+    def _fields(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
 class Sampler:

@@ -168,7 +168,13 @@ class ModelRunner:
     def build_inputs(self, seqs: list[ScheduledSequence], num_tokens: list[int]) -> StepInputs:
         """The step's inputs on the device (`seqs[i]` runs its next `num_tokens[i]` tokens): a
         captured graph's static inputs for a decode step that fits one, else fresh tensors."""
-        batch = step_batch(seqs, num_tokens, self.block_size, self.num_cache_blocks)
+        return self.device_inputs(self.lay_out(seqs, num_tokens))
+
+    def lay_out(self, seqs: list[ScheduledSequence], num_tokens: list[int]) -> StepBatch:
+        """The step's host arrays (what build_inputs copies; async scheduling lays a step out ahead)."""
+        return step_batch(seqs, num_tokens, self.block_size, self.num_cache_blocks)
+
+    def device_inputs(self, batch: StepBatch) -> StepInputs:
         bucket = self.graphs.bucket(batch) if self.graphs is not None else None
         return batch.to(self.device) if bucket is None else self.graphs.inputs(batch, bucket)
 

@@ -9,7 +9,11 @@ import numpy as np
 import torch
 
 from pagedbench.backends.base import AttentionMetadata
-from pagedbench.device.transfer import to_device_packed
+from pagedbench.device.transfer import to_device, to_device_packed
+
+# Async scheduling: a token the previous step sampled on the device, not yet known to the host; its
+# input position takes that token on the device (StepInputs.fill_placeholders).
+PLACEHOLDER = -1
 
 
 class ScheduledSequence(Protocol):
@@ -38,6 +42,11 @@ class StepInputs:
     batch: "StepBatch"  # the host arrays these were copied from (and the rows' meaning)
     graph: int | None = None  # the CUDA-graph bucket whose static inputs these are (None: eager)
 
+    def fill_placeholders(self, positions: np.ndarray, tokens: torch.Tensor, rows: np.ndarray) -> None:
+        """Input `positions` (PLACEHOLDERs) take the previous step's sampled `tokens[rows]`, on the device."""
+        device = self.input_ids.device
+        self.input_ids[to_device(positions, device)] = tokens[to_device(rows, device)]
+
 
 @dataclass(slots=True)
 class StepBatch:
@@ -62,6 +71,11 @@ class StepBatch:
     state_slots: list[int] = field(default_factory=list)  # [S] hybrid models: each sequence's state slot
     # [S] hybrid models: (rows of the sequence's chunk after which, snapshot slot) its state is copied to
     state_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
+
+    @property
+    def placeholder_positions(self) -> np.ndarray:
+        """Input positions whose token the previous step is still sampling (async scheduling)."""
+        return np.flatnonzero(self.input_ids == PLACEHOLDER)
 
     @property
     def num_sampling_logits(self) -> int:
