@@ -11,6 +11,7 @@ SPEC_METHODS = ("draft_model", "ngram")
 # Hybrid models' gated delta rule (model/delta_rule.py): transformers' torch forms, or flash-linear-attention's.
 LINEAR_ATTENTION_KERNELS = ("torch", "fla")
 INDEX_CACHE_DTYPES = ("auto", "fp8")  # DeepSeek-V3.2's index keys as stored
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's; a hybrid model at this default runs fewer where its states need (kv_budget)
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,7 +118,12 @@ class EngineConfig:
     dtype: str | None = setting(None, "bf16 on cuda, fp32 on cpu", workload=False)
     block_size: int = setting(16, "tokens per KV page", minimum=1)
     num_blocks: int | None = setting(None, "KV pages (default: from free memory)", minimum=1)
-    max_num_seqs: int = setting(256, "sequences running at once", minimum=1)
+    max_num_seqs: int = setting(
+        DEFAULT_MAX_NUM_SEQS,
+        "sequences running at once (at this default a hybrid model runs as many as its DeltaNet states fit half "
+        "the KV budget: docs/hybrid.md)",
+        minimum=1,
+    )
     max_num_batched_tokens: int = setting(2048, "tokens per engine step", minimum=1)
     max_model_len: int | None = setting(None, "longest sequence (default: the model's, capped by the cache)", minimum=1)
     seed: int | None = setting(

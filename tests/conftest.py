@@ -4,6 +4,7 @@ built once per test session; Hugging Face's own greedy outputs as the reference.
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -195,6 +196,19 @@ def variant_models(tmp_path_factory):
     """name -> (model directory, HF model in fp32) of VARIANT_MODELS."""
     root = tmp_path_factory.mktemp("variant-models")
     return {name: (str(root / name), build_hf_model(name, root / name, VARIANT_MODELS)) for name in VARIANT_MODELS}
+
+
+@pytest.fixture
+def no_fla(monkeypatch):
+    """fla as if not installed (its import fails), the availability cache cleared around it."""
+    from pagedbench.model import delta_rule
+
+    delta_rule.fla_unavailable_reason.cache_clear()
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fla", None)  # `import fla` raises ModuleNotFoundError
+    yield
+    delta_rule.fla_unavailable_reason.cache_clear()
 
 
 @pytest.fixture(scope="session")

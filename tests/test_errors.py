@@ -177,6 +177,22 @@ def test_bad_engine_settings(tiny_models, tmp_path, tokenizerless_model):
         LLM(path, block_size=0)
 
 
+def test_a_model_specific_setting_on_a_model_without_it_is_refused():
+    """index_cache_dtype (DeepSeek-V3.2's indexer) and mamba_block_size (hybrids' DeltaNet) on a
+    plain model: refused in one line, as the CLI refuses them."""
+    with pytest.raises(ValueError, match=r"^index_cache_dtype fp8: model tiny-llama has no sparse-attention indexer"):
+        LLM("tiny-llama", device="cpu", index_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"^mamba_block_size 32: model tiny-llama has no DeltaNet layers \(the"):
+        LLM("tiny-llama", device="cpu", mamba_block_size=32)
+
+
+def test_a_mistyped_model_gets_its_nearest_preset():
+    with pytest.raises(FileNotFoundError, match=r"\(tiny-llama, .*\); did you mean 'deepseek-v3.2'\?$"):
+        LLM("deepseek-v3.3")
+    with pytest.raises(FileNotFoundError, match=r"smollm2-135m-instruct\)$"):  # nothing near: no guess
+        LLM("no-such-model")
+
+
 def test_unavailable_backend_is_refused_with_its_reason(tiny_models, monkeypatch):
     from pagedbench.backends.sdpa import SDPABackend
 

@@ -244,6 +244,44 @@ def test_what_hybrid_models_refuse_or_turn_off(qwen35, caplog):
     )
 
 
+def test_default_max_num_seqs_runs_as_many_sequences_as_half_the_budget_holds_states(qwen35, caplog):
+    """At the default max_num_seqs, the DeltaNet state slots take at most half the CPU KV budget
+    (fewer sequences, with a note); an explicit max_num_seqs the budget cannot hold is an error."""
+    from pagedbench.worker.linear_state import state_bytes_per_sequence
+
+    path, want = qwen35
+    per_slot = state_bytes_per_sequence(ModelConfig.from_dir(Path(path)), torch.float32)
+    budget = 21 * per_slot  # 10 slots in half of it
+    with caplog.at_level(logging.WARNING, logger="pagedbench"):
+        llm, got = generate(path, cpu_kv_cache_bytes=budget)
+    assert got == want and llm.engine.config.max_num_seqs == llm.engine.block_manager.num_state_slots == 10
+    assert "hybrid model: max_num_seqs 256 -> 10: 10 DeltaNet state slots of " in caplog.text
+    assert "fit half the " in caplog.text and "left to the KV pages and prefix-cache snapshots" in caplog.text
+    llm = LLM(path, device="cpu", dtype="float32", cpu_kv_cache_bytes=budget, max_num_seqs=15)  # explicit, fits
+    assert llm.engine.config.max_num_seqs == llm.engine.block_manager.num_state_slots == 15
+    with pytest.raises(ValueError, match=r"^max_num_seqs 30 needs 30 DeltaNet state slots of .*\(20 would fit\)"):
+        LLM(path, device="cpu", dtype="float32", cpu_kv_cache_bytes=budget, max_num_seqs=30)
+
+
+@pytest.mark.slow
+def test_the_qwen35_preset_starts_at_defaults_on_a_cpu(caplog):
+    """Qwen3.5-0.8B's 19.3 MiB states: 26 fit half the 1 GiB CPU budget (256 would need 4.8 GiB)."""
+    with caplog.at_level(logging.WARNING, logger="pagedbench"):
+        llm = LLM("qwen3.5-0.8b", device="cpu")
+    note = "hybrid model: max_num_seqs 256 -> 26: 26 DeltaNet state slots of 19.3 MiB fit half the 1 GiB KV budget"
+    assert note in caplog.text and llm.engine.config.max_num_seqs == 26
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_a_hybrids_setting_errors_come_before_its_cache_is_sized(no_fla):
+    """Refused before the model is built or its cache sized, each in its own words."""
+    with pytest.raises(ValueError, match=r"^mamba_block_size 7 must be a multiple of block_size 16$"):
+        LLM("qwen3.5-0.8b", device="cpu", mamba_block_size=7)
+    with pytest.raises(ValueError, match=r"^linear_attention_kernel fla: fla not installed \(pip install"):
+        LLM("qwen3.5-0.8b", device="cpu", linear_attention_kernel="fla")
+
+
 def test_kv_calc_counts_the_state_each_sequence_holds(qwen35):
     from pagedbench.bench.kv_calc import kv_table
     from pagedbench.model.loader import resolve_model_config

@@ -4,7 +4,6 @@ kernels, a step's sequences in one varlen call; Triton's interpreter on CPU). Gr
 Hugging Face's through fla, check's gated DeltaNet cases pass for both against a float64 oracle,
 fla is refused in one line where it cannot run, and reports name the kernel."""
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,17 +26,6 @@ def require(kernel: str) -> None:
     reason = delta_rule.fla_unavailable_reason("cpu") if kernel == "fla" else None
     if reason:
         pytest.skip(f"fla cannot run here: {reason}")
-
-
-@pytest.fixture
-def no_fla(monkeypatch):
-    """fla as if not installed (its import fails), the availability cache cleared around it."""
-    delta_rule.fla_unavailable_reason.cache_clear()
-    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "fla", None)  # `import fla` raises ModuleNotFoundError
-    yield
-    delta_rule.fla_unavailable_reason.cache_clear()
 
 
 @pytest.mark.slow

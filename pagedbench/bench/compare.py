@@ -26,7 +26,7 @@ from pagedbench.engine.data_parallel import make_engine
 from pagedbench.engine.kv_budget import longest_sequence
 from pagedbench.engine.llm_engine import LLMEngine
 from pagedbench.engine.outputs import RequestOutput
-from pagedbench.model.config import ModelConfig
+from pagedbench.model.config import ModelConfig, check_model_settings
 from pagedbench.model.delta_rule import timing_caveat as linear_timing_caveat
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
 from pagedbench.model.moe import experts_kernel
@@ -66,11 +66,7 @@ def engine_config(
     """The scenario's engine settings for `backend` on `device` and `dtype`, with the KV budget as
     blocks (of its kv_cache_dtype and index_cache_dtype) and `speculative_config` (default: the scenario's)."""
     engine = scenario.engine
-    if engine.index_cache_dtype != "auto" and model.indexer is None:
-        raise ValueError(
-            f"index_cache_dtype {engine.index_cache_dtype}: model {engine.model} has no sparse-attention "
-            "indexer (DeepSeek-V3.2's) whose index keys it would store"
-        )
+    check_model_settings(engine, model)
     spec = engine.speculative_config if speculative_config == "scenario" else speculative_config
     blocks = kv_blocks(scenario, dtype, model)
     return dataclasses.replace(

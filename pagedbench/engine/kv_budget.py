@@ -3,6 +3,7 @@ of the device's memory, less what is in use and the activation peak of a profile
 budget on CPU; never more than max_num_seqs full-length sequences need), the longest sequence they
 hold, the swap space, and a hybrid model's DeltaNet state slots and snapshots."""
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 
 from pagedbench.backends.base import AttentionBackend
-from pagedbench.config import EngineConfig
+from pagedbench.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.engine.sequence import Sequence
 from pagedbench.engine.state_snapshots import SnapshotPlan
@@ -74,6 +75,8 @@ def size_kv_cache(
             rows = decode_buckets(config.max_num_seqs, backend.cuda_graph_powers_of_two)[-1] if graphs else None
             budget = cuda_kv_budget(config, model, backend, max_len, per_block, rows, device, dtype)
         if slots:
+            slots = fit_state_slots(config, state_bytes_per_sequence(cfg, dtype, tp), per_block, budget)
+            config = dataclasses.replace(config, max_num_seqs=slots)  # the snapshots and swap slots follow it
             budget, snapshots = budget_after_states(config, cfg, dtype, tp, budget, slots)
         num_blocks = num_kv_blocks(config, budget, per_block, max_len)
     num_cpu_blocks, num_cpu_state_slots = swap_space(config, cfg, dtype, tp, slots)
@@ -93,6 +96,37 @@ def page_bytes(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None
     if draft is not None:
         per_block += kv_bytes_per_block(draft, config.block_size, dtype, NO_TP, config.kv_cache_dtype)
     return per_block
+
+
+def fit_state_slots(config: EngineConfig, per_slot: int, per_block: int, budget: int) -> int:
+    """How many sequences a hybrid model runs at once, one DeltaNet state slot each: max_num_seqs,
+    or, at its default, as many as fit half the KV `budget` (the KV pages and prefix-cache snapshots
+    keep the other half), with a note. An explicit max_num_seqs whose slots leave no room for one
+    KV block is an error naming both."""
+    asked = config.max_num_seqs
+    slots = asked
+    if asked == DEFAULT_MAX_NUM_SEQS:
+        slots = min(asked, max(1, budget // 2 // per_slot))
+        if slots < asked:
+            logger.warning(
+                "hybrid model: max_num_seqs %d -> %d: %d DeltaNet state slots of %s fit half the %s KV budget "
+                "(the other half is left to the KV pages and prefix-cache snapshots)",
+                asked, slots, slots, _size(per_slot), _size(budget),
+            )  # fmt: skip
+    if slots * per_slot + per_block > budget:
+        fit = max(0, (budget - per_block) // per_slot)
+        raise ValueError(
+            f"max_num_seqs {slots} needs {slots} DeltaNet state slots of {_size(per_slot)} = "
+            f"{_size(slots * per_slot)}, more than the {_size(budget)} KV budget holds beside one KV block "
+            f"({fit} would fit); lower max_num_seqs or raise the budget (cpu_kv_cache_bytes, gpu_memory_utilization)"
+        )
+    return slots
+
+
+def _size(nbytes: int) -> str:
+    """1 GiB, 19.3 MiB, 16.1 KiB."""
+    unit = next(u for u in (3, 2, 1, 0) if nbytes >= 2 ** (10 * u) or u == 0)
+    return f"{nbytes / 2 ** (10 * unit):.3g} {('B', 'KiB', 'MiB', 'GiB')[unit]}"
 
 
 def budget_after_states(

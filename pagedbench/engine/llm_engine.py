@@ -28,6 +28,7 @@ from pagedbench.engine.speculator import make_speculator
 from pagedbench.engine.stats import EngineStats, RunCounters, gauges
 from pagedbench.engine.structured_outputs import StructuredOutputManager
 from pagedbench.engine.token_picker import TokenPicker
+from pagedbench.model.config import check_model_settings
 from pagedbench.model.fused import dynamo_seconds
 from pagedbench.model.hybrid import hybrid_engine_config
 from pagedbench.model.loader import ResolvedModel, resolve_model_config
@@ -50,6 +51,7 @@ class LLMEngine:
         )
         self.model_path = path  # the model's directory (weights, tokenizer); None for a preset
         cfg = self.model_config
+        check_model_settings(config, cfg)
         if cfg.linear is not None:
             config = self.config = hybrid_engine_config(config)
         self.tokenizer = tokenizer_for(config.tokenizer, path, cfg.vocab_size, cfg.eos_token_ids)
@@ -57,6 +59,8 @@ class LLMEngine:
         ex = self.executor
         self.device, self.dtype = ex.device, ex.dtype
         kv = ex.kv_size  # the executor sized the cache
+        if kv.num_state_slots and kv.num_state_slots < config.max_num_seqs:  # a hybrid's states fit fewer
+            config = self.config = dataclasses.replace(config, max_num_seqs=kv.num_state_slots)
         self.max_model_len, self.num_blocks = kv.max_model_len, kv.num_blocks
         self.block_manager = BlockManager(
             kv.num_blocks, config.block_size, config.enable_prefix_caching, kv.num_cpu_blocks,

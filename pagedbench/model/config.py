@@ -343,6 +343,21 @@ class ModelConfig:
         return cfg
 
 
+def check_model_settings(engine, cfg: ModelConfig) -> None:
+    """ValueError, one line, for an engine setting (EngineConfig) `cfg` has nothing to apply to:
+    index_cache_dtype without DeepSeek-V3.2's indexer, mamba_block_size without DeltaNet layers."""
+    if engine.index_cache_dtype != "auto" and cfg.indexer is None:
+        raise ValueError(
+            f"index_cache_dtype {engine.index_cache_dtype}: model {engine.model} has no sparse-attention "
+            "indexer (DeepSeek-V3.2's) whose index keys it would store"
+        )
+    if engine.mamba_block_size is not None and cfg.linear is None:
+        raise ValueError(
+            f"mamba_block_size {engine.mamba_block_size}: model {engine.model} has no DeltaNet layers (the setting "
+            "is for hybrid models: Qwen3.5, Qwen3-Next)"
+        )
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention scaling for a context extended `factor` times (DeepSeek's yarn_get_mscale)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.model.config import ModelConfig
-from pagedbench.model.delta_rule import fla_mix, torch_delta_rule
+from pagedbench.model.delta_rule import check_linear_attention_kernel, fla_mix, torch_delta_rule
 from pagedbench.model.layers import AttentionContext, column_parallel, row_parallel
 from pagedbench.model.parallel import NO_TP, TPShard, all_reduce, local_linear, shard_param, shard_param_parts
 
@@ -145,10 +146,16 @@ def hybrid_engine_config(config):
     """The engine settings a hybrid model runs with so far: one pipeline stage (tensor parallelism
     splits its DeltaNet layers by key heads) and no speculative decoding (a rejected token would
     have to roll the state back). Prefix caching resumes from DeltaNet state snapshots; with none
-    kept (num_state_snapshots 0) it is off."""
+    kept (num_state_snapshots 0) it is off. Checked before the model is built and its cache sized:
+    mamba_block_size a multiple of block_size, linear_attention_kernel able to run on the device."""
     import dataclasses
     import logging
 
+    if config.mamba_block_size is not None and config.mamba_block_size % config.block_size:
+        raise ValueError(
+            f"mamba_block_size {config.mamba_block_size} must be a multiple of block_size {config.block_size}"
+        )
+    check_linear_attention_kernel(config.linear_attention_kernel, resolve_device_dtype(config.device, config.dtype)[0])
     if config.pipeline_parallel_size > 1:
         raise ValueError("hybrid (gated DeltaNet) models run in one pipeline stage (tensor parallelism splits them)")
     if config.speculative_config is not None:

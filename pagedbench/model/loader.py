@@ -1,5 +1,6 @@
 """Build the model from a Hugging Face directory (config.json + safetensors) or a preset."""
 
+import difflib
 import logging
 import re
 from pathlib import Path
@@ -35,13 +36,21 @@ def resolve_model_config(model: str, need_weights: bool = True) -> ResolvedModel
         return ResolvedModel(ModelConfig.from_dict(PRESETS[model]), None)
     path = gguf_model_dir(model) if is_gguf(model) else trained_models().get(model, Path(model))
     if not path.exists():
-        known = ", ".join([*PRESETS, *trained_models(), *REAL_MODELS])
-        raise FileNotFoundError(f"model {model!r} is neither a directory nor a preset ({known})")
+        known = [*PRESETS, *trained_models(), *REAL_MODELS]
+        raise FileNotFoundError(
+            f"model {model!r} is neither a directory nor a preset ({', '.join(known)}){did_you_mean(model, known)}"
+        )
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {model!r} has no config.json")
     if need_weights and not list(path.glob("*.safetensors")):
         raise ValueError(f"model directory {model!r} has no *.safetensors weights")
     return ResolvedModel(ModelConfig.from_dir(path), path)
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """The hint `; did you mean 'x'?` with the closest of `known` to a mistyped `name`, else nothing."""
+    match = difflib.get_close_matches(name, known, n=1)
+    return f"; did you mean {match[0]!r}?" if match else ""
 
 
 def weights_path(path: Path | None, config) -> Path | None:
