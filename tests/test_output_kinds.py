@@ -131,3 +131,42 @@ def test_generate_returns_final_outputs_and_leaves_the_callers_params(tiny_model
             [c.cumulative_logprob for c in last.outputs], abs=1e-4
         )
     assert all(p.output_kind is CUMULATIVE for p in params)
+
+
+def test_a_stream_of_deltas_adds_up_to_the_whole_completion(engine, runs):
+    """The server's SSE chunks from DELTA outputs (two samples, logprobs, usage): each choice's text,
+    logprob tokens and text offsets run on from chunk to chunk and add up to the cumulative output."""
+    import asyncio
+    import itertools
+    import json
+
+    pytest.importorskip("fastapi")
+    from pagedbench.entrypoints.async_llm import AsyncLLM
+    from pagedbench.entrypoints.openai.streaming import stream_events
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    params = dataclasses.replace(requests()[1], output_kind=DELTA)
+
+    async def events() -> list[dict]:
+        llm = AsyncLLM(engine)
+        stream = ((0, out) async for out in llm.generate({"prompt_token_ids": PROMPTS[1]}, params, "s"))
+        first = await anext(stream)
+        head = {"id": "s", "created": 0, "model": "m"}
+        lines = [e async for e in stream_events(Connected(), first, stream, params, False, head, True)]
+        await llm.stop()
+        return [json.loads(line[6:]) for line in lines if line != "data: [DONE]\n\n"]
+
+    chunks = asyncio.run(events())
+    whole = runs[CUMULATIVE]["1"][-1]
+    for c in whole.outputs:
+        mine = [choice for chunk in chunks for choice in chunk["choices"] if choice["index"] == c.index]
+        assert "".join(choice["text"] for choice in mine) == c.text and mine[-1]["finish_reason"] == "length"
+        tokens = [t for choice in mine for t in choice["logprobs"]["tokens"]]
+        offsets = [o for choice in mine for o in choice["logprobs"]["text_offset"]]
+        assert len(tokens) == len(c.token_ids) and offsets == list(
+            itertools.accumulate(map(len, tokens[:-1]), initial=0)
+        )
+    assert chunks[-1]["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 24, "total_tokens": 41}
