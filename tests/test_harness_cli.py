@@ -580,3 +580,34 @@ def test_a_failing_backend_keeps_the_runs_before_it(monkeypatch, tmp_path, capsy
     assert list(rows["status"]) == ["ok", "ok", "cut"]
     assert rows["reason"].iloc[-1] == "failed after 0 of 2 runs: RuntimeError: out of teapots"
     assert "reference: cut: failed after 0 of 2 runs: RuntimeError: out of teapots" in capsys.readouterr().out
+
+
+def fits_a_terminal(text: str, tmp_path) -> list[str]:
+    """The lines of a command's output wider than 120 columns (a line naming a written file excepted)."""
+    return [line for line in text.splitlines() if len(line) > 120 and str(tmp_path) not in line]
+
+
+@pytest.mark.slow  # whole commands
+def test_every_commands_terminal_output_fits_120_columns_width(tmp_path, capsys):
+    """kernels, profile, kv-calc and check --loglikelihood as run, bench-serve's table from its rows:
+    settings every row shares on a line above, the first columns, a line naming those left out."""
+    from pagedbench.bench.report_schema import BENCH_SERVE_COLUMNS, SERVE_LATENCIES
+    from pagedbench.entrypoints.cli.serve import _write_bench_serve
+
+    grid = ["--phases", "decode,prefill", "--batch-sizes", "1,2", "--context-lens", "16", "--heads", "2/1"]
+    commands = [
+        ["kernels", "--backends", "sdpa", *grid, "--head-dim", "16", "--repeats", "3", "--out", str(tmp_path / "k")],
+        ["profile", "--batch-sizes", "2", "--context", "16", "--steps", "1", "--warmup", "1"],
+        ["kv-calc", "qwen3.5-0.8b", "--kv-cache-dtype", "auto,fp8,int8"],
+        ["check", "--loglikelihood", "--backends", "sdpa", "--kv-cache-dtype", "auto,fp8", "--out", str(tmp_path)],
+    ]
+    for argv in commands:
+        assert main(argv) == 0, argv
+        out = capsys.readouterr().out
+        assert "| " in out and not fits_a_terminal(out, tmp_path), (argv[0], fits_a_terminal(out, tmp_path))
+    row = dict.fromkeys(BENCH_SERVE_COLUMNS, "") | {"backend": "http://127.0.0.1:8000/v1 (tiny-llama)"}
+    row |= {"request_rate": 4.0, "completed": 32, "failed": 0, "request_throughput": 3.9, "output_throughput": 250.5}
+    row |= {"goodput": 3.5} | {name: 12.345 for name in SERVE_LATENCIES}
+    _write_bench_serve([row, row | {"request_rate": 8.0}], tmp_path / "bench-serve", "url", "tiny-llama", "mixed")
+    out = capsys.readouterr().out
+    assert re.search(r"\|\s+8(\.0)?\s+\|", out) and not fits_a_terminal(out, tmp_path), fits_a_terminal(out, tmp_path)

@@ -6,7 +6,7 @@ import pandas as pd
 from pagedbench.bench import compare as compare_module
 from pagedbench.bench.noise import NO_INTERVAL, median_interval, rankings, spread
 from pagedbench.bench.report_schema import SERVING_COLUMNS
-from pagedbench.bench.report_tables import serving_section
+from pagedbench.bench.report_tables import serving_section, serving_summary
 
 
 def test_the_interval_holds_the_median_and_needs_three_runs():
@@ -97,3 +97,28 @@ def test_kernel_rows_carry_the_forward_medians_interval():
     assert row["forward_ci_low_ms"] <= row["forward_median_ms"] <= row["forward_ci_high_ms"]
     one = forward_columns([0.010], point)  # an interpreted backend's single call: no interval
     assert np.isnan(one["forward_ci_low_ms"])
+
+
+def test_the_interval_is_min_max_below_six_runs_says_its_confidence_and_narrows_with_more():
+    """Order statistics: under 6 runs no interval of the median reaches 95 %, so it is min-max with
+    its own confidence (75 % at 3 runs); from 6 runs it is 95 % or more and leaves the extremes."""
+    from pagedbench.bench.noise import RUNS_FOR_LEVEL, interval_text, median_interval_level
+
+    assert RUNS_FOR_LEVEL == 6
+    assert [median_interval_level(n) for n in (3, 5)] == [0.75, 0.9375] and np.isnan(median_interval_level(2))
+    assert all(median_interval_level(n) >= 0.95 for n in range(6, 40))
+    five = [100.0, 104.0, 98.0, 101.0, 99.0]
+    assert median_interval(five) == (98.0, 104.0) and interval_text(98.0, 104.0, level=0.9375) == "98.0–104.0 (94%)"
+    twelve = [float(v) for v in range(90, 102)]  # 90..101
+    assert median_interval(twelve) == (92.0, 99.0)  # x(3)..x(10): narrower than min-max
+    assert interval_text(92.0, 99.0, level=median_interval_level(12)) == "92.0–99.0"
+
+
+def test_the_markdown_ranks_a_peer_that_ran_without_an_engine_setting():
+    """A peer library's rows lack how our engine ran (compile): it is still ranked with the backends."""
+    serving = _serving({"sdpa": [100.0, 104.0, 98.0], "hf": [57.0, 58.0, 56.0]}, 0.3)
+    serving["compile"] = np.where(serving["backend"] == "sdpa", False, None)
+    summary = serving_summary(serving).set_index("backend")
+    assert summary.loc["hf", "rank"] == "0.57x" and summary.loc["hf", "vs best"] == 0.57
+    assert summary.loc["sdpa", "rank"] == "best"
+    assert "| 0.57x " in next(line for line in serving_section(serving).splitlines() if line.startswith("| hf "))

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from pagedbench.bench.noise import spread  # noqa: E402
+from pagedbench.bench.noise import RUNS_FOR_LEVEL, spread  # noqa: E402
 from pagedbench.bench.report_tables import spec_labels  # noqa: E402
 
 GROUP_KEYS = ["scenario", "scale", "model", "device_name", "dtype"]  # runs compared only within one of each
@@ -75,8 +75,11 @@ def _throughput_bars(ax, ok: pd.DataFrame) -> None:
     medians = np.array([spreads[k]["median"] for k in labels])
     low = np.array([spreads[k]["ci_low"] for k in labels])
     high = np.array([spreads[k]["ci_high"] for k in labels])
-    errors = np.nan_to_num(np.vstack([medians - low, high - medians]), nan=0.0)
-    ax.barh(labels, medians, color="tab:blue", xerr=errors, capsize=4, error_kw={"ecolor": "black"})
+    ax.barh(labels, medians, color="tab:blue")
+    known = np.isfinite(low)  # a bar without an interval (too few runs) gets no whisker, not a zero-width one
+    errors = np.vstack([medians - low, high - medians])[:, known]
+    if known.any():
+        ax.errorbar(medians[known], np.flatnonzero(known), xerr=errors, fmt="none", ecolor="black", capsize=4)
     ends = np.where(np.isfinite(high), high, medians)
     for y, (value, end) in enumerate(zip(medians, ends)):
         ax.text(end, y, f" {value:.0f}" if value >= 10 else f" {value:.2g}", va="center")
@@ -87,7 +90,8 @@ def _throughput_bars(ax, ok: pd.DataFrame) -> None:
     else:
         ax.set_xlim(0, 1.2 * max(np.nanmax(ends), 1))  # room for the value beside the longest bar
     with_ci = np.isfinite(low).any()
-    ax.set_xlabel("output tokens/s (median over runs" + (", bars: 95% interval of the median)" if with_ci else ")"))
+    interval = f", whiskers: the median's interval, min–max under {RUNS_FOR_LEVEL} runs)"
+    ax.set_xlabel("output tokens/s (median over runs" + (interval if with_ci else ")"))
 
 
 def plot_latency_cdfs(requests: pd.DataFrame, path: Path) -> Path:
@@ -100,7 +104,8 @@ def plot_latency_cdfs(requests: pd.DataFrame, path: Path) -> Path:
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("share of requests")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize="small")
+    handles, labels = axes[0].get_legend_handles_labels()  # below the panels: over them it hides the curves
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=min(len(labels), 4), fontsize="small")
     fig.suptitle(_title("Latency CDFs per request", requests), fontsize="medium")
     return _save(fig, path)
 

@@ -125,6 +125,17 @@ CONSOLE_FIRST = ["backend", "output tok/s", "95% CI", "min–max", "runs", "rank
 CONSOLE_FIRST += ["TTFT mean/p99 ms", "TPOT mean/p99 ms"]
 
 
+# The columns other commands' terminal tables show first (their reports have every column).
+KERNEL_FIRST = ["backend", "variant", "phase", "batch", "context", "forward ms (median)", "95% CI ms", "GB/s", "% peak"]
+BENCH_SERVE_FIRST = ["request_rate", "completed", "failed", "output_throughput", "goodput", "median_ttft_ms"]
+BENCH_SERVE_FIRST += ["p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"]
+
+
+def terminal_table(table: pd.DataFrame, first: list[str], width: int = TERMINAL_COLUMNS) -> str:
+    """`fit_terminal`'s lines as one text to print."""
+    return "\n".join(fit_terminal(table, first, width))
+
+
 def fit_terminal(table: pd.DataFrame, first: list[str], width: int = TERMINAL_COLUMNS) -> list[str]:
     """`table` as markdown lines no wider than `width`: settings every row shares on a line above,
     then `first`'s columns and as many of the others, in order, as fit; a last line names those

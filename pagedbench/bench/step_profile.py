@@ -10,8 +10,11 @@ Counting, so that the figure means the same before and after fusion:
 """
 
 import contextlib
+import os
 import random
+import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -169,6 +172,41 @@ def cuda_kernels(events) -> tuple[list, int, int | None]:
     return counted, forward, sum(_within(op, BACKEND_SPAN) for op in launched_by)
 
 
+KINETO_CHATTER = re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def _quiet_profile(activities):
+    """torch.profiler's `profile`, without the "USDT: ... profiler_start / profiler_stop" lines its
+    kineto library prints on stderr as it starts and stops (anything else printed there then passes)."""
+    prof = profile(activities=activities)
+    with _stderr_without(KINETO_CHATTER):
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _stderr_without(KINETO_CHATTER):
+            prof.stop()
+
+
+@contextlib.contextmanager
+def _stderr_without(pattern: re.Pattern):
+    """File descriptor 2 (C++ libraries write there, not to sys.stderr) caught for the block; its
+    lines are then written to sys.stderr, those matching `pattern` left out."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not pattern.match(line)))
+
+
 def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
     """Profile the next `steps` engine steps (the caller has brought the engine to steady decode)."""
     runner = engine.executor.runner
@@ -178,7 +216,7 @@ def profile_steps(engine, steps: int, top: int = 15) -> StepProfile:
     batch = sum(1 for g in engine.requests.values() for s in g.seqs if not s.finished)
     counter = _CompiledKernelCounter()
     running, kv_tokens = [], []
-    with _spans(runner, counter), profile(activities=activities) as prof:
+    with _spans(runner, counter), _quiet_profile(activities) as prof:
         with counter.active() if not cuda else contextlib.nullcontext():
             for _ in range(steps):
                 seqs = engine.scheduler.running  # what the step will run (before it, finished ones still count)

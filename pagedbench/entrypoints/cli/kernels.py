@@ -30,7 +30,7 @@ def cmd_kernels(args) -> None:
     from pagedbench.bench.kernels import DENSE, GDN, GRID_PRESETS, run_kernels
     from pagedbench.bench.ranks import reporting_rank
     from pagedbench.bench.report import CsvLog, tidy, write_reports
-    from pagedbench.bench.report_tables import kernel_table, markdown, not_run_lines
+    from pagedbench.bench.report_tables import KERNEL_FIRST, fit_terminal, kernel_table, not_run_lines
 
     prepare_out_dir(args.out)
     device, _ = resolve_device_dtype(args.device, args.dtype)
@@ -63,7 +63,7 @@ def cmd_kernels(args) -> None:
     if not reporting_rank():  # under torchrun: rank 0 has every rank's rows
         return
     kernels = tidy(log, "kernels", "kernels")
-    print("\n".join([markdown(kernel_table(kernels)), *not_run_lines(kernels)]))
+    print("\n".join([*fit_terminal(kernel_table(kernels), KERNEL_FIRST), *not_run_lines(kernels)]))
     paths = write_reports({"kernels": kernels}, args.out, stem)
     print(f"reports: {', '.join(map(str, paths))}")
     if not ((kernels["backend"] != DENSE) & (kernels["status"] == "ok")).any():
@@ -152,6 +152,7 @@ def check_loglikelihood(args) -> int:
     page dtype against `reference` with unquantized pages."""
     from pagedbench.backends.base import kv_storage_dtype
     from pagedbench.bench.loglikelihood import loglikelihood_check
+    from pagedbench.bench.report_tables import TERMINAL_COLUMNS, terminal_table
 
     kv_dtypes = [k.strip() for k in (args.kv_cache_dtype or "auto").split(",") if k.strip()]
     for kv in kv_dtypes:
@@ -161,12 +162,15 @@ def check_loglikelihood(args) -> int:
     dtype = (args.dtypes or "fp32").split(",")[0]
     table = pd.DataFrame(loglikelihood_check(backend_names(args.backends), kv_dtypes, model, args.device, dtype))
     print(
-        f"log-likelihood of multiple-choice continuations, {model} over held-out text, {dtype}: each backend and "
-        "page dtype against reference with unquantized pages (mean |delta logprob| per choice token, chosen-answer "
-        "agreement)"
+        textwrap.fill(
+            f"log-likelihood of multiple-choice continuations, {model} over held-out text, {dtype}: each backend "
+            "and page dtype against reference with unquantized pages (mean |delta logprob| per choice token, "
+            "chosen-answer agreement)",
+            TERMINAL_COLUMNS,
+        )
     )
     ok = table[table["status"] == "ok"].drop(columns=["model", "status", "reason"], errors="ignore")
-    print(ok.round(6).to_markdown(index=False))
+    print(terminal_table(ok.round(6), ["backend", "kv_cache_dtype", "mean_abs_dlogprob", "argmax_agreement"]))
     for row in table[table["status"] != "ok"].itertuples():
         print(f"not run: {row.backend} {row.kv_cache_dtype}: {row.reason}")
     return write_quality_table(table, args, "check-loglikelihood", "log-likelihood")
@@ -176,6 +180,7 @@ def check_kv_quality(args) -> int:
     """`check --kv-cache-dtype`: each backend's quantized cache against its unquantized one."""
     from pagedbench.backends.base import kv_storage_dtype
     from pagedbench.bench.kv_quality import MILESTONE, kv_quality
+    from pagedbench.bench.report_tables import terminal_table
 
     kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip() and k.strip() != "auto"]
     for kv in kv_dtypes:
@@ -188,7 +193,7 @@ def check_kv_quality(args) -> int:
         f"KV cache quality, {model} teacher-forced over held-out text, {dtype}: each backend's quantized pages "
         f"against its own unquantized ones (milestone: {MILESTONE})"
     )
-    print(table.drop(columns=["model"]).round(5).to_markdown(index=False))
+    print(terminal_table(table.drop(columns=["model"]).round(5), ["backend", "kv_cache_dtype"]))
     return write_quality_table(table, args, "check-kv", "KV quality")
 
 
@@ -196,6 +201,7 @@ def check_index_quality(args) -> int:
     """`check --index-cache-dtype fp8`: a sparse (DeepSeek-V3.2) model's selections with fp8 index keys
     against 16-bit ones, per backend."""
     from pagedbench.bench.kv_quality import index_key_quality
+    from pagedbench.bench.report_tables import terminal_table
 
     if args.index_cache_dtype != "fp8":
         raise ValueError(f"--index-cache-dtype {args.index_cache_dtype!r}: only fp8 is measured (against auto)")
@@ -218,7 +224,7 @@ def check_index_quality(args) -> int:
         "mean_kl",
         "top1_agreement",
     ]
-    print(table[shown].round(4).to_markdown(index=False))
+    print(terminal_table(table[shown].round(4), shown))
     return write_quality_table(table, args, "check-index", "index-key quality")
 
 

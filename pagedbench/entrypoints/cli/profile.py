@@ -13,7 +13,7 @@ from pagedbench.entrypoints.cli.common import add_threads_flag, backend_names, p
 def cmd_profile(args) -> None:
     from pagedbench.backends.registry import probe
     from pagedbench.bench.environment import device_name, git_sha
-    from pagedbench.bench.report_tables import markdown
+    from pagedbench.bench.report_tables import markdown, terminal_table
     from pagedbench.bench.step_profile import profile_decode
     from pagedbench.device.dtypes import resolve_device_dtype
     from pagedbench.engine.data_parallel import make_engine
@@ -71,7 +71,8 @@ def cmd_profile(args) -> None:
         finally:
             engine.shutdown()
     df = pd.DataFrame(rows)
-    print(markdown(df.drop(columns=["git_sha", "device"])))
+    first = ["backend", "batch", "per_step", "per_layer", "attention_per_step", "device_ms_per_step"]
+    print(terminal_table(df.drop(columns=["git_sha", "device"]).round(3), first))
     if args.out:
         prepare_out_dir(args.out)
         out = Path(args.out)

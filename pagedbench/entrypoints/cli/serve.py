@@ -269,14 +269,14 @@ def _write_bench_serve(rows: list[dict], stem: Path, url: str, model: str, scena
 
     from pagedbench.bench.report_plots import plot_rate_sweep
     from pagedbench.bench.report_schema import BENCH_SERVE_COLUMNS
-    from pagedbench.bench.report_tables import bench_serve_table, markdown
+    from pagedbench.bench.report_tables import BENCH_SERVE_FIRST, bench_serve_table, markdown, terminal_table
 
     df = pd.DataFrame(rows).reindex(columns=BENCH_SERVE_COLUMNS)
     df.to_csv(stem.with_suffix(".csv"), index=False)
     table = markdown(bench_serve_table(df))
     stem.with_suffix(".md").write_text(f"# bench-serve: {scenario} against {url} ({model})\n\n{table}\n")
     plot_rate_sweep(df, Path(f"{stem}-latency-vs-throughput.png"))
-    print(table)
+    print(terminal_table(bench_serve_table(df), BENCH_SERVE_FIRST))
     print(f"reports: {stem}.csv, {stem}.md, {stem}-latency-vs-throughput.png")
 
 

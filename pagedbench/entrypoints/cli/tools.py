@@ -24,7 +24,7 @@ def cmd_kv_calc(args) -> None:
 
     from pagedbench.backends.base import kv_storage_dtype
     from pagedbench.bench.kv_calc import GIB, kv_bytes_per_token, kv_table
-    from pagedbench.bench.report_tables import markdown
+    from pagedbench.bench.report_tables import terminal_table
     from pagedbench.device.dtypes import DTYPES
     from pagedbench.model.loader import resolve_model_config
 
@@ -45,7 +45,7 @@ def cmd_kv_calc(args) -> None:
         shape = f"{cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim} x 2 (K, V)"
     else:  # latent attention caches one plane per token and layer, the values a view of it
         shape = f"one latent of {cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim} rope dims (no separate V)"
-    print(
+    print_wrapped(
         f"{args.model}: {cfg.num_kv_layers} layers x {shape} x {dtype.itemsize} B ({args.dtype}) = {per_token:,} B "
         f"({per_token / 1024:g} KiB) per token unquantized; {args.memory:g} GiB of KV cache"
     )
@@ -66,7 +66,8 @@ def cmd_kv_calc(args) -> None:
             f"{sum(cfg.linear.layers)} keep a DeltaNet state of {state_bytes_per_sequence(cfg, dtype) / 2**20:.1f} MiB "
             "per sequence (counted in 'concurrent seqs')"
         )
-    print(markdown(kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens, kv_dtypes)))
+    table = kv_table(cfg, dtype, int(args.memory * GIB), block_sizes, seq_lens, kv_dtypes)
+    print(terminal_table(table, ["kv_cache_dtype", "block size", "seq len", "blocks", "concurrent seqs"]))
 
 
 def print_wrapped(text: str) -> None:
