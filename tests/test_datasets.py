@@ -228,7 +228,7 @@ def test_skip_long_requests_is_a_dataset_setting_hashed_only_when_on():
 
 
 @pytest.mark.slow
-def test_a_run_on_a_dataset_is_named_by_it_and_skips_long_requests_only_when_asked(tmp_path, capsys):
+def test_a_run_on_a_dataset_is_named_by_it_and_skips_long_requests_only_when_asked(tmp_path, capsys, caplog):
     """tiny-llama (a byte per token) on 64 blocks of 16: max_model_len 1,024, under the file's 5,000-token row."""
     import pandas as pd
 
@@ -239,8 +239,8 @@ def test_a_run_on_a_dataset_is_named_by_it_and_skips_long_requests_only_when_ask
     assert error == (f"pagedbench: error: dataset {str(BAD / 'too-long.jsonl')!r}: line 2: prompt 19 + output 5,000 "
                      "tokens is longer than max_model_len 1,024 (--skip-long-requests skips such rows)")  # fmt: skip
     assert main([*args, "--skip-long-requests"]) == 0
-    out, err = capsys.readouterr()
-    assert "rows longer than max_model_len 1,024 skipped (--skip-long-requests): 1; kept: 2" in err
+    out = capsys.readouterr().out
+    assert "rows longer than max_model_len 1,024 skipped (--skip-long-requests): 1; kept: 2" in caplog.text
     assert "dataset custom:too-long (scale 1, hash " in out and "): 2 requests, model tiny-llama" in out
     row = pd.read_csv(tmp_path / "run-custom-too-long.csv").iloc[0]
     assert (row["scenario"], row["dataset_name"], row["prompts"]) == ("custom:too-long", "custom", "custom")
