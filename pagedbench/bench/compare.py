@@ -541,8 +541,8 @@ def run_peer(
 def _add_cross_backend_columns(
     rows: list[dict], measured: dict[tuple[str, str], list[Measurement]], greedy: bool
 ) -> None:
-    """Each (backend, speculation) run's spread: min, max and a bootstrap 95 % interval of the
-    median output throughput (noise.py; none under 3 runs), and, with two or more, the ranking
+    """Each (backend, speculation) run's spread: min, max and the interval of the median output
+    throughput (noise.py: 95 % from 6 runs, min-max below; none under 3 runs), and, with two or more, the ranking
     ("best", "tied" where the intervals overlap, else the ratio), throughput relative to the best
     median and, for greedy scenarios, the share of tokens identical to the baseline (reference
     without speculation if run, else the first)."""

@@ -51,9 +51,10 @@ FACET_KEYS = ["device_name", "model"]  # a merged report's runs: one panel per d
 
 
 def plot_throughput(serving: pd.DataFrame, path: Path) -> Path:
-    """Median output throughput per backend, with the median's bootstrap 95 % interval as an error
-    bar where there are runs enough for one (noise.py). Runs of several devices or models (a merged
-    report) get a panel each, with its own axis: a CPU's tok/s is never drawn beside an H200's."""
+    """Median output throughput per backend, with the median's interval as a whisker where there
+    are runs enough for one (noise.py: order statistics, min-max under 6 runs). Runs of several
+    devices or models (a merged report) get a panel each, with its own axis: a CPU's tok/s is never
+    drawn beside an H200's."""
     ok = serving[serving["status"] == "ok"]
     keys = [k for k in FACET_KEYS if k in ok and ok[k].nunique(dropna=False) > 1]
     panels = list(ok.groupby(keys, sort=False)) if keys else [((), ok)]

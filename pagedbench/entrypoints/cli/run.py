@@ -50,7 +50,7 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="measured runs after the warmup (default: 1 for run; 3 for compare, the fewest that give each "
-        "backend's median a 95%% interval and its ranking a 'tied')",
+        "backend's median an interval, min-max at 75%% confidence, and its ranking a 'tied'; 6 or more give 95%%)",
     )
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
     p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
