@@ -77,9 +77,9 @@ def _replica_main(
                 else:  # ("call", method, args): the front waits for its result
                     conn.send(("result", getattr(engine, message[1])(*message[2])))
             if engine.has_unfinished_requests():
-                outputs = engine.step()
-                if outputs:
-                    conn.send(("outputs", outputs, engine.gauges()))
+                # every step, outputs or none (FINAL_ONLY requests make none until they finish): the
+                # front's step() returns each step, so its caller adds arrivals on time; gauges stay fresh
+                conn.send(("outputs", engine.step(), engine.gauges()))
     except BaseException as e:
         if envs.enabled("PAGEDBENCH_DEBUG"):
             traceback.print_exc()
