@@ -19,6 +19,9 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One sample of a request so far; under RequestOutputKind.DELTA its text, token_ids and logprobs
+    hold only what is new since the request's last output (cumulative_logprob stays cumulative)."""
+
     index: int
     text: str
     token_ids: list[int]
