@@ -178,7 +178,9 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_wasted_slots": st.peak_wasted_slots,
         **st.spec.columns(),
         **grammar_columns(st, device.get("grammar", 0.0)),
+        "async_scheduling": getattr(engine, "async_scheduling", False),  # as the engine resolved it
     }
+    row["busy_share"] = row["time_device_s"] / duration if row["time_device_s"] else np.nan  # (device timed: CUDA)
     per_request = [
         {"request": i, "input_len": len(r.prompt_token_ids), "output_len": n, **request_latencies(o.metrics)}
         for i, (r, o, n) in enumerate(zip(requests, outputs, output_lens))

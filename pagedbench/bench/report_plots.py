@@ -227,6 +227,21 @@ def plot_kernel_page_sizes(kernels: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
+def busy_share_plot(df: pd.DataFrame, path: Path, title: str) -> Path:
+    """The host benchmark: busy share (device time / wall time) against batch, a line per async
+    setting and output length."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for (run_ahead, output_len), rows in df.groupby(["async_scheduling", "output_len"]):
+        label = f"async {'on' if run_ahead else 'off'}, output {output_len}"
+        ax.plot(rows["batch"], rows["busy_share"], marker="o", linestyle="-" if run_ahead else "--", label=label)
+    ax.set(xlabel="batch (decoding sequences)", ylabel="busy share (device / wall)", ylim=(0, 1.05), title=title)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(df["batch"].unique()), [str(b) for b in sorted(df["batch"].unique())])
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")  # nothing drawn outside the axes is cut

@@ -106,6 +106,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "time_indexer_s",
     "indexer_share",
     "engine_overhead_share",
+    "busy_share",  # the device's time over the run's wall time (CUDA; empty where the device is not timed)
     "time_backend_compile_s",
     "time_model_compile_s",
     "kernels_per_step",

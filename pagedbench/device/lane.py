@@ -4,6 +4,7 @@ worker thread (torch releases the GIL inside its ops), the CPU's stand-in for a 
 under async scheduling the host schedules the next step while this one computes. `inline`: always
 the caller's thread (the synchronous engine)."""
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -13,17 +14,25 @@ class DeviceLane:
     def __init__(self, device: torch.device, inline: bool = True):
         threaded = not inline and device.type != "cuda"
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="pagedbench-device") if threaded else None
+        self.busy_seconds = 0.0  # wall time the lane spent running work (the host benchmark's device time)
 
     def submit(self, fn, *args) -> Future:
         """Run `fn(*args)` after everything submitted before it; its result (or error) in the Future."""
         if self.pool is not None:
-            return self.pool.submit(fn, *args)
+            return self.pool.submit(self._timed, fn, *args)
         done = Future()
         try:
-            done.set_result(fn(*args))
+            done.set_result(self._timed(fn, *args))
         except BaseException as e:  # an interrupt too: re-raised where the result is read
             done.set_exception(e)
         return done
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
     def shutdown(self) -> None:
         if self.pool is not None:

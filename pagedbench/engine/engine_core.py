@@ -71,6 +71,7 @@ class EngineCore:
         # Async scheduling: steps run ahead on the device lane (a worker thread on a CPU); requests
         # that need their tokens on the host each step (SequenceGroup.needs_host_tokens), counted.
         self.run_ahead = run_ahead
+        self.overlap = True  # False: the lane without running ahead (the host benchmark's synchronous rows)
         self.device_lane = DeviceLane(executor.device, inline=not run_ahead)
         self.host_bound = 0
 
@@ -100,6 +101,7 @@ class EngineCore:
         """A request leaves the engine (finished or aborted)."""
         group = self.requests.pop(request_id, None)
         if group is not None:
+            self.outputs.forget([request_id])  # (an abort's DELTA offsets; a finished request's are gone)
             self.lane_load[group.lane] -= 1
             self.host_bound -= group.needs_host_tokens
 
@@ -136,7 +138,8 @@ class EngineCore:
         tokens to schedule: a request that reads them, an abort, a step not advanced)."""
         try:
             outputs = []
-            if self.in_flight and (self.pending_aborts or self.host_bound or not self.in_flight[0].advanced):
+            must_wait = self.pending_aborts or self.host_bound or not self.overlap
+            if self.in_flight and (must_wait or not self.in_flight[0].advanced):
                 outputs = self._complete(self.in_flight.popleft())
                 self._abort_waiting()
             if self.host_bound:  # forks, beams, grammars, penalties...: the synchronous step

@@ -2,6 +2,7 @@
 (CUDA) or operations (CPU) per step and per layer outside attention, device time, top kernels."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -11,6 +12,8 @@ from pagedbench.entrypoints.cli.common import add_threads_flag, backend_names, p
 
 
 def cmd_profile(args) -> None:
+    if args.stand_in_device_ms is not None:
+        return cmd_host_profile(args)
     from pagedbench.backends.registry import probe
     from pagedbench.bench.environment import device_name, git_sha
     from pagedbench.bench.report_tables import markdown, terminal_table
@@ -86,6 +89,47 @@ def cmd_profile(args) -> None:
         print(f"reports: {out / 'profile.csv'}, {out / 'profile.md'}")
 
 
+def cmd_host_profile(args) -> None:
+    """`profile --stand-in-device-ms D`: bench/host_profile.py's rows, a table, CSV, markdown and a PNG."""
+    from pagedbench.bench.environment import git_sha
+    from pagedbench.bench.host_profile import host_profile
+    from pagedbench.bench.report_plots import busy_share_plot
+    from pagedbench.bench.report_tables import markdown
+
+    if not args.stand_in_device_ms > 0:
+        raise ValueError(f"--stand-in-device-ms must be > 0, got {args.stand_in_device_ms}")
+    batches = positive_ints(args.batch_sizes or "64,256", "--batch-sizes")
+    output_lens = positive_ints(args.output_lens, "--output-lens")
+    context, steps = args.context or 2048, max(args.steps, 20)
+    modes = [args.async_scheduling] if args.async_scheduling is not None else [False, True]
+    settings = {k: v for k, v in EngineConfig.given_cli_args(args).items() if k not in ("model", "async_scheduling")}
+    rows = []
+    for batch in batches:
+        for output_len in output_lens:
+            for run_ahead in modes:
+                model, backend = args.model or "tiny-llama", (args.backends or "sdpa").split(",")[0]
+                row = host_profile(
+                    model, backend, args.stand_in_device_ms, batch, context, output_len, steps, run_ahead, settings
+                )
+                rows.append(
+                    {"model": model, "backend": backend, "stand_in_device_ms": args.stand_in_device_ms, **asdict(row)}
+                )
+                print(f"async {run_ahead!s:5} batch {batch} output {output_len}: host {row.host_ms_per_step:.2f} ms, "
+                      f"wall {row.wall_ms_per_step:.2f} ms, busy {row.busy_share:.2f}")  # fmt: skip
+    df = pd.DataFrame(rows).assign(git_sha=git_sha())
+    shown = {"async_scheduling": "async", "batch": "batch", "context": "context", "output_len": "output"}
+    shown |= {"host_ms_per_step": "host ms", "wall_ms_per_step": "wall ms", "device_ms_per_step": "device ms"}
+    print(markdown(df[list(shown | {"busy_share": 0})].rename(columns=shown | {"busy_share": "busy"}).round(3)))
+    if args.out:
+        prepare_out_dir(args.out)
+        out = Path(args.out)
+        df.to_csv(out / "host-profile.csv", index=False)
+        title = f"Host benchmark: stand-in device {args.stand_in_device_ms:g} ms a step, context {context}"
+        (out / "host-profile.md").write_text(f"# {title}\n\n{markdown(df)}\n")
+        busy_share_plot(df, out / "host-profile.png", title)
+        print(f"reports: {out / 'host-profile.csv'}, {out / 'host-profile.md'}, {out / 'host-profile.png'}")
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "profile",
@@ -97,6 +141,19 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=3, help="profiled decode steps")
     p.add_argument("--warmup", type=int, default=2, help="decode steps before the profiled ones")
     p.add_argument("--top", type=int, default=15, help="kernels listed per profile")
+    p.add_argument(
+        "--stand-in-device-ms",
+        type=float,
+        default=None,
+        help="the host benchmark: the real engine with the model's forward replaced by a stand-in device taking "
+        "this many ms a step; rows per --batch-sizes x --output-lens, async scheduling off and on (unless "
+        "--async-scheduling/--no-async-scheduling picks one): host_ms_per_step, wall_ms_per_step, busy_share",
+    )
+    p.add_argument(
+        "--output-lens",
+        default="8",
+        help="the host benchmark: tokens each sequence has generated when the measured steps run (comma-separated)",
+    )
     p.add_argument("--out", default=None, help="directory for profile.csv / profile.md (default: print only)")
     add_threads_flag(p)
     engine = p.add_argument_group(

@@ -15,6 +15,7 @@ SAMPLING_FIELDS = {f.name for f in fields(SamplingParams) if not f.name.startswi
     "logits_processors",
     "structured_outputs",
     "guided_decoding",
+    "output_kind",  # the server's (DELTA for streams, FINAL_ONLY otherwise)
 }
 # vLLM's older structured-output fields -> StructuredOutputsParams' (structured.py reads them all).
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -1,0 +1,37 @@
+"""The host benchmark (`pagedbench profile --stand-in-device-ms D`): the real engine's host work
+around a stand-in device of D ms a step, async scheduling off and on."""
+
+import pandas as pd
+import pytest
+
+from pagedbench.bench.host_profile import StandInDevice, host_profile
+from pagedbench.entrypoints.cli.main import main
+
+
+def test_the_stand_in_device_takes_its_time_and_decides_the_tokens():
+    device = StandInDevice(2.0, vocab_size=50, max_rows=8)
+    inputs = type("Inputs", (), {"logits_indices": [0, 1, 2]})()
+    first, second = device.run(inputs, None), device.run(inputs, None)
+    assert first.shape == (3, 50) and first.argmax(-1).tolist() == [3, 10, 17]
+    assert second.argmax(-1).tolist() == [10, 17, 24]  # the next step's tokens move on
+
+
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["sync", "async"])
+def test_host_profile_measures_host_and_device_apart(run_ahead):
+    row = host_profile("tiny-llama", "sdpa", 4.0, batch=4, context=16, output_len=3, steps=5, run_ahead=run_ahead)
+    assert (row.batch, row.context, row.output_len, row.steps, row.async_scheduling) == (4, 16, 3, 5, run_ahead)
+    assert row.device_ms_per_step >= 4.0  # the stand-in's sleep is the device's, every step
+    assert 0 < row.host_ms_per_step < row.wall_ms_per_step and 0 < row.busy_share <= 1.05
+    if not run_ahead:  # in series: the wall holds the host's work and the device's
+        assert row.wall_ms_per_step >= row.device_ms_per_step
+
+
+@pytest.mark.slow
+def test_profile_stand_in_writes_both_rows_and_the_plot(tmp_path):
+    args = ["profile", "--stand-in-device-ms", "2", "--batch-sizes", "2,4", "--context", "16", "--output-lens", "2"]
+    assert main([*args, "--steps", "3", "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / "host-profile.csv")
+    assert sorted(df["async_scheduling"].unique()) == [False, True] and sorted(df["batch"].unique()) == [2, 4]
+    assert {"host_ms_per_step", "wall_ms_per_step", "busy_share", "output_len", "context"} <= set(df.columns)
+    assert (tmp_path / "host-profile.png").stat().st_size > 0 and (tmp_path / "host-profile.md").is_file()
+    assert main([*args, "--stand-in-device-ms", "0"]) == 2
