@@ -293,7 +293,9 @@ def profile_decode(engine, batch: int, context: int, steps: int = 3, warmup: int
             engine.step()
         synchronize(engine.device)
         wall_ms = (time.perf_counter() - start) * 1e3 / steps
-        profile = profile_steps(engine, steps, top)
+        core = getattr(engine, "core", None)  # (a data-parallel front has none: its replicas count themselves)
+        with core.synchronous() if core is not None else contextlib.nullcontext():  # ops on this thread
+            profile = profile_steps(engine, steps, top)
         profile.wall_ms_per_step = wall_ms
         return profile
     finally:

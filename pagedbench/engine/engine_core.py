@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pagedbench.device.lane import DeviceLane
@@ -125,6 +126,21 @@ class EngineCore:
                 self._forget(out.request_id)
         self._abort_waiting()
         return outputs
+
+    @contextmanager
+    def synchronous(self):
+        """Steps one at a time inside (a profile counting a step's operations, which run on the lane's
+        thread otherwise): the steps in flight complete first, their outputs dropped."""
+        ahead = self.run_ahead
+        while self.in_flight:
+            for out in self._complete(self.in_flight.popleft()):
+                if out.finished:
+                    self._forget(out.request_id)
+        self.run_ahead = False
+        try:
+            yield
+        finally:
+            self.run_ahead = ahead
 
     def _abort_waiting(self) -> None:
         """The aborts that waited for their request's step to come back, once it has."""
