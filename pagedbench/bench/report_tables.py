@@ -73,6 +73,7 @@ def serving_summary(serving: pd.DataFrame) -> pd.DataFrame:
             **_parallel(med),
             "runs": med["runs"],
             "requests": med["num_requests"].astype(int),
+            "output tokens": med["total_output_tokens"].round().astype("Int64"),  # (the median run's)
             "output tok/s": med["output_throughput"].round(1),
             "95% CI": med["ci"],
             "min–max": med["range"],

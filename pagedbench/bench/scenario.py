@@ -39,6 +39,8 @@ ALWAYS_HASHED = (
     "enable_prefix_caching",
     "seed",
 )
+POSITIVE_SETTINGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+POSITIVE_SETTINGS += ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 PROMPT_SOURCES = ("random", "python-source", "chat")
 CHAT_CONVERSATIONS = "chat-conversations.json"  # in pagedbench.scenarios, written for pagedbench
 
@@ -165,6 +167,10 @@ class Scenario:
             self._fail(given[0], f"is the command's (--{given[0]}), not a scenario's: the same work runs on each")
         if self.engine.model is None:
             self._fail("model", "is required")
+        for name in POSITIVE_SETTINGS:  # (a scenario's message for these since before its [engine] table)
+            value = getattr(self.engine, name)
+            if is_int(value) and value <= 0:
+                self._fail(name, f"must be > 0, got {value}")
         if not is_int(self.engine.seed):  # the request set's seed: the same requests in every process
             self._fail("seed", f"must be an int, got {self.engine.seed!r}")
         try:
