@@ -4,6 +4,7 @@ import datetime
 import os
 import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -74,12 +75,56 @@ def busy_warning(device: torch.device) -> str | None:
     return None
 
 
+# The attention libraries a row's backend may run, by their distribution names (read, never imported).
+LIBRARIES = {
+    "triton": ("triton",),
+    "flash_attn": ("flash-attn", "flash_attn_3", "flash-attn-4"),
+    "flashinfer": (
+        "flashinfer-python",
+        "flashinfer",
+    ),
+}
+
+
+def library_version(distributions: tuple[str, ...]) -> str:
+    """The installed versions of a library's distributions ("flash-attn 2.8.3, flash-attn-4 4.0.0b1" where
+    several are), "" where none is."""
+    found = []
+    for name in distributions:
+        try:
+            found.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            continue
+    return found[0][1] if len(found) == 1 else ", ".join(f"{n} {v}" for n, v in found)
+
+
+def driver_version() -> str:
+    """The NVIDIA kernel driver's version (/proc/driver/nvidia/version: no CUDA call), "" without one."""
+    try:
+        text = open("/proc/driver/nvidia/version").read()
+    except OSError:
+        return ""
+    words = text.split("Kernel Module", 1)[-1].split()
+    return words[0] if words else ""
+
+
+def versions(device: torch.device) -> dict:
+    """torch's, each attention library's, and on CUDA torch's CUDA and the driver's."""
+    cuda = device.type == "cuda"
+    return {
+        "torch_version": torch.__version__,
+        **{f"{lib}_version": library_version(dists) for lib, dists in LIBRARIES.items()},
+        "cuda_version": (torch.version.cuda or "") if cuda else "",
+        "driver_version": driver_version() if cuda else "",
+    }
+
+
 def environment(device: torch.device, dtype: torch.dtype) -> dict:
     return {
         "load_average": round(load_average(), 2),  # at the start; CPU timings move with it
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
-        "torch_version": torch.__version__,
+        **versions(device),
         "device": device.type,
         "device_name": device_name(device),
         "cpu_threads": torch.get_num_threads(),  # CPU timings move with it (OMP_NUM_THREADS)

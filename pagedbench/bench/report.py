@@ -36,12 +36,15 @@ class CsvLog(list):
     """A list of result rows that also appends each row to `<out_dir>/<stem>.csv` as it arrives,
     so a long command cut short keeps what it measured (`pagedbench report` renders it)."""
 
-    def __init__(self, out_dir: str | Path, stem: str, kind: str, command: str):
+    def __init__(self, out_dir: str | Path, stem: str, kind: str, command: str, repro=None):
         super().__init__()
         self.path, self.kind, self.command = Path(out_dir) / f"{stem}.csv", kind, command
+        self.repro = repro  # row -> the command that reproduces it (bench/repro.py), its `repro` column
         self.path.unlink(missing_ok=True)
 
     def append(self, row: dict) -> None:
+        if self.repro is not None:
+            row["repro"] = self.repro(row)
         super().append(row)
         tidy([row], self.kind, self.command).to_csv(self.path, mode="a", header=not self.path.exists(), index=False)
 

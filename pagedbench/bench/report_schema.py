@@ -25,12 +25,18 @@ def setting_columns(config: EngineConfig) -> dict:
     return {name: json.dumps(v) if isinstance(v, dict) else v for name, v in values.items()}
 
 
+REPRO = "repro"  # the command that measures the row again (bench/repro.py); CSV only, never in a table
 ENVIRONMENT = [
     "kind",
     "command",
     "timestamp",
     "git_sha",
     "torch_version",
+    "triton_version",  # the attention libraries' versions as installed ("" where absent)
+    "flash_attn_version",
+    "flashinfer_version",
+    "cuda_version",  # torch's CUDA and the GPU's driver ("" on a CPU)
+    "driver_version",
     "device",
     "device_name",
     "cpu_threads",
@@ -119,6 +125,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "output_throughput_ci_high",
     "ranking",
     "identical_token_share",
+    REPRO,
 ]
 REQUEST_COLUMNS = [
     "kind",
@@ -184,6 +191,7 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "indexer_median_ms",
     "kernel_options",
     "cuda_graphs",
+    REPRO,
 ]
 CHECK_COLUMNS = ENVIRONMENT + [
     "case",
@@ -202,6 +210,7 @@ CHECK_COLUMNS = ENVIRONMENT + [
     "placement_diff",
     "tolerance",
     "top1_agreement",
+    REPRO,
 ]
 SERVE_LATENCIES = [f"{stat}_{name}_ms" for name in LATENCIES for stat in PERCENTILES]  # bench-serve's
 BENCH_SERVE_COLUMNS = [  # one row per (server, request rate) of `pagedbench bench-serve`

@@ -16,9 +16,10 @@ from pagedbench.bench.noise import (
     rankings,
     spread,
 )
-from pagedbench.bench.report_schema import SERVE_LATENCIES
+from pagedbench.bench.report_schema import REPRO, SERVE_LATENCIES
 from pagedbench.engine.stats import TIME_COLUMNS
 
+VERSION_COLUMNS = ["triton_version", "flash_attn_version", "flashinfer_version", "cuda_version", "driver_version"]
 # Summary keys that say how a backend ran, not what it computed: rows differing only in them are ranked together.
 HOW_IT_RAN = ("enforce_eager", "compile", "speculative", "moe_kernel")
 
@@ -303,7 +304,16 @@ def environment_section(df: pd.DataFrame) -> str:
     cols = ["device_name", "cpu_threads", "load_average", "torch_version", "git_sha", "dtype", "backend", "provider"]
     env = df[cols].drop_duplicates().copy()
     env["git_sha"] = env["git_sha"].astype(str).str.replace(r"^(\w{12})\w*", r"\1", regex=True)
-    return f"## Environment ({df['kind'].iloc[0]})\n\n{markdown(env)}\n"
+    # Library and driver versions, those any row names (CSVs before them have none), on one line each.
+    named = df[[c for c in VERSION_COLUMNS if c in df]].astype(object).fillna("").replace("", np.nan)
+    found = [
+        f"{c.removesuffix('_version')} {', '.join(map(str, named[c].dropna().unique()))}"
+        for c in named
+        if named[c].notna().any()
+    ]
+    libraries = f"Versions: {'; '.join(found)}.\n\n" if found else ""
+    repro = "Every row's command to measure it again: the CSV's `repro` column (docs/benchmarks.md).\n"
+    return f"## Environment ({df['kind'].iloc[0]})\n\n{markdown(env)}\n\n{libraries}{repro * (REPRO in df)}"
 
 
 def serving_section(serving: pd.DataFrame) -> str:

@@ -2,6 +2,7 @@
 grid, held to a dense oracle, and what each runs here."""
 
 import dataclasses
+import functools
 import sys
 import textwrap
 from pathlib import Path
@@ -31,6 +32,7 @@ def cmd_kernels(args) -> None:
     from pagedbench.bench.ranks import reporting_rank
     from pagedbench.bench.report import CsvLog, tidy, write_reports
     from pagedbench.bench.report_tables import KERNEL_FIRST, fit_terminal, kernel_table, not_run_lines
+    from pagedbench.bench.repro import kernel_repro
 
     prepare_out_dir(args.out)
     device, _ = resolve_device_dtype(args.device, args.dtype)
@@ -55,7 +57,7 @@ def cmd_kernels(args) -> None:
     grid.cuda_graphs = args.cuda_graphs
     stem = report_stem(args.out, "kernels", args.overwrite)
     # Under torchrun, rank 0 alone writes the CSV (the others hand it their rows).
-    log = CsvLog(args.out, stem, "kernels", "kernels") if reporting_rank() else []
+    log = CsvLog(args.out, stem, "kernels", "kernels", kernel_repro) if reporting_rank() else []
     with keep_partial(log):
         run_kernels(
             timed_backend_names(args.backends, args.device, args.dtype), grid, args.device, args.dtype, rows=log
@@ -101,6 +103,7 @@ def cmd_check(args) -> int:
     from pagedbench.bench.environment import environment
     from pagedbench.bench.ranks import reporting_rank
     from pagedbench.bench.report import EnvCsvLog, tidy, write_reports
+    from pagedbench.bench.repro import check_repro
 
     prepare_out_dir(args.out)
     if args.loglikelihood:
@@ -116,7 +119,8 @@ def cmd_check(args) -> int:
     # gdn-<kernel> names the gated DeltaNet cases' kernels (check_linear.py); by default every one runs
     backends, kernels = split_backends(backends_or_kernels(args.backends, linear_kernel_names()))
     stem = report_stem(args.out, "check", args.overwrite)
-    log = EnvCsvLog(env, args.out, stem, "check", "check") if reporting_rank() else []
+    repro = functools.partial(check_repro, grid_flags=check_grid_flags(args))
+    log = EnvCsvLog(env, args.out, stem, "check", "check", repro) if reporting_rank() else []
     with keep_partial(log):
         if backends:
             run_check(backends, device, dtypes, full=args.full, rows=log)
@@ -145,6 +149,15 @@ def cmd_check(args) -> int:
     if failed:
         print(f"pagedbench: check failed: {failed} case(s)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def check_grid_flags(args) -> list[str]:
+    """The flags of this check that choose its cases (each row's repro keeps them)."""
+    words = ["--full"] if args.full else []
+    words += ["--engine"] if args.engine else []
+    words += ["--model", args.model] if args.model else []
+    words += [] if args.compile is None else ["--compile" if args.compile else "--no-compile"]
+    return words
 
 
 def check_loglikelihood(args) -> int:

@@ -142,12 +142,14 @@ def serving_report(args, backends: list[str], command: str) -> None:
     from pagedbench.bench.compare import compare
     from pagedbench.bench.report import CsvLog, tidy, write_reports
     from pagedbench.bench.report_tables import console_table
+    from pagedbench.bench.repro import scenario_flags, serving_repro
 
     prepare_out_dir(args.out)
     scenario = scenario_from_args(args)
     warn_if_busy(resolve_device_dtype(args.device, args.dtype)[0])
     stem = report_stem(args.out, f"{command}-{scenario.label.replace(':', '-')}", args.overwrite)
-    log = CsvLog(args.out, stem, "serving", command)
+    flags = scenario_flags(args.scenario, args.scale, scenario, WORKLOAD_OVERRIDES)
+    log = CsvLog(args.out, stem, "serving", command, lambda row: serving_repro(row, flags))
     with keep_partial(log):
         result = compare(
             scenario,
