@@ -76,6 +76,10 @@ def test_kernel_row_command_is_its_grid_point():
     assert words[words.index("--heads") + 1] == "16/8"
     assert words[words.index("--max-kv-tokens") + 1] == str(4 * 1024)  # the point itself passes every limit
     assert "--cuda-graphs" not in words
+    gdn = {**row, "backend": "gdn-torch", "variant": "gdn", "linear_attention_kernel": "torch"}
+    del gdn["block_size"], gdn["warmup"], gdn["repeats"]  # a DeltaNet row has no pages; an unavailable one no timing
+    words = shlex.split(kernel_repro(gdn))
+    assert words[2:4] == ["--linear-kernels", "torch"] and "--block-sizes" not in words and "--backends" not in words
 
 
 @pytest.mark.slow

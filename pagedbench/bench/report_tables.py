@@ -304,7 +304,7 @@ def environment_section(df: pd.DataFrame) -> str:
     cols = ["device_name", "cpu_threads", "load_average", "torch_version", "git_sha", "dtype", "backend", "provider"]
     env = df[cols].drop_duplicates().copy()
     env["git_sha"] = env["git_sha"].astype(str).str.replace(r"^(\w{12})\w*", r"\1", regex=True)
-    # Library and driver versions, those any row names (CSVs before them have none), on one line each.
+    # Library and driver versions, those any row names (CSVs before them have none), on one line.
     named = df[[c for c in VERSION_COLUMNS if c in df]].astype(object).fillna("").replace("", np.nan)
     found = [
         f"{c.removesuffix('_version')} {', '.join(map(str, named[c].dropna().unique()))}"
@@ -313,7 +313,8 @@ def environment_section(df: pd.DataFrame) -> str:
     ]
     libraries = f"Versions: {'; '.join(found)}.\n\n" if found else ""
     repro = "Every row's command to measure it again: the CSV's `repro` column (docs/benchmarks.md).\n"
-    return f"## Environment ({df['kind'].iloc[0]})\n\n{markdown(env)}\n\n{libraries}{repro * (REPRO in df)}"
+    repro *= bool(REPRO in df and df[REPRO].notna().any())
+    return f"## Environment ({df['kind'].iloc[0]})\n\n{markdown(env)}\n\n{libraries}{repro}"
 
 
 def serving_section(serving: pd.DataFrame) -> str:
@@ -462,3 +463,33 @@ def _unavailable_lines(df: pd.DataFrame) -> list[str]:
 
 
 # ---- plots --------------------------------------------------------------------------------
+
+
+# check --determinism: what a terminal shows first (the .md report has every column).
+DETERMINISM_FIRST = ["backend", "dtype", "phase", "variant", "repeat", "batch", "broken by", "claims", "status"]
+
+
+def determinism_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per row: ✓ where bitwise equal, else the max |Δ|; what broke invariance; the claim; the status."""
+
+    def cell(equal, diff):
+        return "" if pd.isna(equal) else "✓" if bool(equal) else f"{float(diff):.3g}"
+
+    return pd.DataFrame(
+        {
+            "backend": df["backend"],
+            "dtype": df["dtype"],
+            "phase": df["phase"],
+            "variant": df["variant"],
+            "repeat": [cell(e, d) for e, d in zip(df["deterministic"], df["max_abs_diff_repeat"])],
+            "batch": [cell(e, d) for e, d in zip(df["batch_invariant"], df["max_abs_diff_batch"])],
+            "broken by": df["broken_by"],
+            "claims": df["claimed_invariant"].map({True: "invariant", False: "no"}),
+            "status": df["status"],
+            "reason": df["reason"],
+        }
+    )
+
+
+def determinism_section(df: pd.DataFrame) -> str:
+    return "## Determinism and batch invariance (bitwise)\n\n" + markdown(determinism_table(df)) + "\n"

@@ -2,6 +2,7 @@
 that chose how its backend ran) that measures that row again, alone (docs/benchmarks.md)."""
 
 import json
+import numbers
 import shlex
 
 from pagedbench import envs
@@ -86,19 +87,19 @@ def kernel_repro(row: dict) -> str:
     yardstick's with sdpa (it runs beside any backend), a gated DeltaNet row's by its kernel."""
     backend, variant = str(row["backend"]), str(row["variant"])
     spec = batch_spec(str(row["phase"]), int(row["batch_size"]), int(row["context_len"]), int(row["query_len"]))
-    words = ["kernels"]
     if variant == GDN:
-        words += ["--linear-kernels", str(row["linear_attention_kernel"])]
+        words = ["kernels", "--linear-kernels", str(row["linear_attention_kernel"])]
     else:
-        words += ["--backends", "sdpa" if backend == DENSE else backend]
-    words += ["--variants", variant, "--phases", str(row["phase"]), "--query-lens", str(row["query_len"])]
-    words += ["--batch-sizes", str(row["batch_size"]), "--context-lens", str(row["context_len"])]
-    words += ["--heads", f"{row['num_heads']}/{row['num_kv_heads']}", "--head-dim", str(row["head_dim"])]
-    words += ["--block-sizes", str(row["block_size"])]
+        words = ["kernels", "--backends", "sdpa" if backend == DENSE else backend]
+    words += ["--variants", variant, "--heads", f"{row['num_heads']}/{row['num_kv_heads']}"]
+    flags = {"phases": "phase", "query_lens": "query_len", "batch_sizes": "batch_size", "context_lens": "context_len"}
+    flags |= {"head_dim": "head_dim", "block_sizes": "block_size", "warmup": "warmup", "repeats": "repeats"}
     if variant != GDN and backend != DENSE:
-        words += ["--kv-cache-dtype", str(row["kv_cache_dtype"])]
+        flags["kv_cache_dtype"] = "kv_cache_dtype"
+    for name, column in flags.items():  # what a row has (a DeltaNet row no pages, an unavailable one no timing)
+        if isinstance(row.get(column), (str, numbers.Integral)):
+            words += flag(name, row[column])
     words += ["--max-kv-tokens", str(sum(map(sum, spec))), "--max-query-tokens", str(sum(q for _, q in spec))]
-    words += ["--warmup", str(row["warmup"]), "--repeats", str(row["repeats"])]
     graphs = row.get("cuda_graphs")  # "off", or what capture did when --cuda-graphs asked for it
     words += ["--cuda-graphs"] if isinstance(graphs, str) and graphs != "off" else []
     return command_line(row, [*words, "--device", str(row["device"]), "--dtype", str(row["dtype"])])
