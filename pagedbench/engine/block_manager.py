@@ -53,6 +53,18 @@ def _held(table: list[int]) -> list[int]:
     return [block for block in table if block != NO_BLOCK]
 
 
+def _replace(seq: Sequence, table: list[int]) -> None:
+    seq.block_table = table
+    seq.block_table_version += 1  # the worker's copy of the old list is stale (Sequence.block_table_version)
+
+
+def _cut(seq: Sequence, keep: int) -> None:
+    """Drop `seq`'s block-table entries from `keep` on (their references already dropped)."""
+    if keep < len(seq.block_table):
+        del seq.block_table[keep:]
+        seq.block_table_version += 1
+
+
 class BlockManager:
     """Each sequence's pages: its block table (`Sequence.block_table`, logical block i -> physical
     block) over the pool's pages, copy-on-write, swap space, the prefix cache's lookups and
@@ -154,6 +166,7 @@ class BlockManager:
             shared = seq.block_table[index]
             self.pool.unref(shared)
             seq.block_table[index] = self.pool.take()
+            seq.block_table_version += 1
             self.pending_copies.append((shared, seq.block_table[index]))
         while len(seq.block_table) < blocks_needed(num_tokens, self.block_size):
             seq.block_table.append(self.pool.take())
@@ -164,7 +177,7 @@ class BlockManager:
         self.state_slots.fork(parent, child)  # first: out of slots, it raises before any reference is taken
         for block in _held(parent.block_table):
             self.pool.ref(block)
-        child.block_table = list(parent.block_table)
+        _replace(child, list(parent.block_table))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs queued since the last call; the engine copies
@@ -178,7 +191,8 @@ class BlockManager:
         for block in reversed(_held(seq.block_table)):
             self.pool.unref(block)
         self.swap_space.free.extend(_held(seq.cpu_block_table))
-        seq.block_table, seq.cpu_block_table = [], []
+        _replace(seq, [])
+        seq.cpu_block_table = []
         seq.block_keys = []
         self.state_slots.release(seq)
         if self.snapshots is not None:
@@ -196,14 +210,14 @@ class BlockManager:
         seq.cpu_block_table = [NO_BLOCK if block == NO_BLOCK else out(block) for block in seq.block_table]
         for block in reversed(_held(seq.block_table)):
             self.pool.unref(block)
-        seq.block_table = []
+        _replace(seq, [])
         seq.block_keys = []  # its pages come back as fresh blocks, registered again once cached
         self.state_slots.swap_out(seq)
 
     def swap_in(self, seq: Sequence) -> None:
         """Bring a swapped-out sequence's pages back into fresh device blocks (check can_allocate first)."""
         back = self.swap_space.copy_in
-        seq.block_table = [NO_BLOCK if cpu == NO_BLOCK else back(cpu, self.pool.take()) for cpu in seq.cpu_block_table]
+        _replace(seq, [NO_BLOCK if cpu == NO_BLOCK else back(cpu, self.pool.take()) for cpu in seq.cpu_block_table])
         seq.cpu_block_table = []
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -222,6 +236,7 @@ class BlockManager:
                 break
             self.pool.unref(table[index])
             table[index] = NO_BLOCK
+            seq.block_table_version += 1
 
     def trim(self, seq: Sequence) -> None:
         """Free `seq`'s pages past its computed tokens: those it took for proposed tokens that
@@ -229,7 +244,7 @@ class BlockManager:
         keep = blocks_needed(seq.num_computed_tokens, self.block_size)
         for block in reversed(_held(seq.block_table[keep:])):
             self.pool.unref(block)
-        del seq.block_table[keep:]
+        _cut(seq, keep)
 
     # ---- prefix cache -----------------------------------------------------------------------
 
@@ -269,7 +284,8 @@ class BlockManager:
             seq.snapshot_junction = -1
         for block in reversed(seq.block_table[keep:]):
             self.pool.unref(block)
-        del seq.block_table[keep:], seq.block_keys[keep:]
+        _cut(seq, keep)
+        del seq.block_keys[keep:]
 
     def count_lookup(self, seq: Sequence, hit: int) -> None:
         """Record one admitted request's prefix-cache lookup (its prompt tokens, and the hits)."""

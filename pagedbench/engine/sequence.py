@@ -32,6 +32,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Bumped by the block manager whenever it changes block_table other than by appending (or replaces
+    # it): the worker's persistent block table then rewrites the sequence's row (worker/step_batch.py).
+    block_table_version: int = 0
     cpu_block_table: list[int] = field(default_factory=list)  # its swap-space blocks while SWAPPED
     block_keys: list = field(default_factory=list)  # prefix-cache keys of its full computed blocks (block_manager)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -23,7 +23,7 @@ from pagedbench.model.parallel import NO_TP, TPShard
 from pagedbench.model.sparse_index import SparseStep
 from pagedbench.worker.layer_attention import LayerAttention, LayerStates
 from pagedbench.worker.linear_state import LinearStateCache, LinearStep
-from pagedbench.worker.step_batch import ScheduledSequence, StepBatch, StepInputs, step_batch
+from pagedbench.worker.step_batch import BlockTables, ScheduledSequence, StepBatch, StepInputs, step_batch
 
 
 def kv_bytes_per_block(
@@ -73,6 +73,7 @@ class ModelRunner:
         self.pad_block = num_blocks
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
+        self.block_tables = BlockTables()  # the running sequences' pages, kept across steps
         stage_layers = list(model.stage.layers(cfg.num_layers))  # a pipeline stage caches its own layers' K/V
         # Hybrid models: pages only for the attention layers, and a DeltaNet state slot per sequence the
         # block manager can admit (engine: num_state_slots).
@@ -172,7 +173,7 @@ class ModelRunner:
 
     def lay_out(self, seqs: list[ScheduledSequence], num_tokens: list[int]) -> StepBatch:
         """The step's host arrays (what build_inputs copies; async scheduling lays a step out ahead)."""
-        return step_batch(seqs, num_tokens, self.block_size, self.num_cache_blocks)
+        return step_batch(seqs, num_tokens, self.block_size, self.num_cache_blocks, self.block_tables)
 
     def device_inputs(self, batch: StepBatch) -> StepInputs:
         bucket = self.graphs.bucket(batch) if self.graphs is not None else None

@@ -127,8 +127,15 @@ class StepBatch:
         return StepInputs(input_ids=input_ids, logits_indices=logits_indices, metadata=meta, batch=self)
 
 
-def step_batch(seqs: list[ScheduledSequence], num_new: list[int], block_size: int, num_cache_blocks: int) -> StepBatch:
-    """Flat host inputs for running `num_new[i]` more tokens of `seqs[i]` (decodes first)."""
+def step_batch(
+    seqs: list[ScheduledSequence],
+    num_new: list[int],
+    block_size: int,
+    num_cache_blocks: int,
+    tables: "BlockTables | None" = None,
+) -> StepBatch:
+    """Flat host inputs for running `num_new[i]` more tokens of `seqs[i]` (decodes first); `tables`:
+    the worker's persistent block table (else each sequence's page list is copied whole)."""
     context = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
     q_lens = np.array(num_new, dtype=np.int64)
     seq_lens = context + q_lens
@@ -143,10 +150,7 @@ def step_batch(seqs: list[ScheduledSequence], num_new: list[int], block_size: in
         count=num_tokens,
     )
     max_blocks = -(-int(seq_lens.max()) // block_size)
-    block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-    for i, s in enumerate(seqs):  # (a draft's view holds pages beyond what it reads: the proposals')
-        pages = s.block_table[:max_blocks]
-        block_table[i, : len(pages)] = pages
+    block_table = copy_block_tables(seqs, max_blocks) if tables is None else tables.gather(seqs, max_blocks)
     # Pages a sliding window released (-1) point at the padding page, the cache's last: no backend
     # reads a key outside the window, and a gather-based one masks what it reads there.
     block_table[block_table < 0] = num_cache_blocks - 1
@@ -190,6 +194,98 @@ def step_batch(seqs: list[ScheduledSequence], num_new: list[int], block_size: in
         block_size=block_size,
         num_cache_blocks=num_cache_blocks,
     )
+
+
+def copy_block_tables(seqs: list[ScheduledSequence], max_blocks: int) -> np.ndarray:
+    """[S, max_blocks] int32: each sequence's first `max_blocks` pages, 0 after its last."""
+    block_table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    for i, s in enumerate(seqs):  # (a draft's view holds pages beyond what it reads: the proposals')
+        pages = s.block_table[:max_blocks]
+        block_table[i, : len(pages)] = pages
+    return block_table
+
+
+class BlockTables:
+    """The worker's persistent block table (as vLLM's v1 worker keeps one): a row per sequence laid
+    out, kept across steps. A step writes only what changed in a sequence's page list: the pages
+    appended since its last step, or the whole row when the block manager changed the list in place
+    or replaced it (`Sequence.block_table_version`, or another list object); then it gathers its
+    sequences' rows into a fresh array (async scheduling reads a step's arrays later). When rows run
+    out, those of the sequences the step does not run are freed."""
+
+    def __init__(self, rows: int = 64, width: int = 16):
+        self.table = np.zeros((rows, width), dtype=np.int32)  # row r: 0 after its first length[r] entries
+        self.row_of: dict[int, int] = {}  # id(sequence) -> its row
+        self.owner: list = [None] * rows  # the row's sequence (held, so that its id names no other)
+        self.pages: list = [None] * rows  # the page list written there
+        self.version: list = [None] * rows  # that list's block_table_version when written
+        self.length = [0] * rows
+        self.seen = [0] * rows  # the last step that gathered the row
+        self.free = list(range(rows - 1, -1, -1))
+        self.step = 0
+
+    def gather(self, seqs: list[ScheduledSequence], max_blocks: int) -> np.ndarray:
+        """[S, max_blocks] int32, as copy_block_tables, from rows brought up to date."""
+        self.step += 1
+        rows = [self._update(s) for s in seqs]
+        if max_blocks > self.table.shape[1]:
+            self._widen(max_blocks)
+        return self.table[rows, :max_blocks]  # fancy indexing: a copy, never a view
+
+    def _update(self, seq: ScheduledSequence) -> int:
+        row = self.row_of.get(id(seq))
+        if row is None:
+            row = self._take(seq)
+        self.seen[row] = self.step
+        pages, written = seq.block_table, self.length[row]
+        version = getattr(seq, "block_table_version", None)  # None (a draft's view): rewritten every step
+        if pages is self.pages[row] and version is not None and version == self.version[row] and len(pages) >= written:
+            if len(pages) > written:  # the common case: pages appended
+                self._write(row, written, pages[written:])
+        else:
+            self._write(row, 0, pages)
+            self.table[row, len(pages) : written] = 0
+            self.pages[row], self.version[row] = pages, version
+        self.length[row] = len(pages)
+        return row
+
+    def _write(self, row: int, start: int, pages: list[int]) -> None:
+        end = start + len(pages)
+        if end > self.table.shape[1]:
+            self._widen(end)
+        self.table[row, start:end] = pages
+
+    def _take(self, seq: ScheduledSequence) -> int:
+        if not self.free:
+            self._sweep()
+        if not self.free:
+            self._add_rows()
+        row = self.free.pop()
+        self.row_of[id(seq)], self.owner[row] = row, seq
+        return row
+
+    def _sweep(self) -> None:
+        """Free the rows of sequences this step does not run (finished or preempted ones, mostly)."""
+        for row, seq in enumerate(self.owner):
+            if seq is not None and self.seen[row] < self.step:
+                self.table[row, : self.length[row]] = 0
+                del self.row_of[id(seq)]
+                self.owner[row] = self.pages[row] = self.version[row] = None
+                self.length[row] = 0
+                self.free.append(row)
+
+    def _add_rows(self) -> None:
+        rows = len(self.owner)
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        for column in (self.owner, self.pages, self.version):
+            column.extend([None] * rows)
+        self.length.extend([0] * rows)
+        self.seen.extend([0] * rows)
+        self.free.extend(range(2 * rows - 1, rows - 1, -1))
+
+    def _widen(self, width: int) -> None:
+        rows, current = self.table.shape
+        self.table = np.pad(self.table, ((0, 0), (0, max(width, 2 * current) - current)))
 
 
 def _tokens(seq: ScheduledSequence, end: int) -> list[int]:
