@@ -280,6 +280,10 @@ class AttentionBackend(ABC):
     # Why a decode step cannot be captured in a CUDA graph, or None when plan() refills static
     # buffers in place and forward() has no host work, so a graph can replay it.
     cuda_graph_reason: ClassVar[str | None] = "plan() builds new tensors sized by each step"
+    # Why a sequence's output may change, bitwise, with the batch around it or where its pages lie (a
+    # split or a padded length chosen from the batch), or None when it never does: batch-invariant
+    # (`check --determinism` fails a backend that claims it and is not).
+    batch_invariant_reason: ClassVar[str | None] = "not stated by the backend"
     # Decode graphs only at power-of-two batch sizes of at least 2 (what the kernel compiles for).
     cuda_graph_powers_of_two: ClassVar[bool] = False
     # kv_cache_dtype values beyond "auto" that forward() reads (given kv_scales), and why not the others.
@@ -321,6 +325,12 @@ class AttentionBackend(ABC):
         num_heads, num_kv_heads and an AttentionVariant's settings (sliding_window, softcap, sinks);
         a backend that implements no variant inherits `plain_only`'s answer."""
         return cls.plain_only(**kwargs)
+
+    @classmethod
+    def batch_invariance(cls, device: torch.device | str, **settings) -> str | None:
+        """Why a sequence's output may change, bitwise, with its batch or its pages under these settings
+        (`unavailable_reason`'s), or None: batch-invariant. By default the class's `batch_invariant_reason`."""
+        return cls.batch_invariant_reason
 
     @classmethod
     def kv_cache_reason(cls, kv_cache_dtype: str = "auto", **_) -> str | None:

@@ -94,6 +94,7 @@ class FlashAttnBackend(AttentionBackend):
         "not wired in yet"
     )
     cuda_graph_reason = None  # plan() refills StepBuffers in place
+    batch_invariant_reason = "the provider's num_splits heuristic splits the keys by batch size and length (FA3, FA2)"
     latent_values = True  # FA3's qv path; select_provider gives the other providers' reasons
     sparse_selection_reason = (
         "FA2/FA3/FA4 read pages through a block table, with no per-query token indices "

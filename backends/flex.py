@@ -106,6 +106,16 @@ class FlexBackend(AttentionBackend):
     # table and positions are views of persistent buffers that plan() refills in place.
     cuda_graph_reason = None
     cuda_graph_powers_of_two = True
+    batch_invariant_reason = "on CUDA its decode kernel's SPLIT_KV is tuned per batch size (flex_tune.py)"
+
+    @classmethod
+    def batch_invariance(cls, device, sinks=False, **settings) -> str | None:
+        """Compiled on CPU each row's blocks are summed alone, in page order; not so on CUDA or with sinks."""
+        if torch.device(device).type == "cuda":
+            return cls.batch_invariant_reason
+        if sinks:
+            return "sinks run flex eager on CPU, rescaled through its log-sum-exp, which varies with batch and pages"
+        return None if compile_enabled() else "eager flex (PAGEDBENCH_FLEX_COMPILE=0) is not held to it"
 
     def __init__(
         self,

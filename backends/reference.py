@@ -32,6 +32,7 @@ class ReferenceBackend(AttentionBackend):
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
     sparse_selection = True  # it gathers each query's selected slots
     cuda_graph_reason = "it attends one sequence at a time, looping over host-side lengths"
+    batch_invariant_reason = None  # each sequence alone, over exactly its own keys
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:

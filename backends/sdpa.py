@@ -57,6 +57,7 @@ class SDPABackend(AttentionBackend):
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
     sparse_selection = True  # each query's selected slots gathered into a batch of their own
     cuda_graph_reason = "plan() sizes its padded K/V gather by each step's longest sequence"
+    batch_invariant_reason = "its K/V gather is padded to the batch's longest sequence, and P·V sums over that length"
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:

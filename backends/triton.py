@@ -226,6 +226,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     quantized_kv = QUANTIZED_KV  # dequantized in the kernel, tile by tile
     cuda_graph_reason = None
+    batch_invariant_reason = "split-KV: its number of key segments is chosen from the batch (sequences, longest one)"
     latent_values = True  # V tiles read the first value_dim dims of the key pages (V_DIM)
     sparse_selection = True  # the latent kernel reads the selected slots (SPARSE)
 

@@ -82,6 +82,9 @@ def capability_row(name: str, device: torch.device, dtype: torch.dtype, head_dim
     row["quantized KV"] = _listed(KV_PAGES, lambda kv: reason(kv_cache_dtype=kv))
     # ✓: plan() refills static buffers and forward() has no host work (captured where there is CUDA).
     row["CUDA graphs"] = short(cls.cuda_graph_reason or base or "") or YES
+    # ✓: each sequence's output bitwise the same in any batch, on any pages (check --determinism holds it).
+    invariance = cls.batch_invariance(device, dtype=dtype, head_dim=head_dim, block_size=block_size)
+    row["batch-invariant"] = short(invariance or base or "") or YES
     return row
 
 

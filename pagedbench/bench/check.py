@@ -243,6 +243,12 @@ def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scal
     device = batch.q.device
     variant = {} if case.variant == PLAIN else {"variant": case.variant}  # third-party backends may predate it
     backend = cls(num_heads, num_kv_heads, case.head_dim, scale, case.block_size, device, case.dtype, **variant)
+    return attend(backend, batch, sinks)
+
+
+def attend(backend, batch, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One plan() + forward() of `backend` on a placed batch (sinks and sparse selections passed when there)."""
+    device = batch.q.device
     state = backend.plan(batch.metadata)
     extra = {} if sinks is None else {"sinks": sinks.to(device)}  # a backend with no variant need not know them
     if batch.selected is not None:

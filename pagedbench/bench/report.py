@@ -18,6 +18,7 @@ from pagedbench.bench.report_schema import RENAMED_COLUMNS, SCHEMAS
 from pagedbench.bench.report_tables import (
     bench_serve_table,
     check_section,
+    determinism_section,
     environment_section,
     kernel_section,
     markdown,
@@ -124,6 +125,8 @@ def render(df: pd.DataFrame, out_dir: Path, stem: str) -> list[Path]:
             paths.append(plot_kernel_page_sizes(kinds["kernels"], out_dir / f"{stem}-page-size.png"))
     if "check" in kinds:
         sections.append(check_section(kinds["check"]))
+    if "determinism" in kinds:
+        sections.append(determinism_section(kinds["determinism"]))
     if "bench-serve" in kinds:
         sections.append(
             "## Online serving (bench-serve)\n\n" + markdown(bench_serve_table(kinds["bench-serve"])) + "\n"

@@ -212,6 +212,11 @@ CHECK_COLUMNS = ENVIRONMENT + [
     "top1_agreement",
     REPRO,
 ]
+# `check --determinism`: one row per backend, dtype, phase and variant (bench/check_determinism.py).
+DETERMINISM_COLUMNS = ["kind", "command", "timestamp", "git_sha", "torch_version", "device", "device_name"]
+DETERMINISM_COLUMNS += ["cpu_threads", "load_average", "provider", "backend", "dtype", "phase", "variant"]
+DETERMINISM_COLUMNS += ["deterministic", "max_abs_diff_repeat", "batch_invariant", "max_abs_diff_batch", "broken_by"]
+DETERMINISM_COLUMNS += ["claimed_invariant", "reason", "status"]
 SERVE_LATENCIES = [f"{stat}_{name}_ms" for name in LATENCIES for stat in PERCENTILES]  # bench-serve's
 BENCH_SERVE_COLUMNS = [  # one row per (server, request rate) of `pagedbench bench-serve`
     "kind",
@@ -240,5 +245,6 @@ SCHEMAS = {
     "kv": KV_COLUMNS,
     "kernels": KERNEL_COLUMNS,
     "check": CHECK_COLUMNS,
+    "determinism": DETERMINISM_COLUMNS,
     "bench-serve": BENCH_SERVE_COLUMNS,
 }

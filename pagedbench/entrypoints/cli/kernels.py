@@ -20,6 +20,7 @@ from pagedbench.entrypoints.cli.common import (
     backend_names,
     int_list,
     keep_partial,
+    positive_ints,
     prepare_out_dir,
     report_stem,
     timed_backend_names,
@@ -106,6 +107,8 @@ def cmd_check(args) -> int:
     from pagedbench.bench.repro import check_repro
 
     prepare_out_dir(args.out)
+    if args.determinism:
+        return check_determinism(args)
     if args.loglikelihood:
         return check_loglikelihood(args)
     if args.kv_cache_dtype:
@@ -158,6 +161,35 @@ def check_grid_flags(args) -> list[str]:
     words += ["--model", args.model] if args.model else []
     words += [] if args.compile is None else ["--compile" if args.compile else "--no-compile"]
     return words
+
+
+def check_determinism(args) -> int:
+    """`check --determinism`: per backend, dtype, phase and variant, the same call twice bitwise equal,
+    and each sequence's output bitwise the same alone, moved, and inside batches of other sizes."""
+    from pagedbench.bench.check_determinism import run_determinism
+    from pagedbench.bench.environment import environment
+    from pagedbench.bench.report import tidy, write_reports
+    from pagedbench.bench.report_tables import DETERMINISM_FIRST, determinism_table, fit_terminal
+
+    device, _ = resolve_device_dtype(args.device, None)
+    names = args.dtypes or ("fp32,bf16" if device.type == "cpu" else "bf16,fp16,fp32")
+    dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
+    sizes = tuple(positive_ints(args.batch_sizes, "--batch-sizes")) if args.batch_sizes else None
+    env = environment(device, dtypes[0])
+    rows = [env | row for row in run_determinism(backend_names(args.backends), device, dtypes, batch_sizes=sizes)]
+    frame = tidy(rows, "determinism", "check")
+    print(textwrap.fill(f"device {env['device_name']}, torch {torch.__version__}: bitwise, the same call twice, "
+                        "and each sequence alone against itself on other pages and in other batches", 120))  # fmt: skip
+    print("\n".join(fit_terminal(determinism_table(frame), DETERMINISM_FIRST)))
+    paths = write_reports({"determinism": frame}, args.out, report_stem(args.out, "check-determinism", args.overwrite))
+    print(f"reports: {', '.join(map(str, paths))}")
+    if not (frame["status"] != "skipped").any():
+        skipped = dict.fromkeys(f"{row.backend}: {row.reason}" for row in frame.itertuples())
+        raise NothingMeasured(f"check --determinism ran nothing, every row was skipped: {'; '.join(skipped)}")
+    failed = int((frame["status"] == "fail").sum())
+    if failed:
+        print(f"pagedbench: check --determinism failed: {failed} row(s)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def check_loglikelihood(args) -> int:
@@ -391,6 +423,15 @@ def register_check(sub) -> None:
         action="store_true",
         help="instead of the grid: multiple-choice log-likelihoods (lm-eval's scoring) over held-out text per "
         "backend and --kv-cache-dtype (default auto), against reference: mean |delta logprob|, answer agreement",
+    )
+    chk.add_argument(
+        "--determinism",
+        action="store_true",
+        help="instead of the grid: per backend, dtype, phase and variant, whether the same call twice is bitwise "
+        "equal and each sequence's output is bitwise the same alone, on other pages and in other batches",
+    )
+    chk.add_argument(
+        "--batch-sizes", default=None, help="--determinism's batch sizes (default: 1,7,64 on cpu; 1,7,64,256 on cuda)"
     )
     chk.add_argument("--out", default="reports", help="directory for check.csv and check.md")
     add_overwrite_flag(chk)
