@@ -216,8 +216,9 @@ def run_determinism(
     phases: tuple[str, ...] = PHASES,
     variants: tuple[str, ...] = tuple(VARIANTS),
     batch_sizes: tuple[int, ...] | None = None,
+    rows: list | None = None,
 ) -> list[dict]:
-    """Every row of the grid, backend by backend."""
+    """Every row of the grid, backend by backend, appended to `rows` (a report.CsvLog writes each out)."""
     from tqdm.auto import tqdm
 
     sizes = tuple(batch_sizes or BATCH_SIZES["cuda" if device.type == "cuda" else "cpu"])
@@ -227,4 +228,7 @@ def run_determinism(
     if unknown:
         raise ValueError(f"unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)}")
     grid = [(b, d, p, v) for b in backends for d in dtypes for p in phases for v in variants]
-    return [determinism_row(b, device, d, p, v, sizes) for b, d, p, v in tqdm(grid, desc="determinism", disable=None)]
+    rows = [] if rows is None else rows
+    for b, d, p, v in tqdm(grid, desc="determinism", disable=None):
+        rows.append(determinism_row(b, device, d, p, v, sizes))
+    return rows

@@ -168,7 +168,7 @@ def check_determinism(args) -> int:
     and each sequence's output bitwise the same alone, moved, and inside batches of other sizes."""
     from pagedbench.bench.check_determinism import run_determinism
     from pagedbench.bench.environment import environment
-    from pagedbench.bench.report import tidy, write_reports
+    from pagedbench.bench.report import EnvCsvLog, tidy, write_reports
     from pagedbench.bench.report_tables import DETERMINISM_FIRST, determinism_table, fit_terminal
 
     device, _ = resolve_device_dtype(args.device, None)
@@ -176,12 +176,15 @@ def check_determinism(args) -> int:
     dtypes = [resolve_device_dtype(args.device, name.strip())[1] for name in names.split(",") if name.strip()]
     sizes = tuple(positive_ints(args.batch_sizes, "--batch-sizes")) if args.batch_sizes else None
     env = environment(device, dtypes[0])
-    rows = [env | row for row in run_determinism(backend_names(args.backends), device, dtypes, batch_sizes=sizes)]
-    frame = tidy(rows, "determinism", "check")
+    stem = report_stem(args.out, "check-determinism", args.overwrite)
+    log = EnvCsvLog(env, args.out, stem, "determinism", "check")  # each row as it comes: a cut run keeps them
+    with keep_partial(log):
+        run_determinism(backend_names(args.backends), device, dtypes, batch_sizes=sizes, rows=log)
+    frame = tidy(log, "determinism", "check")
     print(textwrap.fill(f"device {env['device_name']}, torch {torch.__version__}: bitwise, the same call twice, "
                         "and each sequence alone against itself on other pages and in other batches", 120))  # fmt: skip
     print("\n".join(fit_terminal(determinism_table(frame), DETERMINISM_FIRST)))
-    paths = write_reports({"determinism": frame}, args.out, report_stem(args.out, "check-determinism", args.overwrite))
+    paths = write_reports({"determinism": frame}, args.out, stem)
     print(f"reports: {', '.join(map(str, paths))}")
     if not (frame["status"] != "skipped").any():
         skipped = dict.fromkeys(f"{row.backend}: {row.reason}" for row in frame.itertuples())
