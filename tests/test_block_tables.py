@@ -96,10 +96,15 @@ def test_kept_block_table_lays_out_every_step_as_a_full_copy(swap, window, spec_
 
 
 def test_rows_of_sequences_gone_are_reused():
-    """Rows stay bounded: those of sequences no longer run are taken by new ones."""
-    tables = BlockTables(rows=2, width=4)
-    for step in range(50):
+    """Rows stay bounded under churn (a sequence leaves and one arrives every step): those of the
+    sequences a step does not run are taken by new ones."""
+    tables, running = BlockTables(rows=2, width=4), []
+    for step in range(200):
         seq = Sequence(str(step), None, [1, 2], SamplingParams())
         seq.block_table = [step, step + 1]
-        assert tables.gather([seq], 2).tolist() == [[step, step + 1]]
-    assert tables.table.shape == (2, 4) and len(tables.row_of) <= 2
+        running = [*running[-5:], seq]  # six at most
+        for s in running:
+            s.block_table.append(s.block_table[-1] + 1)
+        expected = full_copy(running, 8, num_cache_blocks=1_000)
+        assert np.array_equal(tables.gather(running, 8), expected)
+    assert len(tables.owner) <= 16 and len(tables.row_of) <= 16

@@ -211,7 +211,8 @@ class BlockTables:
     appended since its last step, or the whole row when the block manager changed the list in place
     or replaced it (`Sequence.block_table_version`, or another list object); then it gathers its
     sequences' rows into a fresh array (async scheduling reads a step's arrays later). When rows run
-    out, those of the sequences the step does not run are freed."""
+    out, those of the sequences the step does not run are freed (and, if that frees a quarter or fewer
+    of them, the rows double)."""
 
     def __init__(self, rows: int = 64, width: int = 16):
         self.table = np.zeros((rows, width), dtype=np.int32)  # row r: 0 after its first length[r] entries
@@ -220,23 +221,19 @@ class BlockTables:
         self.pages: list = [None] * rows  # the page list written there
         self.version: list = [None] * rows  # that list's block_table_version when written
         self.length = [0] * rows
-        self.seen = [0] * rows  # the last step that gathered the row
         self.free = list(range(rows - 1, -1, -1))
-        self.step = 0
 
     def gather(self, seqs: list[ScheduledSequence], max_blocks: int) -> np.ndarray:
         """[S, max_blocks] int32, as copy_block_tables, from rows brought up to date."""
-        self.step += 1
-        rows = [self._update(s) for s in seqs]
+        rows = [self._update(s, seqs) for s in seqs]
         if max_blocks > self.table.shape[1]:
             self._widen(max_blocks)
         return self.table[rows, :max_blocks]  # fancy indexing: a copy, never a view
 
-    def _update(self, seq: ScheduledSequence) -> int:
+    def _update(self, seq: ScheduledSequence, step: list[ScheduledSequence]) -> int:
         row = self.row_of.get(id(seq))
         if row is None:
-            row = self._take(seq)
-        self.seen[row] = self.step
+            row = self._take(seq, step)
         pages, written = seq.block_table, self.length[row]
         version = getattr(seq, "block_table_version", None)  # None (a draft's view): rewritten every step
         if pages is self.pages[row] and version is not None and version == self.version[row] and len(pages) >= written:
@@ -255,19 +252,19 @@ class BlockTables:
             self._widen(end)
         self.table[row, start:end] = pages
 
-    def _take(self, seq: ScheduledSequence) -> int:
+    def _take(self, seq: ScheduledSequence, step: list[ScheduledSequence]) -> int:
         if not self.free:
-            self._sweep()
-        if not self.free:
-            self._add_rows()
+            self._sweep({id(s) for s in step})
+            if 4 * len(self.free) <= len(self.owner):  # sweeps stay rare: one per quarter of the rows taken
+                self._add_rows()
         row = self.free.pop()
         self.row_of[id(seq)], self.owner[row] = row, seq
         return row
 
-    def _sweep(self) -> None:
-        """Free the rows of sequences this step does not run (finished or preempted ones, mostly)."""
+    def _sweep(self, running: set[int]) -> None:
+        """Free the rows of sequences not in the step (`running`: their ids): finished or preempted ones."""
         for row, seq in enumerate(self.owner):
-            if seq is not None and self.seen[row] < self.step:
+            if seq is not None and id(seq) not in running:
                 self.table[row, : self.length[row]] = 0
                 del self.row_of[id(seq)]
                 self.owner[row] = self.pages[row] = self.version[row] = None
@@ -280,7 +277,6 @@ class BlockTables:
         for column in (self.owner, self.pages, self.version):
             column.extend([None] * rows)
         self.length.extend([0] * rows)
-        self.seen.extend([0] * rows)
         self.free.extend(range(2 * rows - 1, rows - 1, -1))
 
     def _widen(self, width: int) -> None:
