@@ -102,6 +102,10 @@ def test_the_command_writes_its_csv_and_report_reads_it(tmp_path, capsys, fakes)
     assert main(["report", str(out / "check-determinism.csv"), "--out", str(tmp_path / "r")]) == 0
     assert "Determinism and batch invariance" in next((tmp_path / "r").glob("*.md")).read_text()
     assert main([*args, "--backends", "falsely-invariant", "--overwrite"]) == 1
+    assert main(["check", "--batch-sizes", "1,2", "--out", str(out)]) == 2
+    assert main([*args, "--batch-sizes", "0", "--backends", "reference"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "pagedbench: error: --batch-sizes takes positive integers, got '0'"
 
 
 def test_the_capability_table_says_who_is_batch_invariant():

@@ -109,6 +109,8 @@ def cmd_check(args) -> int:
     prepare_out_dir(args.out)
     if args.determinism:
         return check_determinism(args)
+    if args.batch_sizes:
+        raise ValueError("--batch-sizes sets check --determinism's batches; the grid's are fixed (--quick, --full)")
     if args.loglikelihood:
         return check_loglikelihood(args)
     if args.kv_cache_dtype:
