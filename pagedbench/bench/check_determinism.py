@@ -38,8 +38,8 @@ COLUMNS += ["max_abs_diff_batch", "broken_by", "claimed_invariant", "reason", "s
 
 
 def shape_of(variant_name: str) -> dict:
-    """(num_heads, num_kv_heads, head_dim, block_size) of a variant's problems: GQA-4 of 64 in pages
-    of 16, latent attention at its configuration."""
+    """num_heads, num_kv_heads, head_dim and block_size of a variant's problems: GQA-4 of 64 in pages
+    of 16, latent attention at check's MLA-16 configuration."""
     if variant_name == "latent":
         config = LATENT_CONFIGS[0]
         num_heads, num_kv_heads = HEADS[config["heads"]]
