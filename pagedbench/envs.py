@@ -17,6 +17,7 @@ class Knob:
     default: str
     meaning: str
     choices: tuple[str, ...] = ()
+    measured: bool = False  # it changes what a measurement runs: a row's repro command sets it (bench/repro.py)
 
 
 KNOBS = {
@@ -28,26 +29,29 @@ KNOBS = {
             "pagedbench's cache (GGUF conversions, flex's tuned decode options); unset: "
             "$XDG_CACHE_HOME/pagedbench, else ~/.cache/pagedbench",
         ),
-        Knob("PAGEDBENCH_FLEX_COMPILE", "1", "0 runs flex eager (it materializes every score)", ("0", "1")),
+        Knob("PAGEDBENCH_FLEX_COMPILE", "1", "0 runs flex eager (it materializes every score)", ("0", "1"), True),
         Knob(
             "PAGEDBENCH_FLEX_KERNEL",
             "triton",
             "flex's kernels: triton, or flash (FlexAttention's FA4-based ones, where torch and flash-attn-4 have them)",
             ("triton", "flash"),
+            True,
         ),
         Knob(
             "PAGEDBENCH_FLEX_SPARSE",
             "auto",
             "flex's sparse (DeepSeek-V3.2) steps: auto, or gather / pages for every step",
             ("auto", "gather", "pages"),
+            True,
         ),
-        Knob("PAGEDBENCH_FLEX_TUNE", "1", "0 turns flex's decode option search off (template defaults)", ("0", "1")),
-        Knob("PAGEDBENCH_FLEX_TUNE_SECONDS", "45", "the most one shape's flex decode search may take, in seconds"),
+        Knob("PAGEDBENCH_FLEX_TUNE", "1", "0 turns flex's decode option search off (its defaults)", ("0", "1"), True),
+        Knob("PAGEDBENCH_FLEX_TUNE_SECONDS", "45", "the most one shape's flex decode search may take (s)", (), True),
         Knob(
             "PAGEDBENCH_FLASH_PROVIDER",
             "",
             "forces flash_attn's provider: fa3, fa4, fa2 or torch (unset: the first that runs)",
             ("", "fa3", "fa4", "fa2", "torch"),
+            True,
         ),
         Knob("PAGEDBENCH_DEBUG", "", "1: worker and replica processes print their full tracebacks"),
         Knob("PAGEDBENCH_GPU_STASH", "/tmp/pagedbench-gpu", "gpu-suite's files kept between calls on a warm machine"),

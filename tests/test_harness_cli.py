@@ -95,7 +95,8 @@ def test_compare_csv_has_exactly_the_schema(compared):
     moe |= {"mamba_block_size"}  # empty without a hybrid's state snapshots (their count and bytes are 0)
     interval = {"output_throughput_ci_low", "output_throughput_ci_high"}  # 2 runs: none (noise.py)
     own = {"dataset_name", "dataset_path"}  # empty without a dataset of the user's
-    own |= {"busy_share"}  # empty on a CPU (no device timer)
+    own |= {"busy_share", "cuda_version", "driver_version"}  # empty on a CPU (no device timer, no CUDA)
+    own |= {"flash_attn_version", "flashinfer_version"}  # empty where not installed
     own |= {"tokenizer", "pipeline_layer_partition", "num_state_snapshots", "structured_outputs_config"}  # unset
     assert (
         ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"} - spec - moe - interval - own)].notna().all().all()

@@ -12,7 +12,7 @@ from pagedbench.bench.scenario import COMMAND_SETTINGS, LengthRange, Scenario, l
 from pagedbench.config import EngineConfig
 
 # Knobs that change what a backend runs (the others name directories or debugging output).
-MEASUREMENT_KNOBS = tuple(k for k in envs.KNOBS if k.startswith(("PAGEDBENCH_FLEX_", "PAGEDBENCH_FLASH_")))
+MEASUREMENT_KNOBS = tuple(name for name, knob in envs.KNOBS.items() if knob.measured)
 FLASH_PROVIDER_LABELS = {"(FA3)": "fa3", "(FA4)": "fa4", "varlen_attn": "torch", "flash_attn ": "fa2"}
 
 
