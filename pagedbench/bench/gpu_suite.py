@@ -93,6 +93,9 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
         ),
         bench("profile-graphs", 150, [*PROFILE, "--compile"]),
         bench("compare-mixed", 200, [*compare, "--backends", "triton,flex"]),
+        # Async scheduling (docs/async-scheduling.md): the same runs and decode steps with the host run ahead.
+        bench("compare-mixed-async", 200, [*compare, "--backends", "triton,flex", "--async-scheduling"]),
+        bench("profile-graphs-async", 150, [*PROFILE, "--compile", "--async-scheduling"]),
         bench("kernels-dsa", 100, [*DSA, "--backends", torch_and_triton]),
         # Hybrids' gated delta rule on CUDA: the torch forms and fla's kernels against the float64 oracle.
         bench("check-gdn", 60, ["check", "--device", "cuda", "--backends", "gdn-torch,gdn-fla"]),
