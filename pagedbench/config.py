@@ -114,6 +114,13 @@ class EngineConfig:
         ("auto", "safetensors", "dummy"),
     )
     backend: str = setting("sdpa", "attention backend (see `pagedbench backends`)", workload=False)
+    cascade_attention: bool | None = setting(
+        None,
+        "cascade attention: decoding sequences whose block tables begin with the same full pages (prefix caching, "
+        "n > 1 samples) read that shared prefix once per group, merged with each suffix by log-sum-exp; True: every "
+        "group of 2+, False: never, None: vLLM's rule, a group of 8+ sequences sharing 256+ tokens (docs/cascade.md)",
+        workload=False,
+    )
     device: str | None = setting(None, "cuda if available, else cpu", workload=False)
     dtype: str | None = setting(None, "bf16 on cuda, fp32 on cpu", workload=False)
     block_size: int = setting(16, "tokens per KV page", minimum=1)
@@ -217,6 +224,13 @@ class EngineConfig:
         "torch.compile each layer's elementwise work (norms with their residual adds, q/k norm and RoPE, the "
         "activation, the router) around the opaque attention call; None: on for CUDA, off on CPU (measured: "
         "docs/benchmarks.md); enforce_eager turns it off",
+        workload=False,
+    )
+    batch_invariant: bool = setting(
+        False,
+        "each request's logprobs bitwise the same alone or in any batch (vLLM's batch-invariant mode): the model's "
+        "dense GEMMs in fixed tiles of rows, attention in the backend's batch-invariant form; a backend without one "
+        "is refused, saying why (docs/correctness.md: who accepts it, and its cost)",
         workload=False,
     )
     cpu_kv_cache_bytes: int = setting(1 << 30, "KV cache bytes on CPU when num_blocks is None", minimum=1)

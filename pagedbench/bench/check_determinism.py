@@ -159,19 +159,21 @@ def invariance(runner: Runner, count: int, batch_sizes: tuple[int, ...]) -> tupl
     return worst, {k: list(dict.fromkeys(v)) for k, v in broken.items()}
 
 
-def determinism_row(name, device, dtype, phase, variant_name, batch_sizes) -> dict:
-    """One row: `name` on one dtype, phase and variant (skipped with the backend's reason)."""
+def determinism_row(name, device, dtype, phase, variant_name, batch_sizes, batch_invariant=False) -> dict:
+    """One row: `name` on one dtype, phase and variant (skipped with the backend's reason), in its
+    batch-invariant form with `batch_invariant` (skipped where it has none)."""
     variant, shape = VARIANTS[variant_name], shape_of(variant_name)
     head_dim, block_size = shape["head_dim"], shape["block_size"]
     found = resolve(name, device, dtype, head_dim, block_size, num_heads=shape["num_heads"],
                     num_kv_heads=shape["num_kv_heads"], **variant.settings())  # fmt: skip
     row = {"backend": name, "provider": found.provider, "dtype": dtype_name(dtype), "phase": phase}
     row["variant"] = variant_name
-    claim = found.cls.batch_invariance(device, dtype=dtype, head_dim=head_dim, block_size=block_size,
-                                       **variant.settings())  # fmt: skip
+    claim = found.cls.batch_invariance(device, batch_invariant=batch_invariant, dtype=dtype, head_dim=head_dim,
+                                       block_size=block_size, **variant.settings())  # fmt: skip
     row["claimed_invariant"] = claim is None
-    if found.reason:
-        return row | {"status": "skipped", "reason": found.reason}
+    if found.reason or (batch_invariant and claim):
+        why = found.reason or f"refused under batch_invariant: {claim}"
+        return row | {"status": "skipped", "reason": why}
     count = max(batch_sizes)
     seqs = pool_seqs(phase, count, block_size)
     problem = random_problem(seqs, shape["num_heads"], shape["num_kv_heads"], head_dim, dtype, seed=count,
@@ -179,6 +181,7 @@ def determinism_row(name, device, dtype, phase, variant_name, batch_sizes) -> di
     sinks = torch.randn(shape["num_heads"], generator=torch.Generator().manual_seed(7)) * 2 if variant.sinks else None
     try:
         extra = {} if variant == PLAIN else {"variant": variant}  # third-party backends may predate it
+        extra |= {"batch_invariant": True} if batch_invariant else {}
         backend = found.cls(shape["num_heads"], shape["num_kv_heads"], head_dim, head_dim**-0.5, block_size,
                             device, dtype, **extra)  # fmt: skip
         runner = Runner(backend, problem, block_size, device, sinks)
@@ -217,8 +220,10 @@ def run_determinism(
     variants: tuple[str, ...] = tuple(VARIANTS),
     batch_sizes: tuple[int, ...] | None = None,
     rows: list | None = None,
+    batch_invariant: bool = False,
 ) -> list[dict]:
-    """Every row of the grid, backend by backend, appended to `rows` (a report.CsvLog writes each out)."""
+    """Every row of the grid, backend by backend, appended to `rows` (a report.CsvLog writes each out);
+    with `batch_invariant` each backend in its batch-invariant form (EngineConfig.batch_invariant's)."""
     from tqdm.auto import tqdm
 
     sizes = tuple(batch_sizes or BATCH_SIZES["cuda" if device.type == "cuda" else "cpu"])
@@ -230,5 +235,5 @@ def run_determinism(
     grid = [(b, d, p, v) for b in backends for d in dtypes for p in phases for v in variants]
     rows = [] if rows is None else rows
     for b, d, p, v in tqdm(grid, desc="determinism", disable=None):
-        rows.append(determinism_row(b, device, d, p, v, sizes))
+        rows.append(determinism_row(b, device, d, p, v, sizes, batch_invariant))
     return rows

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pagedbench.backends.cascade import cascade_setting
 from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.device.timer import DeviceTimer
@@ -57,8 +58,9 @@ class Executor:
         self.tp, self.stage = self._placement()
         self.world = self.tp.size * self.stage.size
         backend = build_layer_attention(
-            config.backend, model_config, config.block_size, self.device, self.dtype, self.tp, config.kv_cache_dtype
-        )
+            config.backend, model_config, config.block_size, self.device, self.dtype, self.tp, config.kv_cache_dtype,
+            config.batch_invariant,
+        )  # fmt: skip
         cfg = model_config
         # A sliding window no longer caps the length: each backend attends within its layers' windows.
         max_len_cap = cfg.max_position_embeddings
@@ -74,7 +76,7 @@ class Executor:
             self.compiled = config.compiles(self.device)
             self.model = build_model(
                 cfg, weights, self.device, self.dtype, rope_len, config.seed, self.tp, config.preset_init, self.stage,
-                self.compiled,
+                self.compiled, config.batch_invariant,
             )  # fmt: skip
             # The draft's weights are in place before the cache is sized from what memory is left.
             draft_model = self._build_draft(rope_len) if self.draft_config is not None else None
@@ -166,7 +168,7 @@ class Executor:
         weights = weights_path(self.draft_path, config)
         return build_model(
             cfg, weights, self.device, self.dtype, rope_len, config.seed, NO_TP, config.preset_init,
-            compile=config.compiles(self.device),
+            compile=config.compiles(self.device), batch_invariant=config.batch_invariant,
         )  # fmt: skip
 
     def _start_draft(self, model: CausalLM) -> ModelRunner:
@@ -179,7 +181,8 @@ class Executor:
                 f"fewer than max_model_len={self.kv_size.max_model_len}"
             )
         args = (config.block_size, self.device, self.dtype)
-        backend = build_layer_attention(config.backend, cfg, *args, NO_TP, config.kv_cache_dtype)
+        kv = (config.kv_cache_dtype, config.batch_invariant)
+        backend = build_layer_attention(config.backend, cfg, *args, NO_TP, *kv)
         num_blocks = self.kv_size.num_blocks
         return ModelRunner(model, backend, num_blocks, *args, 0, config.kv_cache_dtype, config.calculate_kv_scales)
 
@@ -205,6 +208,7 @@ class Executor:
             config.kv_cache_dtype, config.calculate_kv_scales, kv.num_state_slots + kv.num_state_snapshots,
             config.index_cache_dtype, config.linear_attention_kernel, kv.num_cpu_state_slots,
         )  # fmt: skip
+        runner.block_tables.cascade = cascade_setting(backend.distinct, config.cascade_attention)
         if self.workers is None:
             return runner
         state_slots = (runner.num_state_slots, kv.num_cpu_state_slots)

@@ -12,11 +12,14 @@ so parameter names stay the checkpoint's), the embedding on the first stage, the
 LM head on the last.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from pagedbench.model.batch_invariant import BatchInvariantGemms
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.fused import EAGER, LayerOps
 from pagedbench.model.hybrid import GatedDeltaNet
@@ -177,6 +180,7 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     ops: LayerOps = EAGER
+    batch_invariant = False  # every dense GEMM in fixed row tiles (batch_invariant.py); build_model sets it
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPShard = NO_TP, stage: PPStage = WHOLE_MODEL):
         super().__init__()
@@ -202,6 +206,10 @@ class CausalLM(nn.Module):
         only (on tensor-parallel rank 0; None on the other ranks). A pipeline stage before the last
         returns its hidden states [T, hidden_size] for the next; a stage after the first starts
         from the previous one's `hidden`."""
+        with BatchInvariantGemms() if self.batch_invariant else contextlib.nullcontext():
+            return self._forward(input_ids, positions, ctx, logits_indices, hidden)
+
+    def _forward(self, input_ids, positions, ctx, logits_indices, hidden):
         hidden = self.model(input_ids, positions, ctx, hidden)
         if not self.stage.last:
             return hidden

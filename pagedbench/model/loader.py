@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedbench.model.batch_invariant import unsupported_reason
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.fused import ops_for
 from pagedbench.model.gguf import REAL_MODELS, gguf_model_dir, is_gguf
@@ -69,12 +70,16 @@ def build_model(
     preset_init: str = "decisive",
     stage: PPStage = WHOLE_MODEL,
     compile: bool = False,
+    batch_invariant: bool = False,
 ) -> CausalLM:
     """The model (this rank's shard of it, of pipeline `stage`'s layers), from `path`'s
     safetensors, or with `path` None random weights (`preset_init`: "decisive", see
     preset_init.py, or "plain" N(0, 0.02)): every shard and stage gets the whole model's values.
     `compile`: the layers' elementwise work under torch.compile (fused.py), with q/k/v and gate/up
-    as one GEMM each (merged_projections)."""
+    as one GEMM each (merged_projections). `batch_invariant`: every dense GEMM in fixed row tiles
+    (batch_invariant.py), or a ValueError where the model has GEMMs it does not tile."""
+    if batch_invariant and (reason := unsupported_reason(cfg)):
+        raise ValueError(reason)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in `dtype`; RoPE tables stay fp32
     try:
@@ -91,6 +96,7 @@ def build_model(
         _init_random(model, seed)
     else:
         _load_safetensors(model, path)
+    model.batch_invariant = batch_invariant
     return model.eval().requires_grad_(False).use_ops(ops_for(compile), merged_projections(device, compile))
 
 

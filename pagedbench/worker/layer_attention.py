@@ -58,9 +58,11 @@ def build_layer_attention(
     dtype: torch.dtype,
     tp: TPShard = NO_TP,
     kv_cache_dtype: str = "auto",
+    batch_invariant: bool = False,
 ) -> LayerAttention:
     """Backend `name` for this rank's heads and each of the model's layer variants, reading pages
-    stored as `kv_cache_dtype`, or a ValueError saying why it cannot run one of them here."""
+    stored as `kv_cache_dtype` (in its batch-invariant form with `batch_invariant`), or a ValueError
+    saying why it cannot run one of them here."""
     num_heads, num_kv_heads = tp.local_heads(cfg)
     d = cfg.head_dim
     built: dict[AttentionVariant, AttentionBackend] = {}
@@ -75,5 +77,11 @@ def build_layer_attention(
             what = "" if variant == PLAIN else f" for the model's {variant} layers"
             raise ValueError(f"backend {name!r} is unavailable here{what}: {found.reason}")
         extra = {} if variant == PLAIN else {"variant": variant}  # backends that predate variants take none
+        if batch_invariant:
+            why = found.cls.batch_invariance(device, batch_invariant=True, dtype=dtype, head_dim=d,
+                                             block_size=block_size, **variant.settings())  # fmt: skip
+            if why:
+                raise ValueError(f"backend {name!r} cannot run batch_invariant: {why}")
+            extra["batch_invariant"] = True
         built[variant] = found.cls(num_heads, num_kv_heads, d, cfg.attention_scale, block_size, device, dtype, **extra)
     return LayerAttention([built[v] for v in cfg.layer_variants()])

@@ -93,11 +93,11 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         else:  # the ranks share the CPU's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
         backend = build_layer_attention(
-            config.backend, cfg, config.block_size, device, dtype, tp, config.kv_cache_dtype
+            config.backend, cfg, config.block_size, device, dtype, tp, config.kv_cache_dtype, config.batch_invariant
         )
         model = build_model(
             cfg, weights_path(path, config), device, dtype, spec.rope_len, config.seed, tp, config.preset_init, stage,
-            config.compiles(device),
+            config.compiles(device), config.batch_invariant,
         )  # fmt: skip
         conn.send(("built",))
         _, (num_blocks, num_cpu_blocks, (num_state_slots, num_cpu_state_slots)) = conn.recv()

@@ -1,0 +1,100 @@
+"""batch_invariant (EngineConfig): each request's logprobs bitwise the same alone or in any batch --
+the model's GEMMs in fixed row tiles, attention in the backend's batch-invariant form, and a
+backend without one refused with its reason."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pagedbench.backends import registry
+
+from pagedbench import LLM, SamplingParams
+from pagedbench.bench.check_determinism import run_determinism
+from pagedbench.model.batch_invariant import BatchInvariantGemms, unsupported_reason
+from pagedbench.model.config import ModelConfig
+from pagedbench.model.presets import PRESETS
+from tests.test_determinism import TINY, BatchDependent, claims_hold
+
+CPU = torch.device("cpu")
+ROWS = (1, 7, 64, 256)  # the issue's batch sizes: torch's CPU GEMM gives row 0 other bits at M=1 than at M=7
+
+
+class ClaimsItUnderTheSetting(BatchDependent):
+    """Batch-dependent, yet says its batch-invariant form is invariant."""
+
+    name = "claims-under-setting"
+
+    @classmethod
+    def batch_invariance(cls, device, batch_invariant=False, **settings):
+        return None if batch_invariant else cls.batch_invariant_reason
+
+
+def test_tiled_gemms_give_a_row_the_same_bits_in_any_number_of_rows():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(256, 256, generator=gen), torch.randn(96, 256, generator=gen), torch.randn(96, generator=gen)
+    with BatchInvariantGemms():
+        rows = [F.linear(x[:m], w, b) for m in ROWS]
+        module = torch.nn.Linear(256, 96)
+        assert module(x[:3]).shape == (3, 96)  # nn.Linear goes through it too
+    for m, out in zip(ROWS, rows):
+        assert out.shape == (m, 96) and torch.equal(out[0], rows[0][0]), f"row 0 differs at M={m}"
+    assert torch.equal(rows[-1][:7], rows[1])  # every row of the smaller batch, not only the first
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_backends_in_their_batch_invariant_form_are_invariant(backend):
+    rows = run_determinism([backend], CPU, [torch.float32, torch.bfloat16], batch_invariant=True, **TINY)
+    claims_hold(rows)
+    assert all(row["claimed_invariant"] and row["batch_invariant"] for row in rows)
+
+
+@pytest.mark.slow
+def test_flex_in_its_batch_invariant_form_is_invariant():
+    rows = run_determinism(["flex"], CPU, [torch.float32], batch_invariant=True, variants=("plain",),
+                           phases=("decode", "mixed"), batch_sizes=(1, 3))  # fmt: skip
+    claims_hold(rows)
+
+
+def test_a_backend_that_claims_invariance_under_the_setting_and_breaks_it_fails(monkeypatch):
+    monkeypatch.setitem(registry._loaded, ClaimsItUnderTheSetting.name, ClaimsItUnderTheSetting)
+    (row,) = run_determinism([ClaimsItUnderTheSetting.name], CPU, [torch.float32], phases=("decode",),
+                             variants=("plain",), batch_sizes=(1, 3), batch_invariant=True)  # fmt: skip
+    assert row["claimed_invariant"] and not row["batch_invariant"] and row["status"] == "fail"
+    assert row["reason"].startswith("claims batch invariance but differs by")
+
+
+def test_a_backend_without_a_batch_invariant_form_is_skipped_by_check_and_refused_by_the_engine():
+    (row,) = run_determinism(["triton"], CPU, [torch.float32], phases=("decode",), variants=("plain",),
+                             batch_sizes=(1, 2), batch_invariant=True)  # fmt: skip
+    assert row["status"] == "skipped" and row["reason"].startswith("refused under batch_invariant: split-KV")
+    with pytest.raises(ValueError, match=r"^backend 'triton' cannot run batch_invariant: split-KV: its number"):
+        LLM(model="tiny-llama", backend="triton", batch_invariant=True, device="cpu")
+
+
+def test_a_model_with_gemms_it_does_not_tile_is_refused():
+    reason = unsupported_reason(ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"]))
+    assert reason == "batch_invariant tiles dense models' GEMMs only; this model has mixture-of-experts layers " \
+                     "(grouped expert GEMMs)"  # fmt: skip
+    assert unsupported_reason(ModelConfig.from_dict(PRESETS["tiny-llama"])) is None
+
+
+def greedy_alone_and_in_a_batch(batch_invariant: bool, backend: str = "sdpa"):
+    llm = LLM(model="tiny-llama", backend=backend, batch_invariant=batch_invariant, dtype="fp32", device="cpu",
+              preset_init="plain")  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 3 for j in range(5 + 9 * i)]} for i in range(9)]
+    alone = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
+    batched = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    logprobs = [[{t: lp.logprob for t, lp in step.items()} for step in out.logprobs] for out in (alone, batched)]
+    return (alone.token_ids, batched.token_ids), logprobs
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_a_prompt_alone_and_in_a_batch_gets_bitwise_the_same_tokens_and_logprobs(backend):
+    (alone, batched), (lp_alone, lp_batched) = greedy_alone_and_in_a_batch(True, backend)
+    assert alone == batched and lp_alone == lp_batched
+
+
+def test_without_the_setting_the_logprobs_move_with_the_batch():
+    """The control: the same comparison with batch_invariant off differs (sdpa pads; GEMMs see other M)."""
+    _, (lp_alone, lp_batched) = greedy_alone_and_in_a_batch(False)
+    assert lp_alone != lp_batched
