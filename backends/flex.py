@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from einops import rearrange
 from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant
-from pagedbench.backends.cascade import CascadeAttention, CascadeState
 from pagedbench.backends.flex_compile import (
     MIN_KV_BLOCK,
     attend,
@@ -43,7 +42,7 @@ from pagedbench.backends.flex_compile import (
 from pagedbench.backends.flex_masks import MIN_TOKEN_CAPACITY, PagedBlockMasks, RowPages
 from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, device_arrays, plan_calls
 from pagedbench.backends.flex_sparse import SPARSE_PROVIDER, SparseCalls, forced_sparse_path, sparse_path
-from pagedbench.backends.flex_tune import DecodeProblem, DecodeTuner, decode_context_class, tune_enabled
+from pagedbench.backends.flex_tune import DecodeTuner, tune_enabled
 from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = ["FlexBackend", "FlexCall", "FlexState", "MAX_DECODE_QUERY", "MIN_TOKEN_CAPACITY", "compile_stats"]
@@ -65,7 +64,6 @@ class FlexCall:
     real_rows: np.ndarray  # [mask rows] real query rows in each BlockMask row (tile efficiency)
     block_mask: BlockMask | None = None
     packed_heads: int = 1  # G query heads sharing a KV head packed into each query row (CPU decodes)
-    context_pages: int = 0  # a decode's context class, the problem its options are searched on (flex_tune)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """The call's rows of the step's q [T, H, D] as flex's queries: packed [batch, H_kv, q_len * G, D],
@@ -95,12 +93,9 @@ class FlexState:
     sparse_share: Callable[[], float] | None = None  # sparse attention: the last layer's tile efficiency
 
 
-class FlexBackend(CascadeAttention, AttentionBackend):
+class FlexBackend(AttentionBackend):
     name = "flex"
     latent_values = True  # flex takes a value head dim other than the keys' (a strided view of their pages)
-    # Cascade: the suffixes through its own paged calls; a group's prefix one flex call over its stacked rows
-    # returning the log-sum-exp (compiled on CUDA; eager on CPU, whose compiled flex has none in torch 2.13).
-    cascade_attention = True
     sparse_selection = True  # each query's picks gathered, or a BlockMask of their pages (flex_sparse.py)
     quantized_kv_reason = (
         "FlexAttention reads K/V in the query's dtype; over a paged cache it would have to dequantize "
@@ -111,7 +106,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
     # table and positions are views of persistent buffers that plan() refills in place.
     cuda_graph_reason = None
     cuda_graph_powers_of_two = True
-    batch_invariant_reason = "on CUDA its decode kernel's SPLIT_KV is tuned per batch and context class (flex_tune.py)"
+    batch_invariant_reason = "on CUDA its decode kernel's SPLIT_KV is tuned per batch size (flex_tune.py)"
 
     @classmethod
     def batch_invariance(cls, device, sinks=False, **settings) -> str | None:
@@ -146,8 +141,10 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         # Triton's minimum tile, so small pages share a KV block; the mask_mod maps each slot to its page.
         self.kv_block_size = max(block_size, MIN_KV_BLOCK)
         self.kernel_options = kernel_options(self.device, self.q_block_size, self.kv_block_size, head_dim, dtype)
-        # Decode options searched per static batch and context class (flex_tune.py), on CUDA where flex is compiled.
+        # Decode options searched per static batch (flex_tune.py), on CUDA where flex is compiled.
         self.tuned_decode = cuda and self.compiled and tune_enabled()
+        self.decode_tuner = DecodeTuner(self.device, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                        self.kv_block_size)  # fmt: skip
         # flex's decoding kernel splits a row's KV blocks across thread blocks only when the mask has no
         # full blocks (with full blocks it splits the whole cache length), so on CUDA decodes are all masked.
         self.decode_full_blocks = not cuda
@@ -159,11 +156,9 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         self.packed_heads = 1 if cuda else num_heads // num_kv_heads
         window = variant.sliding_window
         flash_prefill = (self.kernel_options["prefill"] or {}).get("BACKEND") == "FLASH"
-        new_masks = partial(PagedBlockMasks, block_size, self.kv_block_size, self.q_block_size, self.device, window,
-                            self.packed_heads, flash_prefill)  # fmt: skip
-        self._masks = new_masks()
-        self.decode_tuner = DecodeTuner(self.device, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                        self.kv_block_size, new_masks, self.decode_full_blocks)  # fmt: skip
+        self._masks = PagedBlockMasks(
+            block_size, self.kv_block_size, self.q_block_size, self.device, window, self.packed_heads, flash_prefill
+        )
         self.score_mod = softcap_score_mod(variant.softcap, self.device) if variant.softcap is not None else None
         self._sparse = SparseCalls(num_heads, num_kv_heads, head_dim, self.kv_block_size, self.device, dtype,
                                    self.decode_full_blocks)  # fmt: skip
@@ -182,18 +177,6 @@ class FlexBackend(CascadeAttention, AttentionBackend):
     @classmethod
     def compiles_on_first_use(cls, device) -> bool:
         return compile_enabled()
-
-    def prefix_attention(self, q_rows, k, v, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cascade's prefix pass as one flex call: the group's rows packed per KV head [1, H_kv, R * G, D]
-        over the prefix, dense (every prefix key precedes every row), with its log-sum-exp; a window: explicit."""
-        if self.variant.sliding_window is not None:
-            return super().prefix_attention(q_rows, k, v, q_pos)
-        group = self.num_heads // self.num_kv_heads
-        qg = rearrange(q_rows, "r (hk g) d -> 1 hk (r g) d", g=group)
-        k, v = (rearrange(x, "p hk d -> 1 hk p d") for x in (k, v))
-        call = _prefix_compiled if self.compiled and self.device.type == "cuda" else _prefix_flex
-        o, lse = call(qg, k, v, self.scale, self.score_mod)
-        return rearrange(o, "1 hk (r g) d -> r (hk g) d", g=group), rearrange(lse, "1 hk (r g) -> r (hk g)", g=group)
 
     @classmethod
     def provider(cls, **settings) -> str:
@@ -223,12 +206,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
     # --- plan: once per step -- ----------------------------------------------------------------
 
     @torch.inference_mode()  # the mask's tensors must be alike whether built here or in forward (guards)
-    def plan(self, meta: AttentionMetadata) -> FlexState | CascadeState:
-        if meta.cascade is not None:
-            return self.plan_cascade_step(meta, self._plan_flat)
-        return self._plan_flat(meta)
-
-    def _plan_flat(self, meta: AttentionMetadata) -> FlexState:
+    def plan(self, meta: AttentionMetadata) -> FlexState:
         num_pages = meta.num_cache_blocks
         self._check_int32_offsets(num_pages)
         qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
@@ -250,8 +228,6 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         listings = [self._masks.row_pages(plan, call, meta.block_table) for plan, call in zip(plans, arrays)]
         self._masks.fill_inverse(listings, len(seq_lens), num_pages, full_too=not self.compiled)
         calls = [self._call(*call, num_pages) for call in zip(plans, arrays, listings)]
-        for plan, call in zip(plans, calls):
-            call.context_pages = decode_context_class(plan, len(plans), meta.max_seq_len, self.block_size)
         path = None if self.variant.topk is None else sparse_path(meta.seq_lens_cpu, self.variant.topk, meta.num_tokens)
         return FlexState(calls, meta.num_tokens, sparse_path=path)
 
@@ -279,10 +255,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
 
     # --- forward: once per layer ---------------------------------------------------------------
 
-    def forward(self, q, k_cache, v_cache, state, sinks=None, selected=None) -> torch.Tensor:
-        if isinstance(state, CascadeState) and selected is None:
-            flat = lambda q, flat_state: self.forward(q, k_cache, v_cache, flat_state, sinks)
-            return self.cascade_forward(q, k_cache, v_cache, state, flat, sinks)
+    def forward(self, q, k_cache, v_cache, state: FlexState, sinks=None, selected=None) -> torch.Tensor:
         # [num_pages, bs, H_kv, D] -> [1, H_kv, num_pages * bs, D]: a view; flex takes any strides
         # with a unit last dim, and the CPU kernel reads this [B, L, H, D] layout natively.
         k = rearrange(k_cache, "n p h d -> 1 h (n p) d")
@@ -299,7 +272,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
             x, call_sinks = call.queries(q), call.sink_logits(sinks)
             if call.kind == "decode" and self.static_decode_batch:
                 torch._dynamo.mark_static(x, 0)
-            options = self._options(call, k, v, call_sinks)
+            options = self._options(call, x, k, v, call_sinks)
             y = call.answers(self._flex(call.kind, x, k, v, call.block_mask, options, call_sinks, state.shapes_seen))
             if call.gather is None and len(state.calls) == 1:
                 state.shapes_seen = True
@@ -325,16 +298,14 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         self.compile_seconds += seconds
         return y
 
-    def _options(self, call: FlexCall, k, v, sinks) -> dict | None:
-        """The call's kernel_options: on CUDA a decode's are searched once per static batch and context
-        class on a representative problem over this cache (flex_tune.py; cached on disk,
-        PAGEDBENCH_FLEX_TUNE=0 turns it off)."""
+    def _options(self, call: FlexCall, x, k, v, sinks) -> dict | None:
+        """The call's kernel_options: on CUDA a decode's are searched once per static batch on its
+        own inputs (flex_tune.py; cached on disk, PAGEDBENCH_FLEX_TUNE=0 turns it off)."""
         base = self.kernel_options[call.kind]
         if call.kind != "decode" or not self.tuned_decode:
             return base
-        problem = DecodeProblem(call.batch, call.q_len, call.context_pages, k.shape[2] // self.block_size)
-        operands = (k, v, self.scale, self.score_mod, sinks)
-        found, spent = self.decode_tuner.options(problem, base, operands, RECOMPILE_LIMIT)
+        call_with = lambda options: (x, k, v, call.block_mask, self.scale, options, self.score_mod, sinks)
+        found, spent = self.decode_tuner.options(call.batch, base, call_with, RECOMPILE_LIMIT)
         self.compile_seconds += spent  # the search is compile time, never a step's
         return found
 
@@ -353,14 +324,3 @@ class FlexBackend(CascadeAttention, AttentionBackend):
             call_kept, call_computed = self._masks.tile_counts(call.block_mask, call.kind, call.real_rows)
             kept, computed = kept + call_kept, computed + call_computed
         return kept / computed if computed else 1.0
-
-
-def _prefix_flex(q, k, v, scale, score_mod):
-    """Dense flex with its log-sum-exp: (out, lse [B, H, Q])."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # (kept out of the shared imports)
-
-    out, aux = flex_attention(q, k, v, score_mod, scale=scale, return_aux=AuxRequest(lse=True))
-    return out, aux.lse
-
-
-_prefix_compiled = torch.compile(_prefix_flex, dynamic=True)  # CUDA: Triton flex returns the log-sum-exp
