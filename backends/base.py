@@ -122,6 +122,8 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    # Cascade attention (backends/cascade.py): the step's groups sharing leading pages, or None: flat.
+    cascade: "CascadePlan | None" = None  # noqa: F821 (cascade.py imports this module)
 
     @property
     def num_seqs(self) -> int:
@@ -295,6 +297,10 @@ class AttentionBackend(ABC):
     # Whether forward() reads only the cache slots a sparse indexer selected per query (AttentionVariant.topk).
     sparse_selection: ClassVar[bool] = False
     sparse_selection_reason: ClassVar[str] = "not implemented: it reads every page of a sequence"
+    # Whether plan()/forward() take a cascade plan (AttentionMetadata.cascade: shared prefixes read once
+    # per group), and why not; a backend without it is refused under cascade_attention=True.
+    cascade_attention: ClassVar[bool] = False
+    cascade_attention_reason: ClassVar[str] = "not implemented: each sequence reads its shared prefix itself"
 
     def __init__(
         self,
@@ -356,6 +362,13 @@ class AttentionBackend(ABC):
         if topk is None or cls.sparse_selection:
             return None
         return f"top-{topk} sparse attention (slots selected per query): {cls.sparse_selection_reason}"
+
+    @classmethod
+    def cascade_reason(cls, cascade_attention: bool | None = None, **_) -> str | None:
+        """Why this backend cannot run cascade attention when it is asked for (True), or None."""
+        if cascade_attention is not True or cls.cascade_attention:
+            return None
+        return f"cascade attention (shared prefixes read once per group): {cls.cascade_attention_reason}"
 
     @staticmethod
     def plain_only(sliding_window=None, softcap=None, sinks=False, **_) -> str | None:

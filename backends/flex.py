@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from einops import rearrange
 from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant
+from pagedbench.backends.cascade import CascadeAttention, CascadeState
 from pagedbench.backends.flex_compile import (
     MIN_KV_BLOCK,
     attend,
@@ -93,9 +94,12 @@ class FlexState:
     sparse_share: Callable[[], float] | None = None  # sparse attention: the last layer's tile efficiency
 
 
-class FlexBackend(AttentionBackend):
+class FlexBackend(CascadeAttention, AttentionBackend):
     name = "flex"
     latent_values = True  # flex takes a value head dim other than the keys' (a strided view of their pages)
+    # Cascade: the suffixes through its own paged calls; a group's prefix one flex call over its stacked rows
+    # returning the log-sum-exp (compiled on CUDA; eager on CPU, whose compiled flex has none in torch 2.13).
+    cascade_attention = True
     sparse_selection = True  # each query's picks gathered, or a BlockMask of their pages (flex_sparse.py)
     quantized_kv_reason = (
         "FlexAttention reads K/V in the query's dtype; over a paged cache it would have to dequantize "
@@ -178,6 +182,18 @@ class FlexBackend(AttentionBackend):
     def compiles_on_first_use(cls, device) -> bool:
         return compile_enabled()
 
+    def prefix_attention(self, q_rows, k, v, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cascade's prefix pass as one flex call: the group's rows packed per KV head [1, H_kv, R * G, D]
+        over the prefix, dense (every prefix key precedes every row), with its log-sum-exp; a window: explicit."""
+        if self.variant.sliding_window is not None:
+            return super().prefix_attention(q_rows, k, v, q_pos)
+        group = self.num_heads // self.num_kv_heads
+        qg = rearrange(q_rows, "r (hk g) d -> 1 hk (r g) d", g=group)
+        k, v = (rearrange(x, "p hk d -> 1 hk p d") for x in (k, v))
+        call = _prefix_compiled if self.compiled and self.device.type == "cuda" else _prefix_flex
+        o, lse = call(qg, k, v, self.scale, self.score_mod)
+        return rearrange(o, "1 hk (r g) d -> r (hk g) d", g=group), rearrange(lse, "1 hk (r g) -> r (hk g)", g=group)
+
     @classmethod
     def provider(cls, **settings) -> str:
         device = settings.get("device")
@@ -206,7 +222,12 @@ class FlexBackend(AttentionBackend):
     # --- plan: once per step -- ----------------------------------------------------------------
 
     @torch.inference_mode()  # the mask's tensors must be alike whether built here or in forward (guards)
-    def plan(self, meta: AttentionMetadata) -> FlexState:
+    def plan(self, meta: AttentionMetadata) -> FlexState | CascadeState:
+        if meta.cascade is not None:
+            return self.plan_cascade_step(meta, self._plan_flat)
+        return self._plan_flat(meta)
+
+    def _plan_flat(self, meta: AttentionMetadata) -> FlexState:
         num_pages = meta.num_cache_blocks
         self._check_int32_offsets(num_pages)
         qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
@@ -255,7 +276,10 @@ class FlexBackend(AttentionBackend):
 
     # --- forward: once per layer ---------------------------------------------------------------
 
-    def forward(self, q, k_cache, v_cache, state: FlexState, sinks=None, selected=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state, sinks=None, selected=None) -> torch.Tensor:
+        if isinstance(state, CascadeState) and selected is None:
+            flat = lambda q, flat_state: self.forward(q, k_cache, v_cache, flat_state, sinks)
+            return self.cascade_forward(q, k_cache, v_cache, state, flat, sinks)
         # [num_pages, bs, H_kv, D] -> [1, H_kv, num_pages * bs, D]: a view; flex takes any strides
         # with a unit last dim, and the CPU kernel reads this [B, L, H, D] layout natively.
         k = rearrange(k_cache, "n p h d -> 1 h (n p) d")
@@ -324,3 +348,14 @@ class FlexBackend(AttentionBackend):
             call_kept, call_computed = self._masks.tile_counts(call.block_mask, call.kind, call.real_rows)
             kept, computed = kept + call_kept, computed + call_computed
         return kept / computed if computed else 1.0
+
+
+def _prefix_flex(q, k, v, scale, score_mod):
+    """Dense flex with its log-sum-exp: (out, lse [B, H, Q])."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # (kept out of the shared imports)
+
+    out, aux = flex_attention(q, k, v, score_mod, scale=scale, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+_prefix_compiled = torch.compile(_prefix_flex, dynamic=True)  # CUDA: Triton flex returns the log-sum-exp

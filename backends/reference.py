@@ -16,6 +16,7 @@ from pagedbench.backends.base import (
     softmax_with_sinks,
     visible,
 )
+from pagedbench.backends.cascade import CascadeAttention, CascadeState
 
 
 @dataclass(slots=True)
@@ -26,26 +27,35 @@ class _Seq:
     kv_slots: torch.Tensor  # [seq_len] cache slots of this sequence's tokens
 
 
-class ReferenceBackend(AttentionBackend):
+class ReferenceBackend(CascadeAttention, AttentionBackend):
     name = "reference"
     quantized_kv = QUANTIZED_KV  # dequantized as gathered
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
     sparse_selection = True  # it gathers each query's selected slots
     cuda_graph_reason = "it attends one sequence at a time, looping over host-side lengths"
     batch_invariant_reason = None  # each sequence alone, over exactly its own keys
+    cascade_attention = True  # suffixes as below, each group's prefix in fp32 explicit scores (cascade.py)
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:
         return None  # every variant
 
-    def plan(self, meta: AttentionMetadata) -> list[_Seq]:
+    def plan(self, meta: AttentionMetadata) -> list[_Seq] | CascadeState:
+        if meta.cascade is not None:
+            return self.plan_cascade_step(meta, self._plan_flat)
+        return self._plan_flat(meta)
+
+    def _plan_flat(self, meta: AttentionMetadata) -> list[_Seq]:
         qsl = meta.query_start_loc_cpu
         return [
             _Seq(qsl[i], qsl[i + 1], meta.context_lens_cpu[i], gather_kv_slots(meta, i, i + 1, seq_len)[0])
             for i, seq_len in enumerate(meta.seq_lens_cpu)
         ]
 
-    def forward(self, q, k_cache, v_cache, state: list[_Seq], sinks=None, kv_scales=None, selected=None):
+    def forward(self, q, k_cache, v_cache, state, sinks=None, kv_scales=None, selected=None):
+        if isinstance(state, CascadeState) and selected is None:
+            flat = lambda q, flat_state: self.forward(q, k_cache, v_cache, flat_state, sinks, kv_scales)
+            return self.cascade_forward(q, k_cache, v_cache, state, flat, sinks, kv_scales)
         out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [T, H, D_v]
         group = self.num_heads // self.num_kv_heads
         if selected is not None:  # sparse: each query its own selected tokens, fp32

@@ -127,7 +127,7 @@ def probe(
     try:
         reason = cls.unavailable_reason(device, dtype, head_dim, block_size, **settings)
         reason = reason or cls.kv_cache_reason(**settings) or cls.latent_reason(**settings)
-        reason = reason or cls.sparse_reason(**settings)
+        reason = reason or cls.sparse_reason(**settings) or cls.cascade_reason(**settings)
     except Exception as e:
         reason = f"probing failed: {one_line(e)}"
     return provider, reason

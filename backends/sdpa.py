@@ -34,6 +34,7 @@ from pagedbench.backends.base import (
     softmax_with_sinks,
     visible,
 )
+from pagedbench.backends.cascade import CascadeAttention, CascadeState
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
@@ -51,13 +52,16 @@ class _Group:
 CUDA_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # masks rule out flash; cuDNN plans per shape
 
 
-class SDPABackend(AttentionBackend):
+class SDPABackend(CascadeAttention, AttentionBackend):
     name = "sdpa"
     quantized_kv = QUANTIZED_KV  # dequantized as gathered
     latent_values = True  # the gathered V rows are the latent's first value_dim dims
     sparse_selection = True  # each query's selected slots gathered into a batch of their own
     cuda_graph_reason = "plan() sizes its padded K/V gather by each step's longest sequence"
     batch_invariant_reason = "its K/V gather is padded to the batch's longest sequence, and P·V sums over that length"
+    # Cascade: suffixes as below; a group's prefix one SDPA call over its stacked rows that returns the
+    # log-sum-exp (the CPU flash kernel, CUDA's memory-efficient one; explicit scores with a window or soft-cap).
+    cascade_attention = True
 
     @classmethod
     def batch_invariance(cls, device, batch_invariant=False, **settings) -> str | None:
@@ -70,7 +74,12 @@ class SDPABackend(AttentionBackend):
             return "top-k sparse attention with a soft-cap or sinks: its sparse path is SDPA's, with no hook for either"
         return None  # every variant (soft-cap and sinks on the explicit score path)
 
-    def plan(self, meta: AttentionMetadata) -> list[_Group]:
+    def plan(self, meta: AttentionMetadata) -> list[_Group] | CascadeState:
+        if meta.cascade is not None:
+            return self.plan_cascade_step(meta, self._plan_flat)
+        return self._plan_flat(meta)
+
+    def _plan_flat(self, meta: AttentionMetadata) -> list[_Group]:
         groups = []
         qsl = meta.query_start_loc_cpu
         for start, end in self._groups(meta):
@@ -104,7 +113,10 @@ class SDPABackend(AttentionBackend):
         on_cuda = device is not None and torch.device(device).type == "cuda"
         return f"torch {torch.__version__}" + (" SDPA memory-efficient kernel (cuDNN excluded)" if on_cuda else "")
 
-    def forward(self, q, k_cache, v_cache, state: list[_Group], sinks=None, kv_scales=None, selected=None):
+    def forward(self, q, k_cache, v_cache, state, sinks=None, kv_scales=None, selected=None):
+        if isinstance(state, CascadeState) and selected is None:
+            flat = lambda q, flat_state: self.forward(q, k_cache, v_cache, flat_state, sinks, kv_scales)
+            return self.cascade_forward(q, k_cache, v_cache, state, flat, sinks, kv_scales)
         if selected is not None:  # unavailable_reason refuses it with a soft-cap or sinks
             with sdpa_kernel(CUDA_KERNELS) if self.device.type == "cuda" else contextlib.nullcontext():
                 return self._sparse(q, k_cache, v_cache, selected, kv_scales)
@@ -112,6 +124,21 @@ class SDPABackend(AttentionBackend):
             return self._forward(q, k_cache, v_cache, state, sinks, kv_scales)
         with sdpa_kernel(CUDA_KERNELS):
             return self._forward(q, k_cache, v_cache, state, None, kv_scales)
+
+    def prefix_attention(self, q_rows, k, v, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """One SDPA call: the group's rows packed per KV head [1, H_kv, R * G, D] over the prefix, with
+        its log-sum-exp (aten's LSE-returning kernels; a window, soft-cap or latent values: explicit)."""
+        if self.variant.sliding_window is not None or self.variant.softcap is not None or v.shape[-1] != k.shape[-1]:
+            return super().prefix_attention(q_rows, k, v, q_pos)
+        group = self.num_heads // self.num_kv_heads
+        qg = rearrange(q_rows, "r (hk g) d -> 1 hk (r g) d", g=group)
+        k, v = (rearrange(x, "p hk d -> 1 hk p d") for x in (k, v))
+        if self.device.type == "cuda":
+            o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qg, k, v, None, True, scale=self.scale)[:2]
+        else:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, scale=self.scale)
+        lse = lse[..., : qg.shape[2]]
+        return rearrange(o, "1 hk (r g) d -> r (hk g) d", g=group), rearrange(lse, "1 hk (r g) -> r (hk g)", g=group)
 
     def _sparse(self, q, k_cache, v_cache, selected, kv_scales) -> torch.Tensor:
         """Each query token a batch row of its own: its G heads per KV head as query rows, over the

@@ -114,6 +114,13 @@ class EngineConfig:
         ("auto", "safetensors", "dummy"),
     )
     backend: str = setting("sdpa", "attention backend (see `pagedbench backends`)", workload=False)
+    cascade_attention: bool | None = setting(
+        None,
+        "cascade attention: decoding sequences whose block tables begin with the same full pages (prefix caching, "
+        "n > 1 samples) read that shared prefix once per group, merged with each suffix by log-sum-exp; True: every "
+        "group of 2+, False: never, None: vLLM's rule, a group of 8+ sequences sharing 256+ tokens (docs/cascade.md)",
+        workload=False,
+    )
     device: str | None = setting(None, "cuda if available, else cpu", workload=False)
     dtype: str | None = setting(None, "bf16 on cuda, fp32 on cpu", workload=False)
     block_size: int = setting(16, "tokens per KV page", minimum=1)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pagedbench.backends.cascade import cascade_setting
 from pagedbench.config import EngineConfig
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.device.timer import DeviceTimer
@@ -207,6 +208,7 @@ class Executor:
             config.kv_cache_dtype, config.calculate_kv_scales, kv.num_state_slots + kv.num_state_snapshots,
             config.index_cache_dtype, config.linear_attention_kernel, kv.num_cpu_state_slots,
         )  # fmt: skip
+        runner.block_tables.cascade = cascade_setting(backend.distinct, config.cascade_attention)
         if self.workers is None:
             return runner
         state_slots = (runner.num_state_slots, kv.num_cpu_state_slots)

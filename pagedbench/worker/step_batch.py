@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedbench.backends.base import AttentionMetadata
+from pagedbench.backends.cascade import CascadeCounts, CascadePlan, plan_cascade
 from pagedbench.device.transfer import to_device, to_device_packed
 
 # Async scheduling: a token the previous step sampled on the device, not yet known to the host; its
@@ -71,6 +72,7 @@ class StepBatch:
     state_slots: list[int] = field(default_factory=list)  # [S] hybrid models: each sequence's state slot
     # [S] hybrid models: (rows of the sequence's chunk after which, snapshot slot) its state is copied to
     state_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
+    cascade: CascadePlan | None = None  # groups sharing leading pages (backends/cascade.py), None: flat
 
     @property
     def placeholder_positions(self) -> np.ndarray:
@@ -123,6 +125,7 @@ class StepBatch:
             query_start_loc_cpu=self.query_start_loc.tolist(),
             seq_lens_cpu=self.seq_lens.tolist(),
             context_lens_cpu=self.context_lens.tolist(),
+            cascade=self.cascade,
         )
         return StepInputs(input_ids=input_ids, logits_indices=logits_indices, metadata=meta, batch=self)
 
@@ -154,6 +157,8 @@ def step_batch(
     # Pages a sliding window released (-1) point at the padding page, the cache's last: no backend
     # reads a key outside the window, and a gather-based one masks what it reads there.
     block_table[block_table < 0] = num_cache_blocks - 1
+    # Cascade groups from the persistent table's setting (the engine's cascade_attention; none without it).
+    cascade = None if tables is None else tables.plan_cascade(block_table, context, q_lens, block_size)
     slot_mapping = (
         block_table[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )
@@ -193,6 +198,7 @@ def step_batch(
         prompt_logprob_rows=prompt_logprob_rows,
         block_size=block_size,
         num_cache_blocks=num_cache_blocks,
+        cascade=cascade,
     )
 
 
@@ -222,6 +228,14 @@ class BlockTables:
         self.version: list = [None] * rows  # that list's block_table_version when written
         self.length = [0] * rows
         self.free = list(range(rows - 1, -1, -1))
+        self.cascade: bool | None = None  # EngineConfig.cascade_attention as the engine resolved it (cascade_setting)
+        self.cascade_counts = CascadeCounts()
+
+    def plan_cascade(self, table: np.ndarray, context: np.ndarray, q_lens: np.ndarray, block_size: int):
+        """The step's cascade plan from its gathered rows (None: flat), counted for the reports."""
+        plan = plan_cascade(self.cascade, table, context, q_lens, block_size)
+        self.cascade_counts.add(plan, context + q_lens, q_lens)
+        return plan
 
     def gather(self, seqs: list[ScheduledSequence], max_blocks: int) -> np.ndarray:
         """[S, max_blocks] int32, as copy_block_tables, from rows brought up to date."""
