@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedbench.backends.registry import resolve
+from pagedbench.bench.alone_check import add_alone_columns
 from pagedbench.bench.environment import environment, synchronize
 from pagedbench.bench.metrics import identical_token_share, latency_summary, request_latencies, throughput_summary
 from pagedbench.bench.noise import rankings, spread
@@ -20,6 +21,7 @@ from pagedbench.bench.peers import hf_peer, peer_provider, peer_unavailable_reas
 from pagedbench.bench.report_schema import setting_columns
 from pagedbench.bench.scenario import Request, Scenario, model_requests
 from pagedbench.bench.step_profile import profile_decode
+from pagedbench.bench.step_record import RecordSteps, detach_recorder
 from pagedbench.config import EngineConfig, speculation_label
 from pagedbench.device.dtypes import resolve_device_dtype
 from pagedbench.engine.data_parallel import make_engine
@@ -294,9 +296,11 @@ def run_backend(
     warmup: bool,
     runs: list[Measurement],
     speculative_config: dict | None = None,
+    record: RecordSteps | None = None,
 ) -> None:
     """`repeats` measurements of one backend on one engine, each appended to `runs` as it finishes
-    (a run cut short keeps the ones before it), its row with the engine's max_model_len."""
+    (a run cut short keeps the ones before it), its row with the engine's max_model_len; `record`:
+    the first measured run's steps are recorded (bench/step_record.py)."""
     engine = make_engine(engine_config(scenario, model.config, backend, device, dtype, speculative_config), model=model)
     if speculative_config is not None:
         backend = f"{backend} [{speculation_label(speculative_config)}]"  # what the progress bars say
@@ -314,7 +318,11 @@ def run_backend(
             drive(engine, warmup_requests(requests), desc=f"{backend} warmup")
             compile_seconds = engine.run_counters().model_compile_seconds
         for i in range(repeats):
+            recorder = record.attach(engine, backend) if record is not None and i == 0 else None
             m = measure(engine, requests, desc=f"{backend} run {i + 1}/{repeats}")
+            if recorder is not None:
+                detach_recorder(engine)
+                recorder.write(record.path(backend))
             m.row.update(max_model_len=engine.max_model_len, compile=engine.config.compiles(engine.device))
             if i == 0:  # the model's compile time lands in the first run it happened in
                 m.row["time_model_compile_s"] += compile_seconds
@@ -354,12 +362,17 @@ def compare(
     warmup: bool = True,
     rows: list | None = None,
     peers: list[str] = (),
+    alone_check: int = 0,
+    record: RecordSteps | None = None,
 ) -> Comparison:
     """Every available backend on the identical request set and KV budget, one engine at a time,
     then each peer library (`peers.PEERS`) on the same requests. Serving rows are appended to
-    `rows` (a report.CsvLog writes each out) as runs finish."""
+    `rows` (a report.CsvLog writes each out) as runs finish. `record`: each backend's first measured
+    run's steps are written beside the report (`--record-steps`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if alone_check < 0:
+        raise ValueError(f"--alone-check takes a positive number of requests, got {alone_check}")
     for peer in peers:
         peer_unavailable_reason(peer, scenario)  # an unknown name fails here, before any run
     dev, dt = resolve_device_dtype(device, dtype)
@@ -369,13 +382,17 @@ def compare(
     env = environment(dev, dt)
     out, measured = Comparison([] if rows is None else rows, [], [], {}, num_requests=len(requests)), {}
     try:
-        _compare_backends(scenario, model, backends, requests, dev, dt, repeats, warmup, (env, workload), out, measured)
+        how = (dev, dt, repeats, warmup, record)
+        _compare_backends(scenario, model, backends, requests, how, (env, workload), out, measured)
         _compare_peers(scenario, model, peers, requests, (dev, dt, repeats, warmup), (env, workload), out, measured)
     except (KeyboardInterrupt, RuntimeError) as stop:  # Ctrl-C, or one backend failed: keep what finished
         out.stopped = stop
         _mark_cut(out, [*backends, *peers], repeats, {**env, **workload})
     measured = {key: runs for key, runs in measured.items() if runs}
     _add_cross_backend_columns(out.rows, measured, greedy=scenario.temperature == 0)
+    if alone_check and out.stopped is None:  # --alone-check: K requests again, one at a time
+        configs = {name: engine_config(scenario, model.config, name, dev, dt, None) for name in backends}
+        add_alone_columns(out.rows, measured, configs, model, requests, alone_check, scenario.temperature == 0, drive)
     if model.path is None:  # a preset: the peer's random weights differ
         for row in out.rows:
             if row["backend"] in peers and "identical_token_share" in row:
@@ -459,17 +476,15 @@ def _compare_backends(
     model: ResolvedModel,
     backends: list[str],
     requests,
-    device,
-    dtype,
-    repeats: int,
-    warmup: bool,
+    how: tuple,
     columns,
     out: Comparison,
     measured: dict,
 ) -> None:
     """Each backend's runs into `measured` and as rows of `out` that start with `columns`
     (environment, workload), a run's rows as soon as it finishes or is cut; the unavailable ones
-    with their reason."""
+    with their reason. `how`: device, dtype, repeats, warmup, and where to record steps (or None)."""
+    device, dtype, repeats, warmup, record = how
     env, workload = columns
     cfg = model.config
     num_heads, num_kv_heads = TPShard(0, scenario.engine.tensor_parallel_size).local_heads(cfg)  # per rank
@@ -491,7 +506,7 @@ def _compare_backends(
             head = {**env, "backend": name, "provider": provider, **workload}
             out.rows.append({**head, "status": "unavailable", "reason": reason})
             continue
-        for spec in speculation_variants(scenario):
+        for variant, spec in enumerate(speculation_variants(scenario)):
             label = speculation_label(spec)
             head = {**env, "backend": name, "provider": provider, **workload, "speculative": label}
             caveat = cls.timing_caveat(device) or ""  # an interpreted backend: its times are not a kernel's
@@ -502,7 +517,8 @@ def _compare_backends(
             runs = measured[name, label] = []
             out.running = head, runs
             try:
-                run_backend(scenario, model, requests, name, device, dtype, repeats, warmup, runs, spec)
+                recording = record if variant == 0 else None  # a backend's first run is recorded
+                run_backend(scenario, model, requests, name, device, dtype, repeats, warmup, runs, spec, recording)
             finally:
                 _add_run_rows(out, {**head, "status": "ok", "reason": caveat}, runs)
             out.running = None

@@ -27,7 +27,7 @@ from pagedbench.backends.base import (
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment
 from pagedbench.bench.kernels_non_attention import GDN, gdn_rows, indexer_columns
-from pagedbench.bench.problems import causal_mask, random_attention_batch
+from pagedbench.bench.problems import PLACEMENTS, causal_mask, random_attention_batch
 from pagedbench.bench.ranks import gather_rows, grid_world
 from pagedbench.bench.timing import bandwidth_columns, forward_columns, time_call, time_kernel
 from pagedbench.config import LINEAR_ATTENTION_KERNELS
@@ -74,6 +74,10 @@ class KernelGrid:
     cuda_graphs: bool = False
     # Variant gdn: the gated delta rule's kernels timed (EngineConfig.linear_attention_kernel's names).
     linear_kernels: list[str] = field(default_factory=lambda: ["torch"])
+    # Engine-shaped problems: the cache's pages (the engine's whole cache as the K/V view; None: the
+    # problem's and a few spare) and where a problem's pages lie (problems.PLACEMENTS).
+    cache_blocks: int | None = None
+    placement: str = "random"
 
     def validate(self) -> None:
         for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
@@ -102,6 +106,8 @@ class KernelGrid:
                     f"variant {name}: latent attention needs one KV head (--heads H/1) and "
                     f"--head-dim > {value_dim} (DeepSeek-V3: 576), got {self.head_dim}"
                 )
+        if self.placement not in PLACEMENTS or self.cache_blocks is not None and self.cache_blocks < 2:
+            raise ValueError(f"placement must be among {', '.join(PLACEMENTS)} and cache_blocks >= 2")
         if min(self.head_dim, self.max_kv_tokens, self.max_query_tokens, self.repeats) < 1 or self.warmup < 0:
             raise ValueError("head_dim, max_kv_tokens, max_query_tokens and repeats must be >= 1, warmup >= 0")
 
@@ -250,6 +256,8 @@ def _attention_rows(grid_point, spec, backends: list[str], grid: KernelGrid, dev
         "batch_size": batch_size,
         "context_len": context_len,
         "block_size": block_size,
+        "placement": grid.placement,
+        "cache_blocks": grid.cache_blocks,
         **_shape_columns(spec, num_heads, num_kv_heads, grid, dt, variant),
     }
     dense_ms = float("nan")
@@ -271,7 +279,8 @@ def _attention_rows(grid_point, spec, backends: list[str], grid: KernelGrid, dev
         if batch is None:  # built once per point, shared by the backends
             batch = random_attention_batch(
                 spec, num_heads, num_kv_heads, grid.head_dim, block_size, dt, dev,
-                value_dim=variant.value_dim, topk=variant.topk,
+                value_dim=variant.value_dim, topk=variant.topk, cache_blocks=grid.cache_blocks,
+                placement=grid.placement,
             )  # fmt: skip
             if variant.topk is not None:  # the selection's time, the same for every backend of the point
                 indexer = indexer_columns(batch, variant.topk, grid, dev, dt)

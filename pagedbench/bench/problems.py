@@ -7,6 +7,7 @@ sharing pages between sequences (a common prefix, or a fork sharing everything).
 attends from the logical tensors alone, so it is independent of every backend and every layout.
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,8 @@ from pagedbench.engine.block_manager import blocks_needed
 from pagedbench.engine.sequence import Sequence
 from pagedbench.sample.sampling_params import SamplingParams
 from pagedbench.worker.step_batch import build_step_inputs
+
+PLACEMENTS = ("random", "contiguous")
 
 
 @dataclass(slots=True)
@@ -110,16 +113,27 @@ def place(
     layout_seed: int = 0,
     spare_blocks: int = 3,
     null_block: bool = True,
+    cache_blocks: int | None = None,
+    placement: str = "random",
 ) -> AttentionBatch:
     """The problem in a paged cache on `device`: pages at random (block 0 never used when
     `null_block`, `spare_blocks` unused ones of garbage), the shared ones shared, and the step's
-    AttentionMetadata (whose table rows are padded with 0)."""
+    AttentionMetadata (whose table rows are padded with 0). `cache_blocks`: the cache's pages instead
+    (an engine's whole cache, the rest garbage); `placement` "contiguous": each sequence's pages in
+    order, one after another from the first free page (as a block manager allocates a fresh cache)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     device = torch.device(device)
     gen = torch.Generator().manual_seed(layout_seed)
     needed = [blocks_needed(c + q, block_size) for c, q in problem.seqs]
     reused = [shared_pages(problem, b, block_size) for b in range(len(needed))]
     num_blocks = int(null_block) + sum(n - pages for n, (_, pages) in zip(needed, reused)) + spare_blocks
-    free = (torch.randperm(num_blocks - null_block, generator=gen) + null_block).tolist()
+    if cache_blocks is not None:
+        if cache_blocks < num_blocks - spare_blocks:
+            raise ValueError(f"cache_blocks {cache_blocks} < the {num_blocks - spare_blocks} pages the problem needs")
+        num_blocks = cache_blocks
+    order = torch.arange if placement == "contiguous" else functools.partial(torch.randperm, generator=gen)
+    free = (order(num_blocks - null_block) + null_block).tolist()
     tables: list[list[int]] = []
     for n, (a, pages) in zip(needed, reused):
         own = n - pages
@@ -213,10 +227,12 @@ def random_attention_batch(
     null_block: bool = True,
     value_dim: int | None = None,
     topk: int | None = None,
+    cache_blocks: int | None = None,
+    placement: str = "random",
 ) -> AttentionBatch:
     """`seqs` lists (context_len, query_len) per sequence, decodes (query_len 1) first: a random
     problem placed on fragmented block tables, its new tokens' K/V written as the model would
     (`value_dim`: latent attention's one plane, values a view of the keys' first dims; `topk`: each
-    query's random selection of its past, as cache slots in `selected`)."""
+    query's random selection of its past, as cache slots in `selected`; `cache_blocks`, `placement`: place's)."""
     problem = random_problem(seqs, num_heads, num_kv_heads, head_dim, dtype, seed, value_dim=value_dim, topk=topk)
-    return place(problem, block_size, device, seed, spare_blocks, null_block)
+    return place(problem, block_size, device, seed, spare_blocks, null_block, cache_blocks, placement)

@@ -247,3 +247,19 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")  # nothing drawn outside the axes is cut
     plt.close(fig)
     return path
+
+
+def plot_replay(summary: pd.DataFrame, path: Path) -> Path:
+    """`kernels --replay`: backends ranked by attention ms per recorded step (all layers), a panel per
+    recording; the engine's own time for the recorded backend marked beside its bar."""
+    panels = list(summary.groupby("recording", sort=False))
+    fig, axes = _panel_grid(len(panels), width=5.6, height=0.5 * summary["backend"].nunique() + 1.8)
+    for ax, (recording, rows) in zip(axes, panels):
+        rows = rows.sort_values("replay_attention_ms_per_step", ascending=False)
+        ax.barh(rows["backend"], rows["replay_attention_ms_per_step"], color="tab:blue", label="replay")
+        engine = rows.dropna(subset=["engine_attention_ms_per_step"])
+        ax.scatter(engine["engine_attention_ms_per_step"], engine["backend"], color="tab:red", zorder=3, label="engine")
+        ax.set(xlabel="attention ms per step (all layers)", title=recording)
+        ax.legend(fontsize="x-small")
+    fig.suptitle(_title("Backends at the recorded steps", summary))
+    return _save(fig, path)

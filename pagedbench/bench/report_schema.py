@@ -125,6 +125,7 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "output_throughput_ci_high",
     "ranking",
     "identical_token_share",
+    "identical_alone",  # compare --alone-check: share of K requests whose greedy tokens alone equal their batched run's
     REPRO,
 ]
 REQUEST_COLUMNS = [
@@ -163,6 +164,8 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "batch_size",
     "context_len",
     "block_size",
+    "placement",  # where a problem's pages lie (random, contiguous) and the cache's pages (--cache-blocks)
+    "cache_blocks",
     "num_heads",
     "num_kv_heads",
     "head_dim",

@@ -66,6 +66,35 @@ def time_call(fn, device: torch.device, warmup: int, repeats: int) -> list[float
     return times
 
 
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The CPU's last-level cache (Linux sysfs), else `default`."""
+    for index in (3, 2):
+        try:
+            text = open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read().strip()
+        except OSError:
+            continue
+        return int(text[:-1]) << (20 if text.endswith("M") else 10) if text[-1] in "KM" else int(text)
+    return default
+
+
+def time_cold(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """time_kernel, with the caches cold before each call on a CPU too (a buffer twice the last-level
+    cache read first, untimed: clean lines, so the call pays no write-backs of it): what a layer
+    meets in a model, after the rest of the model's work."""
+    if device.type == "cuda":
+        return time_kernel(fn, device, warmup, repeats)
+    for _ in range(warmup):
+        fn()
+    flush = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.int32)
+    times = []
+    for _ in range(repeats):
+        flush.max()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """GB/s of a large device-to-device copy (read + write): the memory speed a kernel can reach."""
     nbytes = (256 if device.type == "cuda" else 64) << 20

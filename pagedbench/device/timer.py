@@ -36,8 +36,17 @@ class DeviceTimer:
         """Seconds per span name, summed (waits for the device once, on CUDA)."""
         if self.cuda:
             torch.cuda.synchronize()
-            return {name: sum(s.elapsed_time(e) for s, e in spans) / 1e3 for name, spans in self._spans.items()}
-        return {name: sum(e - s for s, e in spans) for name, spans in self._spans.items()}
+        return {name: self.seconds(spans) for name, spans in self._spans.items()}
+
+    def spans(self, name: str) -> list:
+        """The spans counted under `name` so far: the live list (a step recorder slices its own)."""
+        return self._spans[name]
+
+    def seconds(self, spans: list) -> float:
+        """Seconds of `spans` (a slice of `spans(name)`), summed; on CUDA, after the device has run them."""
+        if self.cuda:
+            return sum(s.elapsed_time(e) for s, e in spans) / 1e3
+        return sum(e - s for s, e in spans)
 
     def reset(self) -> None:
         self._spans.clear()

@@ -74,6 +74,7 @@ class ModelRunner:
         self.num_cache_blocks = num_blocks + 1
         self.graphs = None  # DecodeGraphs, once captured
         self.block_tables = BlockTables()  # the running sequences' pages, kept across steps
+        self.step_recorder = None  # `run --record-steps`: called with each step's inputs (bench/step_record.py)
         stage_layers = list(model.stage.layers(cfg.num_layers))  # a pipeline stage caches its own layers' K/V
         # Hybrid models: pages only for the attention layers, and a DeltaNet state slot per sequence the
         # block manager can admit (engine: num_state_slots).
@@ -189,6 +190,8 @@ class ModelRunner:
         a graph's step returns its bucket's rows, the step's own first. `timer` (a DeviceTimer)
         times each layer's attention in eager steps. A pipeline stage starts from the previous
         stage's `hidden` and, before the last, returns its own [T, hidden_size]."""
+        if self.step_recorder is not None:  # host arrays only: no device sync
+            self.step_recorder.record(inputs, timer)
         if inputs.graph is not None:
             return self.graphs.replay(inputs)
         return self.run_eager(inputs, backend_state, timer, hidden)

@@ -36,6 +36,8 @@ def cmd_kernels(args) -> None:
     from pagedbench.bench.repro import kernel_repro
 
     prepare_out_dir(args.out)
+    if args.replay:
+        return cmd_replay(args)
     device, _ = resolve_device_dtype(args.device, args.dtype)
     warn_if_busy(device)
     grid = dataclasses.replace(GRID_PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")])
@@ -56,6 +58,7 @@ def cmd_kernels(args) -> None:
         if getattr(args, name) is not None:
             setattr(grid, name, getattr(args, name))
     grid.cuda_graphs = args.cuda_graphs
+    grid.cache_blocks, grid.placement = args.cache_blocks, args.placement
     stem = report_stem(args.out, "kernels", args.overwrite)
     # Under torchrun, rank 0 alone writes the CSV (the others hand it their rows).
     log = CsvLog(args.out, stem, "kernels", "kernels", kernel_repro) if reporting_rank() else []
@@ -72,6 +75,28 @@ def cmd_kernels(args) -> None:
     if not ((kernels["backend"] != DENSE) & (kernels["status"] == "ok")).any():
         why = "; ".join(not_run_lines(kernels))
         raise NothingMeasured(f"kernels timed no backend, only the dense yardstick: {why}")
+
+
+def cmd_replay(args) -> None:
+    """`kernels --replay`: each recording's steps through each backend (bench/replay.py)."""
+    from pagedbench.bench.replay import ReplayOptions, replay_table, run_replay, write_replay_reports
+    from pagedbench.bench.report_tables import markdown
+
+    paths = [p.strip() for p in args.replay.split(",") if p.strip()]
+    options = ReplayOptions(args.warmup if args.warmup is not None else 1, args.repeats or 3, args.device, args.dtype)
+    options.cold = args.cold_caches
+    if min(options.warmup, options.repeats - 1) < 0:
+        raise ValueError("--warmup must be >= 0 and --repeats >= 1")
+    summary, per_step = run_replay(paths, timed_backend_names(args.backends, args.device, args.dtype), options)
+    stem = report_stem(args.out, "replay", args.overwrite)
+    written = write_replay_reports(summary, per_step, args.out, stem)
+    frame = pd.DataFrame(summary)
+    print(markdown(replay_table(frame)))
+    for row in frame[frame["status"] != "ok"].itertuples():
+        print(f"not run: {row.backend}: {row.reason}")
+    print(f"reports: {', '.join(map(str, written))}")
+    if not (frame["status"] == "ok").any():
+        raise NothingMeasured("kernels --replay timed no backend")
 
 
 def backends_or_kernels(text: str | None, kernels: list[str]) -> list[str]:
@@ -376,6 +401,33 @@ def register_kernels(sub) -> None:
         action="store_true",
         help="time each forward captured in a CUDA graph and replayed, as the engine's decode graphs run it "
         "(rows say cuda_graphs; a backend that cannot be captured is timed eagerly and says why)",
+    )
+    kern.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=None,
+        help="pages in the cache each problem lives in (the engine's whole cache as the K/V view; default: "
+        "the problem's pages and a few spare)",
+    )
+    kern.add_argument(
+        "--placement",
+        choices=["random", "contiguous"],
+        default="random",
+        help="where a problem's pages lie: random (fragmented, the default) or contiguous (in order, as the "
+        "block manager allocates them)",
+    )
+    kern.add_argument(
+        "--replay",
+        default=None,
+        metavar="STEPS_JSONL",
+        help="instead of the grid: the steps `run/compare --record-steps` recorded (comma-separated files) "
+        "rebuilt exactly and timed per backend (--warmup, default 1; --repeats, default 3)",
+    )
+    kern.add_argument(
+        "--cold-caches",
+        action="store_true",
+        help="--replay on a CPU: read a buffer twice the last-level cache before each timed forward (as the "
+        "rest of the model would have evicted it; on CUDA the L2 is always flushed)",
     )
     kern.add_argument("--device", default=None)
     kern.add_argument("--dtype", default=None)

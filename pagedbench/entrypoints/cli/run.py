@@ -54,6 +54,14 @@ def add_scenario_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warmup run")
     p.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
+    p.add_argument(
+        "--record-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="record up to N of the first measured run's steps, evenly spread, beside the report as "
+        "<stem>-steps.jsonl (compare: <stem>-<backend>-steps.jsonl) for `kernels --replay`",
+    )
     add_overwrite_flag(p)
     add_threads_flag(p)
     workload = p.add_argument_group("workload overrides (default: the scenario's)")
@@ -143,6 +151,7 @@ def serving_report(args, backends: list[str], command: str) -> None:
     from pagedbench.bench.report import CsvLog, tidy, write_reports
     from pagedbench.bench.report_tables import console_table
     from pagedbench.bench.repro import scenario_flags, serving_repro
+    from pagedbench.bench.step_record import RecordSteps
 
     prepare_out_dir(args.out)
     scenario = scenario_from_args(args)
@@ -150,6 +159,9 @@ def serving_report(args, backends: list[str], command: str) -> None:
     stem = report_stem(args.out, f"{command}-{scenario.label.replace(':', '-')}", args.overwrite)
     flags = scenario_flags(args.scenario, args.scale, scenario, WORKLOAD_OVERRIDES)
     log = CsvLog(args.out, stem, "serving", command, lambda row: serving_repro(row, flags))
+    if args.record_steps is not None and args.record_steps < 1:
+        raise ValueError(f"--record-steps must be >= 1, got {args.record_steps}")
+    record = RecordSteps(args.record_steps, args.out, stem, command == "compare") if args.record_steps else None
     with keep_partial(log):
         result = compare(
             scenario,
@@ -161,6 +173,8 @@ def serving_report(args, backends: list[str], command: str) -> None:
             args.warmup,
             rows=log,
             peers=getattr(args, "peer", None) or [],
+            alone_check=getattr(args, "alone_check", 0),
+            record=record,
         )
     if command == "run" and result.unavailable:
         raise ValueError(f"backend {args.backend!r} is unavailable here: {result.unavailable[args.backend]}")
@@ -241,6 +255,14 @@ def register(sub) -> None:
         action="append",
         choices=["hf"],
         help="also run a peer library on the same requests: hf = transformers' continuous batching (repeatable)",
+    )
+    comp.add_argument(
+        "--alone-check",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run K of the requests one at a time per backend: identical_alone, the share whose greedy tokens "
+        "equal their batched run's (1.0 expected with --batch-invariant)",
     )
     add_scenario_args(comp)
     comp.set_defaults(func=cmd_compare)
