@@ -173,6 +173,7 @@ class _GroupRows:
     rows: torch.Tensor  # [R] flat query tokens of the group's members
     q_pos: torch.Tensor  # [R] their positions
     prefix_slots: torch.Tensor  # [P] cache slots of the shared prefix
+    prefix_pages: torch.Tensor  # [P / block_size] int32: its pages
     prefix_len: int
 
 
@@ -223,7 +224,8 @@ class CascadeAttention:
             slots += np.tile(np.arange(meta.block_size), len(g.prefix_pages))
             as_tensor = lambda a: torch.from_numpy(a.astype(np.int64)).to(device)
             q_pos = np.asarray(meta.context_lens_cpu)[seqs] + rows - np.asarray(qsl)[seqs]
-            groups.append(_GroupRows(as_tensor(rows), as_tensor(q_pos), as_tensor(slots), prefix_len))
+            pages = torch.tensor(g.prefix_pages, dtype=torch.int32).to(device)
+            groups.append(_GroupRows(as_tensor(rows), as_tensor(q_pos), as_tensor(slots), pages, prefix_len))
             members.append(rows)
             member_seq.append(seqs)
         flat = plan_flat(suffix)
@@ -235,25 +237,30 @@ class CascadeAttention:
         out = flat_forward(q, state.flat)
         if not state.groups:
             return out
-        k_scale, v_scale = kv_scales or (None, None)
-        latent = v_cache.data_ptr() == k_cache.data_ptr()
         rows, prefix_out, prefix_lse = [], [], []
         for g in state.groups:
             window = self.variant.sliding_window
             if window is not None and int(g.q_pos.min()) - window >= g.prefix_len - 1:
                 continue  # every member's window starts past the prefix
-            k = read_kv(k_cache, g.prefix_slots, k_scale, q.dtype)
-            v = k[..., : v_cache.shape[-1]] if latent else read_kv(v_cache, g.prefix_slots, v_scale, q.dtype)
-            o, lse = self.prefix_attention(q.index_select(0, g.rows), k, v, g.q_pos)
+            o, lse = self.prefix_pass(q, k_cache, v_cache, g, kv_scales)
             rows.append(g.rows)
             prefix_out.append(o)
             prefix_lse.append(lse)
         if not rows:
             return out
         rows = torch.cat(rows)
-        suffix_lse = self.suffix_lse(q, k_cache, state, rows, sinks, k_scale)
+        suffix_lse = self.suffix_lse(q, k_cache, state, rows, sinks, (kv_scales or (None, None))[0])
         merged = merge_states(out.index_select(0, rows), suffix_lse, torch.cat(prefix_out), torch.cat(prefix_lse))
         return out.index_copy_(0, rows, merged)
+
+    def prefix_pass(self, q, k_cache, v_cache, g: _GroupRows, kv_scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group's prefix pass: its prefix K/V gathered once (dequantized), then `prefix_attention`;
+        a backend whose kernel reads the pages in place overrides this."""
+        k_scale, v_scale = kv_scales or (None, None)
+        k = read_kv(k_cache, g.prefix_slots, k_scale, q.dtype)
+        latent = v_cache.data_ptr() == k_cache.data_ptr()
+        v = k[..., : v_cache.shape[-1]] if latent else read_kv(v_cache, g.prefix_slots, v_scale, q.dtype)
+        return self.prefix_attention(q.index_select(0, g.rows), k, v, g.q_pos)
 
     def prefix_attention(self, q_rows, k, v, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's rows q_rows [R, H, D] over its prefix k [P, H_kv, D], v [P, H_kv, D_v] (every

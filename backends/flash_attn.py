@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from pagedbench.backends.base import AttentionBackend, AttentionMetadata
+from pagedbench.backends.cascade import CascadeAttention, CascadeState
 from pagedbench.backends.flash_attn_providers import (
     accepts,
     latent_reason,
@@ -86,8 +87,12 @@ def _fa4_compiled_kernels(api: Any) -> int | None:
     return len(entries) if isinstance(entries, dict) else None
 
 
-class FlashAttnBackend(AttentionBackend):
+class FlashAttnBackend(CascadeAttention, AttentionBackend):
     name = "flash-attn"
+    # Cascade: the suffixes through the provider's paged call; a group's prefix one more call, its stacked rows as
+    # one non-causal sequence over the prefix pages, returning the log-sum-exp (FA2/FA3 return_softmax_lse, FA4's
+    # (out, lse)); windows, latent values and torch's varlen: the shared torch path. Not yet run on a GPU.
+    cascade_attention = True
     quantized_kv_reason = (
         "no provider here reads quantized pages; FA2 and torch's varlen have no fp8/int8 K/V, FA4's fp8 "
         "runs only on Blackwell, and FA3's fp8 path (fp8 Q/K/V with per-(batch, KV head) descales) is "
@@ -153,10 +158,15 @@ class FlashAttnBackend(AttentionBackend):
         self._variant = variant_kwargs(found, self.variant.sliding_window, self.variant.softcap)
         self._sink_param = sink_param(found)
 
-    def plan(self, meta: AttentionMetadata) -> FlashAttnState:
+    def plan(self, meta: AttentionMetadata) -> FlashAttnState | CascadeState:
+        if meta.cascade is not None:
+            return self.plan_cascade_step(meta, self.buffers.fill)
         return self.buffers.fill(meta)
 
-    def forward(self, q, k_cache, v_cache, state: FlashAttnState, sinks=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state, sinks=None) -> torch.Tensor:
+        if isinstance(state, CascadeState):
+            flat = lambda q, flat_state: self.forward(q, k_cache, v_cache, flat_state, sinks)
+            return self.cascade_forward(q, k_cache, v_cache, state, flat, sinks)
         if sinks is None:
             return self._attend(q, k_cache, v_cache, state, **self._variant)
         if self._sink_param is None:
@@ -164,6 +174,31 @@ class FlashAttnBackend(AttentionBackend):
         # FA4 asserts learnable_sink is bf16, whatever q's dtype.
         sinks = sinks.to(torch.bfloat16) if self._sink_param == "learnable_sink" else sinks
         return self._attend(q, k_cache, v_cache, state, **self._variant, **{self._sink_param: sinks})
+
+    def prefix_pass(self, q, k_cache, v_cache, g, kv_scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cascade's prefix pass: the group's rows as one sequence of R queries, not causal (every prefix key
+        precedes them), over a one-row page table of the prefix; (out [R, H, D], lse [R, H])."""
+        kind = self.impl.kind
+        if self.variant.sliding_window is not None or self.variant.value_dim is not None or kind == "torch":
+            return super().prefix_pass(q, k_cache, v_cache, g, kv_scales)
+        rows = q.index_select(0, g.rows)
+        num_rows = rows.shape[0]
+        used = torch.full((1,), g.prefix_len, dtype=torch.int32, device=q.device)
+        table = g.prefix_pages[None]
+        variant = {name: value for name, value in self._variant.items() if name != "window_size"}
+        if kind == "fa4":
+            cu_q = torch.tensor([0, num_rows], dtype=torch.int32, device=q.device)
+            out, lse = self.impl.api.flash_attn_varlen_func(
+                rows, k_cache, v_cache, cu_seqlens_q=cu_q, max_seqlen_q=num_rows, seqused_k=used, page_table=table,
+                softmax_scale=self.scale, causal=False, **variant,
+            )[:2]  # fmt: skip
+        else:  # FA3 and FA2: the kv-cache entry point, batch 1
+            pages = {"page_table" if kind == "fa3" else "block_table": table}
+            out, lse = self.impl.api.flash_attn_with_kvcache(
+                rows[None], k_cache, v_cache, cache_seqlens=used, softmax_scale=self.scale, causal=False,
+                return_softmax_lse=True, **pages, **variant,
+            )[:2]  # fmt: skip
+        return out.reshape(num_rows, self.num_heads, -1), _lse_by_row(lse, num_rows, self.num_heads)
 
     def _attend_fa3(self, q, k_cache, v_cache, s: FlashAttnState, **variant) -> torch.Tensor:
         latent = self.variant.value_dim
@@ -255,3 +290,8 @@ class FlashAttnBackend(AttentionBackend):
             block_table=s.block_table,
             **variant,
         )
+
+
+def _lse_by_row(lse: torch.Tensor, num_rows: int, num_heads: int) -> torch.Tensor:
+    """A provider's log-sum-exp, heads before rows ([1, H, R]: FA2/FA3's batch 1; [H, R]: FA4's varlen), as [R, H]."""
+    return lse.reshape(num_heads, num_rows).t().float()

@@ -75,6 +75,10 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     cuda_graph_reason = "plan() runs on the host every step; FlashInfer's CUDA-graph wrappers are not wired yet"
     batch_invariant_reason = "plan() chooses split-KV chunks from the whole batch (its load balancer)"
+    cascade_attention_reason = (
+        "not wired yet: FlashInfer's own MultiLevelCascadeAttentionWrapper plans every level per step (shared "
+        "and unique page tables in its CSR form) and could take the plan; untested without a GPU here"
+    )
     quantized_kv = ("fp8", "fp8_e4m3", "fp8_e5m2")  # kv_data_type fp8 with per-layer k_scale / v_scale
     quantized_kv_reason = "FlashInfer reads fp8 pages with a scale per layer; int8 pages have none"
     latent_values = True  # BatchMLAPagedAttentionWrapper: the latent (values) and rope parts of one page

@@ -31,6 +31,7 @@ from pagedbench.backends.base import (
     import_or_reason,
     per_token_scales,
 )
+from pagedbench.backends.cascade import CascadeAttention, CascadeState
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; a [BLOCK_M, 256] fp32 accumulator is the ceiling
@@ -38,6 +39,9 @@ MAX_LATENT_HEAD_DIM = 1024  # DeepSeek's 512 + 64 (the latent kernel: latent and
 LATENT_WARPS = 8  # a [32, 512] fp32 accumulator: 4 warps would spill it
 SHORT_QUERY = 16  # sequences with at most this many query tokens are split along their keys like decodes
 INSTALL_HINT = "pip install 'pagedbench[triton]'"
+# paged_attention's compile-time parameters that cascade_prefix shares (with its own BLOCK_R)
+CASCADE_CONSTANTS = ("GROUP", "GROUP_P2", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "HEAD_DIM_P2", "V_DIM", "V_DIM_P2",
+                     "PAGE_SIZE", "SOFTCAP", "FP32_DOTS", "KV_SCALES")  # fmt: skip
 
 
 def _triton() -> Any:
@@ -46,6 +50,14 @@ def _triton() -> Any:
 
 
 @functools.cache
+@functools.cache
+def _cascade_kernel(device_type: str) -> Any:
+    import triton
+    from pagedbench.backends.triton_cascade_kernels import cascade_prefix
+
+    return triton.jit(cascade_prefix) if device_type == "cuda" else _Interpreted(cascade_prefix)
+
+
 def kernels(device_type: str) -> tuple[Any, Any, Any]:
     """(paged_attention, combine_segments, mla_attention) compiled for CUDA, or interpreted for CPU tensors."""
     import triton
@@ -222,8 +234,11 @@ class TritonState:
     launches: list[Launch]
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(CascadeAttention, AttentionBackend):
     name = "triton"
+    # Cascade: the suffixes through its own launches; a group's prefix one launch of cascade_prefix (its pages
+    # read in place, each K/V tile once per BLOCK_R stacked rows); windows and latent attention: torch's path.
+    cascade_attention = True
     quantized_kv = QUANTIZED_KV  # dequantized in the kernel, tile by tile
     cuda_graph_reason = None
     batch_invariant_reason = "split-KV: its number of key segments is chosen from the batch (sequences, longest one)"
@@ -284,7 +299,12 @@ class TritonBackend(AttentionBackend):
             return None
         return "Triton interpreter on CPU (numpy, one program at a time): correct, but not a kernel's speed"
 
-    def plan(self, meta: AttentionMetadata) -> TritonState:
+    def plan(self, meta: AttentionMetadata) -> TritonState | CascadeState:
+        if meta.cascade is not None:
+            return self.plan_cascade_step(meta, self._plan_flat)
+        return self._plan_flat(meta)
+
+    def _plan_flat(self, meta: AttentionMetadata) -> TritonState:
         qsl, n, d = meta.query_start_loc_cpu, meta.num_seqs, meta.num_decodes
         launches = []
         if d:
@@ -323,7 +343,10 @@ class TritonBackend(AttentionBackend):
         warps = 8 if block_m >= 128 else 4
         return Launch(seq_start, num_seqs, token_start, num_tokens, block_m, block_q, segments, warps, partials)
 
-    def forward(self, q, k_cache, v_cache, state: TritonState, sinks=None, kv_scales=None, selected=None):
+    def forward(self, q, k_cache, v_cache, state, sinks=None, kv_scales=None, selected=None):
+        if isinstance(state, CascadeState) and selected is None:
+            flat = lambda q, flat_state: self.forward(q, k_cache, v_cache, flat_state, sinks, kv_scales)
+            return self.cascade_forward(q, k_cache, v_cache, state, flat, sinks, kv_scales)
         out = q.new_empty(*q.shape[:2], self.value_dim)  # [T, H, D_v]
         for launch in state.launches:
             if self.latent:
@@ -425,6 +448,33 @@ class TritonBackend(AttentionBackend):
         if split:
             self._merge(launch, out)
         self._count_compile(("latent", *constants.items()), start)
+
+    def prefix_pass(self, q, k_cache, v_cache, g, kv_scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cascade's prefix pass: one cascade_prefix launch over the group's stacked rows, pages in place."""
+        if self.variant.sliding_window is not None or self.latent:
+            return super().prefix_pass(q, k_cache, v_cache, g, kv_scales)
+        num_rows, group_p2 = g.rows.shape[0], _pow2(self.group)
+        block_m = min(max(self.tuning.prefill_block_m, group_p2), max(16, group_p2 * _pow2(num_rows)))
+        block_r = block_m // group_p2
+        out = torch.empty(num_rows, self.num_heads, self.value_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_rows, self.num_heads, dtype=torch.float32, device=q.device)
+        k_scale, v_scale = kv_scales or (out, out)
+        constants = self.constants(Launch(0, 0, 0, 0, block_m, block_r, 1, 4, None), k_cache.shape[1], k_cache.dtype)
+        constants = {name: constants[name] for name in CASCADE_CONSTANTS} | {"BLOCK_R": block_r}
+        start = time.perf_counter()
+        self._cascade[(-(-num_rows // block_r), self.num_kv_heads)](
+            out, lse, q, g.rows, k_cache, v_cache, g.prefix_pages, k_scale, v_scale, num_rows, g.prefix_len,
+            self.scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
+            self.num_heads, **constants, num_warps=8 if block_m >= 128 else 4,
+        )  # fmt: skip
+        self._count_compile(("cascade", *constants.items()), start)
+        return out.to(q.dtype), lse
+
+    @property
+    def _cascade(self):
+        """The cascade_prefix kernel, compiled (CUDA) or interpreted (CPU), built once per device type."""
+        return _cascade_kernel(self.device.type)
 
     def _count_compile(self, key: tuple, start: float) -> None:
         """The first launch of each kernel configuration on CUDA pays its JIT compilation on the host."""
