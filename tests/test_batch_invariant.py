@@ -8,7 +8,10 @@ import torch.nn.functional as F
 from pagedbench.backends import registry
 
 from pagedbench import LLM, SamplingParams
+from pagedbench.bench.alone_check import alone_indices
 from pagedbench.bench.check_determinism import run_determinism
+from pagedbench.bench.compare import compare
+from pagedbench.bench.scenario import load_scenario
 from pagedbench.model.batch_invariant import BatchInvariantGemms, unsupported_reason
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.presets import PRESETS
@@ -98,3 +101,17 @@ def test_without_the_setting_the_logprobs_move_with_the_batch():
     """The control: the same comparison with batch_invariant off differs (sdpa pads; GEMMs see other M)."""
     _, (lp_alone, lp_batched) = greedy_alone_and_in_a_batch(False)
     assert lp_alone != lp_batched
+
+
+def test_alone_check_finds_every_request_identical_under_the_setting():
+    scenario = load_scenario("mixed").scaled(0.02)
+    scenario.engine.model, scenario.engine.batch_invariant, scenario.engine.preset_init = "tiny-llama", True, "plain"
+    result = compare(scenario, ["sdpa"], 0.02, "cpu", "fp32", warmup=False, alone_check=3)
+    (row,) = result.rows
+    assert row["status"] == "ok" and row["batch_invariant"] and row["identical_alone"] == 1.0
+    with pytest.raises(ValueError, match="--alone-check takes a positive number of requests, got -1"):
+        compare(scenario, ["sdpa"], 0.02, "cpu", "fp32", alone_check=-1)
+
+
+def test_alone_check_spreads_its_requests_over_the_set():
+    assert alone_indices(10, 3) == [0, 4, 9] and alone_indices(2, 5) == [0, 1] and alone_indices(7, 1) == [0]
