@@ -32,6 +32,10 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence]) -
     for s in sched.running:
         assert s.status is SequenceStatus.RUNNING
         assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, bm.block_size)
+        for n in (1, 2, bm.block_size + 1):  # the scheduler's fast path skips allocate only when it has nothing to do
+            if bm.fits_in_place(s, s.num_computed_tokens + n):
+                assert bm.num_new_blocks(s, s.num_computed_tokens + n) == 0
+                assert bm.can_allocate(s, s.num_computed_tokens + n)
     for s in sched.waiting:
         assert s.status is SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
     for s in sched.swapped:

@@ -35,3 +35,20 @@ def test_profile_stand_in_writes_both_rows_and_the_plot(tmp_path):
     assert {"host_ms_per_step", "wall_ms_per_step", "busy_share", "output_len", "context"} <= set(df.columns)
     assert (tmp_path / "host-profile.png").stat().st_size > 0 and (tmp_path / "host-profile.md").is_file()
     assert main([*args, "--stand-in-device-ms", "0"]) == 2
+
+
+def test_the_kv_timeline_stays_bounded_and_samples_wasted_slots_on_its_steps():
+    from pagedbench.engine.stats import TIMELINE_POINTS, EngineStats, StepTimes
+
+    stats, counted = EngineStats(), []
+    for step in range(5 * TIMELINE_POINTS):
+        wanted = stats.samples_next_step
+        counted.append(wanted)
+        stats.record_step(StepTimes(start=0.0, end=float(step)), 10, 0, step if wanted else None)
+    assert stats.steps == 5 * TIMELINE_POINTS and len(stats.timeline) <= TIMELINE_POINTS + 1
+    times = [t for t, _, _ in stats.timeline]
+    assert times[0] == 0.0 and times[-1] > 4 * TIMELINE_POINTS  # it spans the run, evenly
+    assert len({b - a for a, b in zip(times, times[1:])}) == 1
+    assert all(w == t for t, _, w in stats.timeline)  # each point's wasted slots are its own step's
+    assert stats.wasted_slot_samples == sum(counted) < stats.steps
+    assert stats.peak_wasted_slots == max(s for s, wanted in enumerate(counted) if wanted)

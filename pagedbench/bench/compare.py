@@ -176,7 +176,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         "peak_shared_blocks": st.peak_shared_blocks,
         "block_copies": st.block_copies,  # copy-on-write page copies (forked samples)
         "mean_kv_utilization": st.used_block_steps / max(st.steps, 1) / engine.num_blocks,
-        "mean_wasted_slots": st.wasted_slot_steps / max(st.steps, 1),  # internal fragmentation
+        "mean_wasted_slots": st.wasted_slot_steps / max(st.wasted_slot_samples, 1),  # internal fragmentation
         "peak_wasted_slots": st.peak_wasted_slots,
         **st.spec.columns(),
         **grammar_columns(st, device.get("grammar", 0.0)),

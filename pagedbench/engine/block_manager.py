@@ -142,6 +142,18 @@ class BlockManager:
         grow = max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table) - released)
         return grow + len(self._shared_writes(seq, num_tokens))
 
+    def fits_in_place(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq`'s first `num_tokens` tokens fit in the pages it holds with nothing to do:
+        no new page, no shared page written, no state slot or snapshot to arrange (most decode
+        steps; O(pages written) where can_allocate + allocate look at the whole table)."""
+        table, size = seq.block_table, self.block_size
+        if num_tokens > len(table) * size or seq.cpu_block_table or seq.restore_from >= 0:
+            return False
+        if self.snapshots is not None or (self.state_slots.num_slots and not self.state_slots.on_device(seq)):
+            return False
+        refs = self.pool.ref_counts
+        return all(refs[table[i]] == 1 for i in range(seq.num_computed_tokens // size, -(-num_tokens // size)))
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.state_slots.can_take(seq) and self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 

@@ -259,7 +259,7 @@ class EngineCore:
         progressed = self.scheduler.update_from_output(sched, output)
         step.times.end = time.perf_counter()
         bm, running = self.block_manager, self.scheduler.running
-        wasted = wasted_slots(running, bm.block_size)
+        wasted = wasted_slots(running, bm.block_size) if self.stats.samples_next_step else None
         self.stats.record_step(step.times, bm.num_used_blocks, bm.num_shared_blocks, wasted, len(running))
         return self.outputs.process_outputs(progressed, step.times.end)
 

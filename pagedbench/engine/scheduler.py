@@ -120,9 +120,11 @@ class Scheduler:
             if extra and self.block_manager.can_allocate(seq, seq.num_computed_tokens + 1 + extra):
                 wanted += extra  # proposals only in free pages: nothing is preempted to speculate
             n = min(wanted, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n, scheduled, out):
-                continue  # seq itself was preempted
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            end = seq.num_computed_tokens + n
+            if not self.block_manager.fits_in_place(seq, end):
+                if not self._make_room(seq, end, scheduled, out):
+                    continue  # seq itself was preempted
+                self.block_manager.allocate(seq, end)
             _add(out, seq, n, scheduled)
             budget -= n
         return budget

@@ -7,6 +7,7 @@ from pagedbench.engine.sequence import Sequence
 # The parts of one engine step, in order; reports name their columns time_<part>_s.
 STEP_PARTS = ("schedule", "propose", "metadata", "backend_plan", "forward", "sample")
 TIME_COLUMNS = [f"time_{part}_s" for part in STEP_PARTS]
+TIMELINE_POINTS = 1024  # the KV timeline's bound (EngineStats.timeline); reports plot at most 500
 
 
 @dataclass(slots=True)
@@ -47,11 +48,15 @@ class EngineStats:
     generation_tokens: int = 0  # tokens sampled (every sample and beam)
     swap_outs: int = 0  # steps that moved preempted pages to CPU swap space
     used_block_steps: int = 0  # blocks in use, summed over steps (mean utilization = / steps / num_blocks)
-    wasted_slot_steps: int = 0  # allocated slots holding no token (last pages), summed over steps
+    wasted_slot_steps: int = 0  # allocated slots holding no token (last pages), summed over the sampled steps
+    wasted_slot_samples: int = 0  # the steps that counted them (the timeline's: every step until it thins)
     peak_wasted_slots: int = 0
     in_flight_steps: int = 0  # pipeline parallelism, async scheduling: steps in flight when each was launched, summed
     time: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
-    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # per step: (time, blocks used, empty slots)
+    # Every timeline_stride-th step's (time, blocks used, empty slots): at most TIMELINE_POINTS (+1) kept,
+    # every other one dropped and the stride doubled when full, so a server's stats stay bounded.
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    timeline_stride: int = 1
     spec: "SpecStats" = field(default_factory=lambda: SpecStats())
     # Structured outputs: host seconds filling grammar bitmasks (part of "sample"), rows masked,
     # and seconds compiling grammars (when requests are added, outside the steps).
@@ -63,6 +68,8 @@ class EngineStats:
         self.steps = self.preemptions = self.peak_blocks_used = self.peak_shared_blocks = self.block_copies = 0
         self.peak_running = 0
         self.used_block_steps = self.wasted_slot_steps = self.peak_wasted_slots = self.swap_outs = 0
+        self.wasted_slot_samples = 0
+        self.timeline_stride = 1
         self.prompt_tokens = self.generation_tokens = self.in_flight_steps = 0
         self.time = dict.fromkeys(STEP_PARTS, 0.0)
         self.timeline = []
@@ -73,18 +80,31 @@ class EngineStats:
     def time_columns(self) -> dict[str, float]:
         return {column: self.time[part] for column, part in zip(TIME_COLUMNS, STEP_PARTS)}
 
+    @property
+    def samples_next_step(self) -> bool:
+        """Whether the next recorded step enters the timeline (and its wasted slots are wanted: an
+        O(batch) count, so it is taken on the timeline's steps only)."""
+        return self.steps % self.timeline_stride == 0
+
     def record_step(
-        self, times: StepTimes, blocks_used: int, shared_blocks: int, wasted: int, running: int = 0
+        self, times: StepTimes, blocks_used: int, shared_blocks: int, wasted: int | None, running: int = 0
     ) -> None:
-        """One step: its parts' times, its KV use and how many sequences ran."""
+        """One step: its parts' times, its KV use, how many sequences ran and, on the timeline's
+        steps (`samples_next_step`), its wasted slots (None on the others)."""
+        if wasted is not None:
+            self.wasted_slot_steps += wasted
+            self.wasted_slot_samples += 1
+            self.peak_wasted_slots = max(self.peak_wasted_slots, wasted)
+        if self.samples_next_step:
+            self.timeline.append((times.end, blocks_used, wasted or 0))
+            if len(self.timeline) > TIMELINE_POINTS:
+                del self.timeline[1::2]
+                self.timeline_stride *= 2
         self.steps += 1
         self.peak_running = max(self.peak_running, running)
         self.peak_blocks_used = max(self.peak_blocks_used, blocks_used)
         self.peak_shared_blocks = max(self.peak_shared_blocks, shared_blocks)
         self.used_block_steps += blocks_used
-        self.wasted_slot_steps += wasted
-        self.peak_wasted_slots = max(self.peak_wasted_slots, wasted)
-        self.timeline.append((times.end, blocks_used, wasted))
         for part, seconds in times.seconds().items():
             self.time[part] += seconds
 
@@ -193,7 +213,7 @@ class RunCounters:
         peaks) the replicas' pages in use at once."""
         merged = EngineStats()
         summed = ("steps", "preemptions", "block_copies", "prompt_tokens", "generation_tokens", "swap_outs")
-        summed += ("used_block_steps", "wasted_slot_steps", "in_flight_steps", "grammar_rows")
+        summed += ("used_block_steps", "wasted_slot_steps", "wasted_slot_samples", "in_flight_steps", "grammar_rows")
         summed += ("grammar_fill_s", "grammar_compile_s", "peak_running", "peak_shared_blocks")
         for name in summed:  # peaks of running sequences and shared pages: summed, an upper bound
             setattr(merged, name, sum(getattr(p.stats, name) for p in parts))
