@@ -35,20 +35,24 @@ from pagedbench.backends.flex_compile import (
     attend_compiling,
     compile_enabled,
     compile_stats,
-    kernel_choice,
     kernel_options,
     kernels_unavailable_reason,
     softcap_score_mod,
 )
-from pagedbench.backends.flex_masks import MIN_TOKEN_CAPACITY, PagedBlockMasks, RowPages
+from pagedbench.backends.flex_masks import MIN_TOKEN_CAPACITY, PagedBlockMasks, RowPages, check_int32_offsets
 from pagedbench.backends.flex_plan import MAX_DECODE_QUERY, CallArrays, CallPlan, device_arrays, plan_calls
 from pagedbench.backends.flex_sparse import SPARSE_PROVIDER, SparseCalls, forced_sparse_path, sparse_path
-from pagedbench.backends.flex_tune import DecodeTuner, tune_enabled
+from pagedbench.backends.flex_tune import (
+    DecodeProblem,
+    DecodeTuner,
+    decode_context_class,
+    kernels_provider,
+    tune_enabled,
+)
 from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = ["FlexBackend", "FlexCall", "FlexState", "MAX_DECODE_QUERY", "MIN_TOKEN_CAPACITY", "compile_stats"]
 
-_INT32_MAX = 2**31 - 1
 RECOMPILE_LIMIT = 256  # graphs of the compiled function; one more raises instead of running flex unfused
 
 
@@ -65,6 +69,7 @@ class FlexCall:
     real_rows: np.ndarray  # [mask rows] real query rows in each BlockMask row (tile efficiency)
     block_mask: BlockMask | None = None
     packed_heads: int = 1  # G query heads sharing a KV head packed into each query row (CPU decodes)
+    context_pages: int = 0  # a decode's context class, the problem its options are searched on (flex_tune)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """The call's rows of the step's q [T, H, D] as flex's queries: packed [batch, H_kv, q_len * G, D],
@@ -110,7 +115,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
     # table and positions are views of persistent buffers that plan() refills in place.
     cuda_graph_reason = None
     cuda_graph_powers_of_two = True
-    batch_invariant_reason = "on CUDA its decode kernel's SPLIT_KV is tuned per batch size (flex_tune.py)"
+    batch_invariant_reason = "on CUDA its decode kernel's SPLIT_KV is tuned per batch and context class (flex_tune.py)"
 
     @classmethod
     def batch_invariance(cls, device, sinks=False, **settings) -> str | None:
@@ -145,10 +150,8 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         # Triton's minimum tile, so small pages share a KV block; the mask_mod maps each slot to its page.
         self.kv_block_size = max(block_size, MIN_KV_BLOCK)
         self.kernel_options = kernel_options(self.device, self.q_block_size, self.kv_block_size, head_dim, dtype)
-        # Decode options searched per static batch (flex_tune.py), on CUDA where flex is compiled.
+        # Decode options searched per static batch and context class (flex_tune.py), on CUDA where flex is compiled.
         self.tuned_decode = cuda and self.compiled and tune_enabled()
-        self.decode_tuner = DecodeTuner(self.device, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                        self.kv_block_size)  # fmt: skip
         # flex's decoding kernel splits a row's KV blocks across thread blocks only when the mask has no
         # full blocks (with full blocks it splits the whole cache length), so on CUDA decodes are all masked.
         self.decode_full_blocks = not cuda
@@ -160,9 +163,11 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         self.packed_heads = 1 if cuda else num_heads // num_kv_heads
         window = variant.sliding_window
         flash_prefill = (self.kernel_options["prefill"] or {}).get("BACKEND") == "FLASH"
-        self._masks = PagedBlockMasks(
-            block_size, self.kv_block_size, self.q_block_size, self.device, window, self.packed_heads, flash_prefill
-        )
+        new_masks = partial(PagedBlockMasks, block_size, self.kv_block_size, self.q_block_size, self.device, window,
+                            self.packed_heads, flash_prefill)  # fmt: skip
+        self._masks = new_masks()
+        self.decode_tuner = DecodeTuner(self.device, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                        self.kv_block_size, new_masks, self.decode_full_blocks)  # fmt: skip
         self.score_mod = softcap_score_mod(variant.softcap, self.device) if variant.softcap is not None else None
         self._sparse = SparseCalls(num_heads, num_kv_heads, head_dim, self.kv_block_size, self.device, dtype,
                                    self.decode_full_blocks)  # fmt: skip
@@ -196,18 +201,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
 
     @classmethod
     def provider(cls, **settings) -> str:
-        device = settings.get("device")
-        cpu = device is not None and torch.device(device).type == "cpu"
-        mode = "compiled" if compile_enabled() else "eager"
-        if mode == "compiled" and settings.get("sinks") and cpu:
-            mode = "eager (sinks need the log-sum-exp compiled CPU flex lacks)"
-        try:
-            flash = kernel_choice() == "flash" and (device is None or torch.device(device).type == "cuda")
-        except ValueError:
-            flash = False
-        text = f"torch {torch.__version__} flex {mode}" + (", FA4 prefill kernels (BACKEND=FLASH)" if flash else "")
-        if mode == "compiled" and device is not None and torch.device(device).type == "cuda":
-            text += ", decode options tuned per batch" if tune_enabled() else ", decode options untuned"
+        text = kernels_provider(settings.get("device"), bool(settings.get("sinks")))
         if settings.get("topk"):
             text += ", " + SPARSE_PROVIDER[forced_sparse_path()]
         return text
@@ -229,7 +223,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
 
     def _plan_flat(self, meta: AttentionMetadata) -> FlexState:
         num_pages = meta.num_cache_blocks
-        self._check_int32_offsets(num_pages)
+        check_int32_offsets(num_pages, self.block_size, self.num_kv_heads * self.head_dim, self.device)
         qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
         seq_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
         ctx = np.asarray(meta.context_lens_cpu, dtype=np.int64)
@@ -249,15 +243,10 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         listings = [self._masks.row_pages(plan, call, meta.block_table) for plan, call in zip(plans, arrays)]
         self._masks.fill_inverse(listings, len(seq_lens), num_pages, full_too=not self.compiled)
         calls = [self._call(*call, num_pages) for call in zip(plans, arrays, listings)]
+        for plan, call in zip(plans, calls):
+            call.context_pages = decode_context_class(plan, len(plans), meta.max_seq_len, self.block_size)
         path = None if self.variant.topk is None else sparse_path(meta.seq_lens_cpu, self.variant.topk, meta.num_tokens)
         return FlexState(calls, meta.num_tokens, sparse_path=path)
-
-    def _check_int32_offsets(self, num_pages: int) -> None:
-        slots = num_pages * self.block_size
-        if slots > _INT32_MAX:
-            raise ValueError(f"cache of {num_pages} x {self.block_size} slots exceeds int32, the type of flex's kv_idx")
-        if self.device.type == "cuda" and slots * self.num_kv_heads * self.head_dim > _INT32_MAX:
-            raise ValueError(f"a layer's cache of {num_pages} pages overflows Triton flex's int32 element offsets")
 
     def _call(self, plan: CallPlan, arrays: CallArrays[torch.Tensor], listing: RowPages, num_pages: int) -> FlexCall:
         routed = not plan.identity  # query rows gathered from, and answers scattered to, the flat tokens
@@ -296,7 +285,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
             x, call_sinks = call.queries(q), call.sink_logits(sinks)
             if call.kind == "decode" and self.static_decode_batch:
                 torch._dynamo.mark_static(x, 0)
-            options = self._options(call, x, k, v, call_sinks)
+            options = self._options(call, k, v, call_sinks)
             y = call.answers(self._flex(call.kind, x, k, v, call.block_mask, options, call_sinks, state.shapes_seen))
             if call.gather is None and len(state.calls) == 1:
                 state.shapes_seen = True
@@ -322,14 +311,16 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         self.compile_seconds += seconds
         return y
 
-    def _options(self, call: FlexCall, x, k, v, sinks) -> dict | None:
-        """The call's kernel_options: on CUDA a decode's are searched once per static batch on its
-        own inputs (flex_tune.py; cached on disk, PAGEDBENCH_FLEX_TUNE=0 turns it off)."""
+    def _options(self, call: FlexCall, k, v, sinks) -> dict | None:
+        """The call's kernel_options: on CUDA a decode's are searched once per static batch and context
+        class on a representative problem over this cache (flex_tune.py; cached on disk,
+        PAGEDBENCH_FLEX_TUNE=0 turns it off)."""
         base = self.kernel_options[call.kind]
         if call.kind != "decode" or not self.tuned_decode:
             return base
-        call_with = lambda options: (x, k, v, call.block_mask, self.scale, options, self.score_mod, sinks)
-        found, spent = self.decode_tuner.options(call.batch, base, call_with, RECOMPILE_LIMIT)
+        problem = DecodeProblem(call.batch, call.q_len, call.context_pages, k.shape[2] // self.block_size)
+        operands = (k, v, self.scale, self.score_mod, sinks)
+        found, spent = self.decode_tuner.options(problem, base, operands, RECOMPILE_LIMIT)
         self.compile_seconds += spent  # the search is compile time, never a step's
         return found
 

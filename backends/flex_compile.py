@@ -3,8 +3,9 @@
 One `torch.compile(dynamic=True)` function; the BlockMasks' buffers have static power-of-two
 capacities (`flex_masks`), so a graph is compiled per (call kind, heads, head_dim, dtype, page size,
 capacity bucket); on CUDA the decode batch is a static power of two, as flex's decoding kernel
-needs. `compile_stats` counts graphs. `compile=False` or PAGEDBENCH_FLEX_COMPILE=0 runs flex eager
-(it materializes all scores). PAGEDBENCH_FLEX_KERNEL=flash runs the prefill call on FlexAttention's
+needs. The decode tuner's candidates compile in a wrapper of their own (`attend_candidate`), never
+among the serving graphs; `compile_stats` counts both. `compile=False` or PAGEDBENCH_FLEX_COMPILE=0
+runs flex eager (it materializes all scores). PAGEDBENCH_FLEX_KERNEL=flash runs the prefill call on FlexAttention's
 FA4-based kernels (CUDA, with flash-attn-4 installed, a torch whose flex has BACKEND='FLASH')
 instead of Triton; decodes stay on flex's Triton decoding kernel (FLASH wants K/V batch == query batch).
 `kernels_unavailable_reason` says why the chosen kernels cannot run somewhere; `kernel_options` and
@@ -28,7 +29,7 @@ warnings.filterwarnings("ignore", message="flex_attention called without torch.c
 
 # KV blocks under 16 slots miscompute on CPU (torch 2.13's micro-GEMM N tail) and are below Triton's least tile.
 MIN_KV_BLOCK = 16
-compile_stats = {"graphs": 0}  # graphs compiled by this process (each one is a recompile of `attend`)
+compile_stats = {"graphs": 0, "candidates": 0}  # graphs compiled by this process: serving ones, tuning candidates
 _announced: set[str] = set()  # call kinds whose first compile this process has announced
 
 
@@ -184,23 +185,49 @@ def _inductor_counting(gm, example_inputs):
 attend_compiled = torch.compile(attend, backend=_inductor_counting, fullgraph=True, dynamic=True)
 
 
-def attend_compiling(kind: str, args: tuple, recompile_limit: int) -> tuple[torch.Tensor, float]:
-    """`attend_compiled(*args)` where its graph may not exist yet (a step's first layer): returns
-    the output and the seconds spent compiling. Past `recompile_limit` graphs dynamo would silently
-    run flex's unfused eager path instead; here that raises. Sizes equal by chance must not become
-    guards (duck shapes)."""
+def _candidate(q, k, v, block_mask, scale, kernel_options, score_mod=None, sinks=None) -> torch.Tensor:
+    """`attend` under a code object of its own: dynamo keeps compiled graphs per code object, so the
+    decode tuner's candidates (a graph each) never join the serving function's graphs, whose guards
+    every call walks (the engine's eager mixed steps once walked about 50)."""
+    return attend(q, k, v, block_mask, scale, kernel_options, score_mod, sinks)
+
+
+def _inductor_candidate(gm, example_inputs):
+    from torch._inductor.compile_fx import compile_fx
+
+    compile_stats["candidates"] += 1
+    return compile_fx(gm, example_inputs)
+
+
+attend_candidate = torch.compile(_candidate, backend=_inductor_candidate, fullgraph=True, dynamic=True)
+
+
+def forget_candidates() -> None:
+    """Drop the candidates' compiled graphs (after a search: its winner is compiled again by the serving
+    function, and the candidate wrapper's graphs never reach the recompile limit)."""
+    torch._dynamo.reset_code(_candidate.__code__)
+
+
+def attend_compiling(
+    kind: str, args: tuple, recompile_limit: int, compiled: Callable = attend_compiled
+) -> tuple[torch.Tensor, float]:
+    """`compiled(*args)` (the serving `attend_compiled`, or the tuner's `attend_candidate`) where its
+    graph may not exist yet (a step's first layer): returns the output and the seconds spent compiling.
+    Past `recompile_limit` graphs dynamo would silently run flex's unfused eager path instead; here that
+    raises. Sizes equal by chance must not become guards (duck shapes)."""
     if kind not in _announced:
         logger.info("flex: the first %s call compiles its kernel (tens of seconds on a CPU)", kind)
         _announced.add(kind)
-    graphs, start = compile_stats["graphs"], time.perf_counter()
+    counter = "graphs" if compiled is attend_compiled else "candidates"
+    graphs, start = compile_stats[counter], time.perf_counter()
     with (
         torch._dynamo.config.patch(
             recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True, specialize_float=True
         ),
         torch.fx.experimental._config.patch(use_duck_shape=False),
     ):
-        y = attend_compiled(*args)
-    if compile_stats["graphs"] == graphs:
+        y = compiled(*args)
+    if compile_stats[counter] == graphs:
         return y, 0.0
     seconds = time.perf_counter() - start
     logger.info("flex: compiled a %s graph in %.1f s", kind, seconds)

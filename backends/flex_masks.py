@@ -26,6 +26,19 @@ MIN_PAGE_CAPACITY = 1024
 NO_WINDOW = 2**31 - 1  # a window past every position (int32): the plain mask
 
 
+INT32_MAX = 2**31 - 1
+
+
+def check_int32_offsets(num_pages: int, block_size: int, kv_width: int, device: torch.device) -> None:
+    """A ValueError where a cache of `num_pages` pages overflows flex's int32 indices: a slot (kv_idx), or on
+    CUDA an element offset in a layer's K/V (`kv_width` = KV heads x head dim elements a slot)."""
+    slots = num_pages * block_size
+    if slots > INT32_MAX:
+        raise ValueError(f"cache of {num_pages} x {block_size} slots exceeds int32, the type of flex's kv_idx")
+    if device.type == "cuda" and slots * kv_width > INT32_MAX:
+        raise ValueError(f"a layer's cache of {num_pages} pages overflows Triton flex's int32 element offsets")
+
+
 def capacity(n: int, minimum: int) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
