@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from pagedbench.backends.base import PLAIN, AttentionVariant, one_line
 from pagedbench.backends.registry import resolve
-from pagedbench.bench.problems import attend_dense, place, random_problem
+from pagedbench.bench.problems import attend_dense, error_columns, place, random_problem
 from pagedbench.device.dtypes import dtype_name
 
 TOLERANCE_FACTOR = 4.0
@@ -226,7 +226,7 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
             continue
         error = (outs[0].to(expected.dtype) - expected).abs()
         moved = float((outs[1].to(expected.dtype) - outs[0].to(expected.dtype)).abs().max())
-        row.update(max_abs_error=float(error.max()), mean_abs_error=float(error.mean()), placement_diff=moved)
+        row.update(error_columns(outs[0], expected), mean_abs_error=float(error.mean()), placement_diff=moved)
         why = []
         if not bool(torch.isfinite(outs[0]).all()):
             why.append("non-finite output")

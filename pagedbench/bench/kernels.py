@@ -24,10 +24,11 @@ from pagedbench.backends.base import (
     scale_bytes_per_slot,
     write_kv,
 )
+from pagedbench.backends.reference import ReferenceBackend
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment
 from pagedbench.bench.kernels_non_attention import GDN, gdn_rows, indexer_columns
-from pagedbench.bench.problems import PLACEMENTS, causal_mask, random_attention_batch
+from pagedbench.bench.problems import PLACEMENTS, causal_mask, error_columns, random_attention_batch
 from pagedbench.bench.ranks import gather_rows, grid_world
 from pagedbench.bench.timing import bandwidth_columns, forward_columns, time_call, time_kernel
 from pagedbench.config import LINEAR_ATTENTION_KERNELS
@@ -36,6 +37,9 @@ from pagedbench.device.dtypes import resolve_device_dtype
 PHASES = ("decode", "prefill", "mixed")
 MIXED_CHUNK = 512  # the prefill chunk a mixed step carries next to its decodes
 DENSE = "dense-sdpa"  # the unpaged yardstick's row name
+# A backend's largest |Δ| from the reference backend's output at a point (same pages, same dtype) before
+# its row is a mismatch: a few units in the last place of outputs near 1 (check holds the exact oracle).
+KERNEL_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 # Where backends differ (`--variants`): Gemma 3's window (Gemma 2's is 4096), Gemma 2's soft-cap, gpt-oss's sinks.
 VARIANTS = {
     "plain": PLAIN,
@@ -265,7 +269,7 @@ def _attention_rows(grid_point, spec, backends: list[str], grid: KernelGrid, dev
         dense = _dense_row(spec, point, grid, dev, dt)
         out.append({"backend": DENSE, "provider": f"torch {torch.__version__} SDPA, unpaged", **dense})
         dense_ms = dense["forward_median_ms"]
-    batch, pages = None, {}
+    batch, pages, expected = None, {}, {}
     for kv, name in itertools.product(grid.kv_cache_dtypes, backends):
         found = resolve(
             name, dev, dt, grid.head_dim, block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -286,9 +290,11 @@ def _attention_rows(grid_point, spec, backends: list[str], grid: KernelGrid, dev
                 indexer = indexer_columns(batch, variant.topk, grid, dev, dt)
                 point.update(indexer)
                 head.update(indexer)
-        if kv not in pages:  # the same K/V stored as `kv`
+        if kv not in pages:  # the same K/V stored as `kv`, and the reference backend's output over it
             pages[kv] = quantized_pages(batch, kv)
-        out.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv]))
+            backend, forward = _forward_of(ReferenceBackend, batch, head, grid, dev, dt, variant, pages[kv])
+            expected[kv] = forward(backend.plan(batch.metadata))
+        out.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv], expected[kv]))
 
 
 def kv_bytes_per_slot(kv_cache_dtype: str, dtype: torch.dtype, grid: KernelGrid) -> float:
@@ -324,22 +330,30 @@ def _dense_row(spec, point: dict, grid: KernelGrid, device: torch.device, dtype:
         return {**point, **_time_dense(spec, point, grid, device, dtype)}
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return {**point, "status": "error", "reason": "out of device memory", "forward_median_ms": float("nan")}
+        return {**point, "status": "failed", "reason": "out of device memory", "forward_median_ms": float("nan")}
 
 
-def _backend_row(cls, batch, head: dict, grid: KernelGrid, device, dtype, variant, dense_ms: float, pages) -> dict:
-    """One backend's timed row at one point (an interpreted backend's once, with its caveat)."""
+def _backend_row(cls, batch, head: dict, grid: KernelGrid, device, dtype, variant, dense_ms: float, pages, expected):
+    """One backend's timed row at one point (an interpreted backend's once, with its caveat), with its
+    error against the reference backend's output `expected`: status mismatch beyond KERNEL_TOLERANCE."""
     caveat = cls.timing_caveat(device)
     # An interpreted backend's times say nothing of a kernel's speed: one call, no warm-up.
     timing = replace(grid, warmup=0, repeats=1) if caveat else grid
     try:
         timed = _time_backend(cls, batch, head, timing, device, dtype, variant, pages)
+        backend, forward = _forward_of(cls, batch, head, grid, device, dtype, variant, pages)
+        output = forward(backend.plan(batch.metadata))  # untimed, on a backend of its own
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return {**head, "status": "error", "reason": "out of device memory"}
+        return {**head, "status": "failed", "reason": "out of device memory"}
     timed["vs_dense"] = timed["forward_median_ms"] / dense_ms
     counts = {"warmup": timing.warmup, "repeats": timing.repeats}
-    return {**head, "status": "ok", "reason": caveat or "", **timed, **counts}
+    errors, tol = error_columns(output, expected), KERNEL_TOLERANCE[dtype]
+    if not errors["max_abs_error"] <= tol:  # NaN too
+        mismatch = f"error {errors['max_abs_error']:.3g} > tolerance {tol:g} against reference"
+        return {**head, "status": "mismatch", "reason": "; ".join(filter(None, [mismatch, caveat])), **timed,
+                **counts, **errors}  # fmt: skip
+    return {**head, "status": "ok", "reason": caveat or "", **timed, **counts, **errors}
 
 
 def _shape_columns(
@@ -367,7 +381,8 @@ def _shape_columns(
     }
 
 
-def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, variant=PLAIN, pages=None) -> dict:
+def _forward_of(cls, batch, point: dict, grid: KernelGrid, device, dtype, variant=PLAIN, pages=None) -> tuple:
+    """(a `cls` backend for the point, its forward(state) over the batch's pages as stored)."""
     args = (point["num_heads"], point["num_kv_heads"], grid.head_dim, grid.head_dim**-0.5, point["block_size"])
     backend = cls(*args, device, dtype, **({} if variant == PLAIN else {"variant": variant}))
     sinks = {}
@@ -382,6 +397,11 @@ def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, vari
     def forward(state):
         return backend.forward(batch.q, k_cache, v_cache, state, **sinks, **quantized, **selected)
 
+    return backend, forward
+
+
+def _time_backend(cls, batch, point: dict, grid: KernelGrid, device, dtype, variant=PLAIN, pages=None) -> dict:
+    backend, forward = _forward_of(cls, batch, point, grid, device, dtype, variant, pages)
     state = backend.plan(batch.metadata)
     if grid.warmup:
         forward(state)  # a JIT-compiling first call is never timed

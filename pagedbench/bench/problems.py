@@ -170,6 +170,14 @@ def place(
     return AttentionBatch(problem.q.to(device), k_cache, v_cache, step.metadata, selected)
 
 
+def error_columns(out: torch.Tensor, expected: torch.Tensor) -> dict:
+    """max_abs_error: the largest |out - expected|; max_rel_error: that over the largest |expected|
+    (relative to the output's scale, not per element: attention outputs near zero would dominate)."""
+    error = float((out.to(expected.dtype) - expected).abs().max()) if out.numel() else 0.0
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    return {"max_abs_error": error, "max_rel_error": error / scale if scale else float(error > 0) * float("inf")}
+
+
 def causal_mask(cached: int, new: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[new, cached + new] bool: query i (position cached + i) sees keys 0..cached + i."""
     return torch.arange(cached + new, device=device)[None, :] <= cached + torch.arange(new, device=device)[:, None]

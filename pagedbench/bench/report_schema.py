@@ -181,6 +181,8 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "forward_max_ms",
     "forward_ci_low_ms",
     "forward_ci_high_ms",
+    "max_abs_error",  # against the reference backend's output at the point (status mismatch beyond KERNEL_TOLERANCE)
+    "max_rel_error",  # that over the largest |reference output|
     "bandwidth_gbps",
     "peak_bandwidth_gbps",
     "peak_bandwidth_source",
@@ -209,6 +211,7 @@ CHECK_COLUMNS = ENVIRONMENT + [
     "num_seqs",
     "num_query_tokens",
     "max_abs_error",
+    "max_rel_error",  # max_abs_error over the largest |oracle output| (as kernels' rows)
     "mean_abs_error",
     "placement_diff",
     "tolerance",
