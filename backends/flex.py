@@ -15,8 +15,8 @@ The layout: plan() lays the calls out on the host (`flex_plan`), copies their in
 device at once and builds their BlockMasks in persistent buffers (`flex_masks`: the mask_mod, an
 inverse page table); DeepSeek-V3.2's sparse steps read their picks through `flex_sparse`. The kernels:
 forward() runs every call through one compiled function (`flex_compile`: compilation, kernel options,
-PAGEDBENCH_FLEX_COMPILE, PAGEDBENCH_FLEX_KERNEL=flash), a decode's options searched per batch on CUDA
-(`flex_tune`).
+PAGEDBENCH_FLEX_COMPILE, PAGEDBENCH_FLEX_KERNEL=flash), a decode's options searched on CUDA
+per batch and context class on a representative problem (`flex_tune`).
 """
 
 from collections.abc import Callable
