@@ -12,6 +12,10 @@ import torch
 from pagedbench import envs
 from pagedbench.device.cpu_threads import usable_cores
 
+# Engines built by the hundred, most never shut down: the startup heap stays in the collector (the
+# shipped default freezes it per engine; tests/test_host_profile.py checks that path).
+os.environ.setdefault("PAGEDBENCH_GC_FREEZE", "0")
+
 
 def pytest_configure(config):
     """Each xdist worker gets cores / workers torch threads, its subprocesses (CLI, server) too

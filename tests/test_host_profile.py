@@ -52,3 +52,19 @@ def test_the_kv_timeline_stays_bounded_and_samples_wasted_slots_on_its_steps():
     assert all(w == t for t, _, w in stats.timeline)  # each point's wasted slots are its own step's
     assert stats.wasted_slot_samples == sum(counted) < stats.steps
     assert stats.peak_wasted_slots == max(s for s, wanted in enumerate(counted) if wanted)
+
+
+def test_an_engine_freezes_the_startup_heap_and_its_shutdown_thaws_it(monkeypatch):
+    import gc
+
+    from pagedbench import LLM, SamplingParams
+
+    monkeypatch.setenv("PAGEDBENCH_GC_FREEZE", "1")
+    llm = LLM("tiny-llama", backend="sdpa", device="cpu", dtype="float32", num_blocks=64, max_model_len=64)
+    try:
+        assert gc.get_freeze_count() > 1000  # torch's and the model's objects: out of every later collection
+        out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -19,6 +19,7 @@ from pagedbench.engine.async_scheduling import async_scheduling
 from pagedbench.engine.block_manager import BlockManager
 from pagedbench.engine.engine_core import EngineCore
 from pagedbench.engine.executor import Executor
+from pagedbench.engine.heap import freeze_startup_heap, thaw_heap
 from pagedbench.engine.input_processor import InputProcessor, engine_logits_processors
 from pagedbench.engine.output_processor import OutputProcessor
 from pagedbench.engine.outputs import RequestOutput
@@ -101,6 +102,7 @@ class LLMEngine:
         )  # fmt: skip
         self.lane_load = self.core.lane_load  # pipeline parallelism: unfinished requests per lane
         self._ids = itertools.count()
+        freeze_startup_heap()
 
     @classmethod
     def from_engine_args(cls, args: EngineConfig) -> "LLMEngine":
@@ -119,6 +121,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
         self.core.device_lane.shutdown()
         self.executor.shutdown()
+        thaw_heap()
 
     # ---- what a benchmark run reads -------------------------------------------------------
 
