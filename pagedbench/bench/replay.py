@@ -39,7 +39,7 @@ class ReplayOptions:
     dtype: str | None = None  # default: the recording's
     # Caches cold before each forward, as a layer finds them in the engine after the rest of the model
     # (CUDA: L2 flushed, as kernels' time_kernel always does; CPU: the last-level cache overwritten).
-    cold: bool = False
+    cold: bool = True
 
 
 def replay_batch(header: dict, step: RecordedStep) -> StepBatch:

@@ -1,6 +1,7 @@
 """`pagedbench kernels`, `check` and `backends`: the attention backends on their own -- timed on a
 grid, held to a dense oracle, and what each runs here."""
 
+import argparse
 import dataclasses
 import functools
 import sys
@@ -425,9 +426,10 @@ def register_kernels(sub) -> None:
     )
     kern.add_argument(
         "--cold-caches",
-        action="store_true",
-        help="--replay on a CPU: read a buffer twice the last-level cache before each timed forward (as the "
-        "rest of the model would have evicted it; on CUDA the L2 is always flushed)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--replay on a CPU: read a buffer twice the last-level cache before each timed forward, as the rest "
+        "of the model evicts it between a layer's attention calls in the engine (on CUDA the L2 is always flushed)",
     )
     kern.add_argument("--device", default=None)
     kern.add_argument("--dtype", default=None)
