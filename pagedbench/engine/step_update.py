@@ -214,10 +214,13 @@ class StepUpdate:
         """The scheduled tokens of `out` went through the model: their K/V are in the cache (but for
         `rejected[id(seq)]` proposals of a verifying sequence), and full pages join the prefix cache."""
         bm = self.scheduler.block_manager
+        caching, windowed = bm.enable_prefix_caching, bm.sliding_window is not None
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n - (rejected.get(id(seq), 0) if rejected else 0)
-            bm.cache_computed_blocks(seq)
-            bm.release_out_of_window(seq)
+            if caching:
+                bm.cache_computed_blocks(seq)
+            if windowed:
+                bm.release_out_of_window(seq)
 
     def _append(self, s: Sampled) -> int:
         """Append `s`'s tokens (and their logprobs) until one stops its sequence; returns how many."""
