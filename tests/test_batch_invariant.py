@@ -12,10 +12,12 @@ from pagedbench.bench.alone_check import alone_indices
 from pagedbench.bench.check_determinism import run_determinism
 from pagedbench.bench.compare import compare
 from pagedbench.bench.scenario import load_scenario
+from pagedbench.entrypoints.cli.main import main
 from pagedbench.model.batch_invariant import BatchInvariantGemms, unsupported_reason
 from pagedbench.model.config import ModelConfig
 from pagedbench.model.presets import PRESETS
 from tests.test_determinism import TINY, BatchDependent, claims_hold
+from tests.test_repro import report, rerun
 
 CPU = torch.device("cpu")
 ROWS = (1, 7, 64, 256)  # the batch sizes: torch's CPU GEMM gives row 0 other bits at M=1 than at M=7
@@ -115,3 +117,16 @@ def test_alone_check_finds_every_request_identical_under_the_setting():
 
 def test_alone_check_spreads_its_requests_over_the_set():
     assert alone_indices(10, 3) == [0, 4, 9] and alone_indices(2, 5) == [0, 1] and alone_indices(7, 1) == [0]
+
+
+def test_kernels_times_each_backend_in_its_batch_invariant_form_and_its_row_reproduces(tmp_path):
+    args = ["kernels", "--backends", "sdpa,triton", "--batch-sizes", "2", "--context-lens", "32", "--heads", "2/1"]
+    args += ["--head-dim", "16", "--phases", "decode", "--warmup", "0", "--repeats", "1", "--batch-invariant"]
+    assert main([*args, "--device", "cpu", "--out", str(tmp_path / "first")]) == 0
+    rows = report(tmp_path / "first").set_index("backend")
+    assert rows.loc["sdpa", "status"] == "ok" and rows.loc["sdpa", "batch_invariant"]
+    assert rows.loc["triton", "status"] == "unavailable"
+    assert rows.loc["triton", "reason"].startswith("refused under batch_invariant: split-KV")
+    assert "--batch-invariant" in rows.loc["sdpa", "repro"]
+    again = rerun(rows.loc["sdpa", "repro"], tmp_path / "again").set_index("backend")
+    assert again.loc["sdpa", "batch_invariant"] and again.loc["sdpa", "status"] == "ok"

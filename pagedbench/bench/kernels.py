@@ -82,6 +82,8 @@ class KernelGrid:
     # problem's and a few spare) and where a problem's pages lie (problems.PLACEMENTS).
     cache_blocks: int | None = None
     placement: str = "random"
+    # EngineConfig.batch_invariant: each backend in its batch-invariant form; one without it is unavailable.
+    batch_invariant: bool = False
 
     def validate(self) -> None:
         for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
@@ -262,6 +264,7 @@ def _attention_rows(grid_point, spec, backends: list[str], grid: KernelGrid, dev
         "block_size": block_size,
         "placement": grid.placement,
         "cache_blocks": grid.cache_blocks,
+        "batch_invariant": grid.batch_invariant,
         **_shape_columns(spec, num_heads, num_kv_heads, grid, dt, variant),
     }
     dense_ms = float("nan")
@@ -277,8 +280,9 @@ def _attention_rows(grid_point, spec, backends: list[str], grid: KernelGrid, dev
         )  # fmt: skip
         stored = {"kv_cache_dtype": kv, "kv_bytes": round(point["kv_bytes"] * kv_bytes_per_slot(kv, dt, grid))}
         head = {"backend": name, "provider": found.provider, **point, **stored}
-        if found.reason:
-            out.append({**head, "status": "unavailable", "reason": found.reason})
+        reason = found.reason or refused_under_batch_invariance(found.cls, grid, dev, dt, block_size, variant)
+        if reason:
+            out.append({**head, "status": "unavailable", "reason": reason})
             continue
         if batch is None:  # built once per point, shared by the backends
             batch = random_attention_batch(
@@ -295,6 +299,15 @@ def _attention_rows(grid_point, spec, backends: list[str], grid: KernelGrid, dev
             backend, forward = _forward_of(ReferenceBackend, batch, head, grid, dev, dt, variant, pages[kv])
             expected[kv] = forward(backend.plan(batch.metadata))
         out.append(_backend_row(found.cls, batch, head, grid, dev, dt, variant, dense_ms, pages[kv], expected[kv]))
+
+
+def refused_under_batch_invariance(cls, grid: KernelGrid, device, dtype, block_size: int, variant) -> str | None:
+    """Why `cls` has no batch-invariant form here, when the grid asks for one (--batch-invariant)."""
+    if not grid.batch_invariant:
+        return None
+    why = cls.batch_invariance(device, batch_invariant=True, dtype=dtype, head_dim=grid.head_dim,
+                               block_size=block_size, **variant.settings())  # fmt: skip
+    return why and f"refused under batch_invariant: {why}"
 
 
 def kv_bytes_per_slot(kv_cache_dtype: str, dtype: torch.dtype, grid: KernelGrid) -> float:
@@ -384,7 +397,9 @@ def _shape_columns(
 def _forward_of(cls, batch, point: dict, grid: KernelGrid, device, dtype, variant=PLAIN, pages=None) -> tuple:
     """(a `cls` backend for the point, its forward(state) over the batch's pages as stored)."""
     args = (point["num_heads"], point["num_kv_heads"], grid.head_dim, grid.head_dim**-0.5, point["block_size"])
-    backend = cls(*args, device, dtype, **({} if variant == PLAIN else {"variant": variant}))
+    extra = {} if variant == PLAIN else {"variant": variant}  # backends that predate variants take none
+    extra |= {"batch_invariant": True} if grid.batch_invariant else {}
+    backend = cls(*args, device, dtype, **extra)
     sinks = {}
     if variant.sinks:  # logits of the scores' size, fixed per point
         sinks = {"sinks": torch.randn(point["num_heads"], generator=torch.Generator().manual_seed(0)).to(device)}

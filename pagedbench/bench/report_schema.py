@@ -166,6 +166,7 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "block_size",
     "placement",  # where a problem's pages lie (random, contiguous) and the cache's pages (--cache-blocks)
     "cache_blocks",
+    "batch_invariant",  # kernels --batch-invariant: each backend in its batch-invariant form
     "num_heads",
     "num_kv_heads",
     "head_dim",

@@ -102,6 +102,7 @@ def kernel_repro(row: dict) -> str:
     words += ["--max-kv-tokens", str(sum(map(sum, spec))), "--max-query-tokens", str(sum(q for _, q in spec))]
     graphs = row.get("cuda_graphs")  # "off", or what capture did when --cuda-graphs asked for it
     words += ["--cuda-graphs"] if isinstance(graphs, str) and graphs != "off" else []
+    words += ["--batch-invariant"] if row.get("batch_invariant") is True else []
     return command_line(row, [*words, "--device", str(row["device"]), "--dtype", str(row["dtype"])])
 
 

@@ -59,6 +59,7 @@ def cmd_kernels(args) -> None:
         if getattr(args, name) is not None:
             setattr(grid, name, getattr(args, name))
     grid.cuda_graphs = args.cuda_graphs
+    grid.batch_invariant = args.batch_invariant
     grid.cache_blocks, grid.placement = args.cache_blocks, args.placement
     stem = report_stem(args.out, "kernels", args.overwrite)
     # Under torchrun, rank 0 alone writes the CSV (the others hand it their rows).
@@ -402,6 +403,12 @@ def register_kernels(sub) -> None:
         action="store_true",
         help="time each forward captured in a CUDA graph and replayed, as the engine's decode graphs run it "
         "(rows say cuda_graphs; a backend that cannot be captured is timed eagerly and says why)",
+    )
+    kern.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="each backend in its batch-invariant form (EngineConfig.batch_invariant); one without it is "
+        "unavailable, saying why",
     )
     kern.add_argument(
         "--cache-blocks",
