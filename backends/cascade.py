@@ -119,9 +119,15 @@ class CascadeCounts:
 
 
 def plan_cascade(
-    setting: bool | None, block_table: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray, block_size: int
+    setting: bool | None,
+    block_table: np.ndarray,
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    block_size: int,
+    min_members: int = 2,
 ) -> CascadePlan | None:
-    """The step's plan under `cascade_attention` (True, False, None: the heuristic), or None: flat."""
+    """The step's plan under `cascade_attention` (True: groups of `min_members` or more, False, None: the
+    heuristic), or None: flat."""
     if setting is False:
         return None
     if setting is None:
@@ -131,7 +137,7 @@ def plan_cascade(
         groups = find_groups(block_table, context_lens, query_lens, block_size, CASCADE_MIN_GROUP)
         groups = [g for g in groups if len(g.prefix_pages) * block_size >= CASCADE_MIN_PREFIX]
     else:
-        groups = find_groups(block_table, context_lens, query_lens, block_size)
+        groups = find_groups(block_table, context_lens, query_lens, block_size, min_members)
     return CascadePlan(tuple(groups), block_size) if groups else None
 
 
@@ -294,12 +300,13 @@ class CascadeAttention:
         return lse if sinks is None else torch.logaddexp(lse, sinks.float())
 
 
-def with_cascade(meta: AttentionMetadata, setting: bool | None = True) -> AttentionMetadata:
+def with_cascade(meta: AttentionMetadata, setting: bool | None = True, min_members: int = 2) -> AttentionMetadata:
     """`meta` with the cascade plan its block table gives under `setting` (the engine plans from the
-    step's host arrays; this, for problems built elsewhere: one device-to-host copy)."""
+    step's host arrays; this, for problems built elsewhere: one device-to-host copy); `min_members` 1
+    (checks): a sequence that shares no page is a group of its own."""
     q_lens = np.diff(np.asarray(meta.query_start_loc_cpu))
     table = meta.block_table.cpu().numpy()
-    plan = plan_cascade(setting, table, np.asarray(meta.context_lens_cpu), q_lens, meta.block_size)
+    plan = plan_cascade(setting, table, np.asarray(meta.context_lens_cpu), q_lens, meta.block_size, min_members)
     return replace(meta, cascade=plan)
 
 

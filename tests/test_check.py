@@ -11,7 +11,7 @@ from pagedbench.backends import registry
 from pagedbench.backends.reference import ReferenceBackend
 
 from pagedbench.bench import check
-from pagedbench.bench.capabilities import YES, capability_row, variant_columns
+from pagedbench.bench.capabilities import CASCADE_FEATURE, YES, capability_row, variant_columns
 from pagedbench.bench.problems import attend_dense, place, random_problem
 from pagedbench.entrypoints.cli.main import main
 from tests.helpers import DEVICES
@@ -72,6 +72,7 @@ def test_quick_matrix(case, device):
     # (its variant's columns, and "shared pages": ✓ where the base settings run at all).
     # (A latent case's base head_dim, 576, is the latent column's own shape, probed with its values.)
     columns = ["shared pages"] * (case.variant.value_dim is None) + variant_columns(case.variant)
+    columns += [CASCADE_FEATURE] * case.cascade
     for r in rows:
         cells = capability_row(r["backend"], torch.device(device), case.dtype, case.head_dim, case.block_size)
         assert (r["status"] != "skipped") == all(cells[c] == YES for c in columns), (r["backend"], cells)

@@ -32,6 +32,7 @@ LATENT_SHAPE = dict(head_dim=576, num_heads=128, num_kv_heads=1, **AttentionVari
 # DeepSeek-V3.2's sparse attention: that latent cache, each query reading the 2,048 slots an indexer picked.
 SPARSE_FEATURE = "sparse (top-k)"
 SPARSE_SHAPE = LATENT_SHAPE | AttentionVariant(value_dim=512, topk=2048).settings()
+CASCADE_FEATURE = "cascade"  # cascade_attention=True: a group's shared prefix read once (check's cascade cases)
 
 
 def variant_columns(variant: AttentionVariant) -> list[str]:
@@ -79,6 +80,8 @@ def capability_row(name: str, device: torch.device, dtype: torch.dtype, head_dim
     row[LATENT_FEATURE] = YES if why is None else short(why)
     why = reason(**SPARSE_SHAPE)
     row[SPARSE_FEATURE] = YES if why is None else short(why)
+    why = reason(cascade_attention=True)  # shared prefixes read once per group (backends/cascade.py)
+    row[CASCADE_FEATURE] = YES if why is None else short(why)
     row["quantized KV"] = _listed(KV_PAGES, lambda kv: reason(kv_cache_dtype=kv))
     # ✓: plan() refills static buffers and forward() has no host work (captured where there is CUDA).
     row["CUDA graphs"] = short(cls.cuda_graph_reason or base or "") or YES

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedbench.backends.base import PLAIN, AttentionVariant, one_line
+from pagedbench.backends.cascade import with_cascade
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.problems import attend_dense, error_columns, place, random_problem
 from pagedbench.device.dtypes import dtype_name
@@ -56,6 +57,7 @@ class CheckCase:
     dtype: torch.dtype = torch.float32
     shared: dict[int, tuple[int, int]] = field(default_factory=dict)
     variant: AttentionVariant = PLAIN
+    cascade: bool = False  # cascade attention: every sequence with full pages in a group (backends/cascade.py)
 
     @property
     def name(self) -> str:
@@ -91,6 +93,33 @@ def _batches(block_size: int, long_context: int) -> dict[str, tuple[list[tuple[i
             [(3 * p + 2, 1), (3 * p + 9, 1), (2 * p, p + 4), (3 * p + 2, 1)],
             {1: (0, 3 * p), 2: (0, 2 * p), 3: (0, 3 * p + 3)},
         ),  # 3 is a fork of 0
+    }
+
+
+def _cascade_batches(block_size: int) -> dict[str, tuple[list[tuple[int, int]], dict]]:
+    """Cascade's batches: groups of 1 to 64 decode-type sequences over prefixes of 0, 1 and many pages,
+    ragged suffixes (every sequence with a full page joins a group, alone if it shares none)."""
+    p = block_size
+    sizes = (1, 2, 3, 8)  # groups of these sizes, over prefixes of 1, 5, 2 and 9 pages
+    seqs, shared, first = [], {}, 0
+    for size, pages in zip(sizes, (1, 5, 2, 9)):
+        for i in range(size):
+            seqs.append((pages * p + (7 * i) % (2 * p) + 1, 1))
+            if i:
+                shared[first + i] = (first, pages * p)
+        first += size
+    seqs.append((p - 3, 1))  # no full page: a prefix of 0, flat
+    return {
+        "cascade decode groups 1-8": (seqs, shared),
+        "cascade decode 64 x 8 pages": (
+            [(8 * p + 1 + (5 * i) % 70, 1) for i in range(64)],
+            {b: (0, 8 * p) for b in range(1, 64)},
+        ),  # fmt: skip
+        "cascade one page": ([(p + i % 11, 1) for i in range(16)], {b: (0, p) for b in range(1, 16)}),
+        "cascade multi-token decode": (
+            [(5 * p + 3, 4), (5 * p + 9, 2), (5 * p, 5), (6 * p + 1, 3), (0, 21)],
+            {1: (0, 5 * p), 2: (0, 5 * p), 3: (0, 5 * p)},
+        ),  # the prefill row runs flat
     }
 
 
@@ -159,11 +188,33 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             seqs, shared = _batches(16, 2048)[batch]
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **GPT_OSS))
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **(GPT_OSS | {"variant": SINKS_ONLY})))
+        cases += _cascade_cases(dtype)
         batches = _batches(16, 2048)
         for name, variant in VARIANTS.items():
             for batch in ("mixed", "chunked prefill", "shared prefix") if name == "window" else ("mixed",):
                 seqs, shared = batches[batch]
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, variant=variant))
+    return cases
+
+
+def _cascade_cases(dtype: torch.dtype) -> list[CheckCase]:
+    """Every cascade batch, then the groups of 1-8 under every variant kind at once and two other head layouts,
+    and a window reaching into a one-page prefix."""
+    batches = _cascade_batches(16)
+    cases = [
+        CheckCase(batch, seqs, dtype=dtype, shared=shared, cascade=True) for batch, (seqs, shared) in batches.items()
+    ]
+    seqs, shared = batches["cascade decode groups 1-8"]
+    for change in (
+        {"variant": VARIANTS["window + soft-cap + sinks"]},
+        {"heads": "MHA", "head_dim": 128},
+        {"heads": "MQA"},
+    ):
+        cases.append(CheckCase("cascade decode groups 1-8", seqs, dtype=dtype, shared=shared, cascade=True, **change))
+    seqs, shared = batches["cascade one page"]  # a window that reaches into the one-page prefix
+    cases.append(
+        CheckCase("cascade one page", seqs, dtype=dtype, shared=shared, cascade=True, variant=VARIANTS["window"])
+    )
     return cases
 
 
@@ -211,13 +262,15 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             **case.variant.settings(),
+            **({"cascade_attention": True} if case.cascade else {}),
         )[1:]
         row = {**head, "backend": name, "provider": provider}
         if reason:
             rows.append({**row, "status": "skipped", "reason": reason})
             continue
         layouts = layouts or [
-            place(problem, case.block_size, device, layout_seed=seed, spare_blocks=5) for seed in (1, 2)
+            _cascaded(place(problem, case.block_size, device, layout_seed=seed, spare_blocks=5), case)
+            for seed in (1, 2)
         ]
         try:
             outs = [_attend(cls, batch, num_heads, num_kv_heads, case, scale, sinks) for batch in layouts]
@@ -237,6 +290,14 @@ def run_case(case: CheckCase, backends: list[str], device: torch.device) -> list
             why.append(f"output changes by {moved:.3g} with the page layout (tolerance {tol:.3g})")
         rows.append({**row, "status": "fail" if why else "pass", "reason": "; ".join(why)})
     return rows
+
+
+def _cascaded(batch, case: CheckCase):
+    """The placed batch with its cascade plan (groups of one included) when the case asks for cascade."""
+    if case.cascade:
+        batch.metadata = with_cascade(batch.metadata, True, min_members=1)
+        assert batch.metadata.cascade is not None, f"{case.name}: no cascade group"
+    return batch
 
 
 def _attend(cls, batch, num_heads: int, num_kv_heads: int, case: CheckCase, scale: float, sinks) -> torch.Tensor:
