@@ -151,8 +151,10 @@ class BlockManager:
             return False
         if self.snapshots is not None or (self.state_slots.num_slots and not self.state_slots.on_device(seq)):
             return False
-        refs = self.pool.ref_counts
-        return all(refs[table[i]] == 1 for i in range(seq.num_computed_tokens // size, -(-num_tokens // size)))
+        refs, first, end = self.pool.ref_counts, seq.num_computed_tokens // size, -(-num_tokens // size)
+        if end - first == 1:  # a decode's one page
+            return refs[table[first]] == 1
+        return all(refs[table[i]] == 1 for i in range(first, end))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.state_slots.can_take(seq) and self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks

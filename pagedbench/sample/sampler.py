@@ -13,6 +13,7 @@ the host never waits for the device before the tokens are read.
 """
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,27 +92,30 @@ class SamplingBatch:
         it was built for the same sequences in the same order. `engine_processors` (LLM(logits_processors=...),
         BatchLogitsProcessors) see every row, after each request's own processors."""
         same = previous is not None and len(previous.seqs) == len(seqs)
-        if same and all(a is b for a, b in zip(previous.seqs, seqs)):
+        if same and all(map(operator.is_, previous.seqs, seqs)):
             batch = dataclasses.replace(previous, banned=None, processors=None, penalties=None, grammar=None)
         else:
             batch = cls._from_params(seqs, vocab_size, device)
-        banned = [(i, t) for i, s in enumerate(seqs) for t in _banned_tokens(s, eos_token_ids)]
-        if banned:
-            batch.banned = tuple(to_device(np.array(c, dtype=np.int64), device) for c in zip(*banned))
-        by_processor: dict[int, tuple] = {}
-        for i, s in enumerate(seqs):
-            for fn in s.params.logits_processors or ():
+        banned, by_processor, penalized = [], {}, []
+        for i, s in enumerate(seqs):  # one pass, a few attribute reads for a plain row (every step, every row)
+            p = s.params
+            if p.min_tokens or p._bad_words_token_ids:
+                banned += [(i, t) for t in _banned_tokens(s, eos_token_ids)]
+            for fn in p.logits_processors or ():
                 entry = by_processor.setdefault(id(fn), (fn, [], [], []))
                 entry[1].append(i)
                 entry[2].append(s.output_token_ids)
                 entry[3].append(s.prompt_token_ids)
+            if p.penalized:
+                penalized.append(i)
+        if banned:
+            batch.banned = tuple(to_device(np.array(c, dtype=np.int64), device) for c in zip(*banned))
         if engine_processors and seqs:
             rows, outputs = list(range(len(seqs))), [s.output_token_ids for s in seqs]
             prompts = [s.prompt_token_ids for s in seqs]
             for fn in engine_processors:
                 by_processor[("engine", id(fn))] = (fn, rows, outputs, prompts)
         batch.processors = list(by_processor.values()) or None
-        penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
         if penalized:
             batch.penalties = _penalties([seqs[i] for i in penalized], penalized, vocab_size, device)
         return batch

@@ -162,8 +162,9 @@ def step_batch(
     slot_mapping = (
         block_table[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )
-    sampling_rows = [i for i, s in enumerate(seqs) if seq_lens[i] >= s.num_tokens]
-    num_spec = [int(seq_lens[i]) - seqs[i].num_tokens for i in sampling_rows]
+    total = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+    sampling = np.flatnonzero(seq_lens >= total)  # rows that reach their last token: they sample
+    sampling_rows, num_spec = sampling.tolist(), (seq_lens[sampling] - total[sampling]).tolist()
     if any(num_spec):  # a verifying sequence's rows: its last token and each proposed one
         logits_indices = [
             np.concatenate([np.arange(qsl[i + 1] - 1 - m, qsl[i + 1]) for i, m in zip(sampling_rows, num_spec)])
