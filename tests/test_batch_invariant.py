@@ -9,6 +9,7 @@ from pagedbench.backends import registry
 
 from pagedbench import LLM, SamplingParams
 from pagedbench.bench.alone_check import alone_indices
+from pagedbench.bench.capabilities import capability_row
 from pagedbench.bench.check_determinism import run_determinism
 from pagedbench.bench.compare import compare
 from pagedbench.bench.scenario import load_scenario
@@ -130,3 +131,9 @@ def test_kernels_times_each_backend_in_its_batch_invariant_form_and_its_row_repr
     assert "--batch-invariant" in rows.loc["sdpa", "repro"]
     again = rerun(rows.loc["sdpa", "repro"], tmp_path / "again").set_index("backend")
     assert again.loc["sdpa", "batch_invariant"] and again.loc["sdpa", "status"] == "ok"
+
+
+def test_the_capability_table_says_who_is_invariant_with_the_setting():
+    cell = capability_row("sdpa", CPU, torch.float32, 64, 16)["batch-invariant"]
+    assert cell.startswith("✓ with batch_invariant=True (else: its K/V gather is padded")
+    assert capability_row("triton", CPU, torch.float32, 64, 16)["batch-invariant"].startswith("split-KV")

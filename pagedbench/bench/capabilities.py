@@ -87,7 +87,11 @@ def capability_row(name: str, device: torch.device, dtype: torch.dtype, head_dim
     row["CUDA graphs"] = short(cls.cuda_graph_reason or base or "") or YES
     # ✓: each sequence's output bitwise the same in any batch, on any pages (check --determinism holds it).
     invariance = cls.batch_invariance(device, dtype=dtype, head_dim=head_dim, block_size=block_size)
+    with_setting = cls.batch_invariance(device, batch_invariant=True, dtype=dtype, head_dim=head_dim,
+                                        block_size=block_size)  # fmt: skip
     row["batch-invariant"] = short(invariance or base or "") or YES
+    if invariance and not base and with_setting is None:  # EngineConfig.batch_invariant makes it so
+        row["batch-invariant"] = f"{YES} with batch_invariant=True (else: {short(invariance)})"
     return row
 
 
