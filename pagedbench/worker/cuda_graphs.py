@@ -115,9 +115,11 @@ def pad_decode_batch(batch: StepBatch, rows: int, width: int, pad_block: int) ->
 
 
 def graphable(batch: StepBatch) -> bool:
-    """A pure decode step whose every sequence samples (no prompt logprob rows)."""
+    """A pure decode step whose every sequence samples (no prompt logprob rows) and that does not cascade:
+    a cascade step runs eagerly (its groups and prefix lengths change per step; a graph holds one shape)."""
     return (
-        len(batch.input_ids) == len(batch.seq_lens)
+        batch.cascade is None
+        and len(batch.input_ids) == len(batch.seq_lens)
         and not batch.prompt_logprob_rows
         and len(batch.sampling_rows) == len(batch.seq_lens)
     )
