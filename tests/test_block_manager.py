@@ -249,7 +249,7 @@ def test_a_prefix_is_shared_by_requests_admitted_in_the_same_step():
     sched.add(second)
     out = sched.schedule()
     assert dict(zip(out.seqs, out.num_tokens)) == {first: 5, second: 1}  # second computes its last token only
-    assert second.block_table[:2] == first.block_table[:2] and bm.num_shared_blocks == 2 and bm.prefix_hits == 4
+    assert second.block_table[:2] == first.block_table[:2] and bm.num_shared_blocks == 2 and bm.prefix_cache.hits == 4
 
 
 def test_double_free_is_caught():
@@ -364,7 +364,7 @@ class HybridBlockManagerMachine(BlockManagerMachine):
     def fork(self, data):
         parent = data.draw(st.sampled_from(self.seqs))
         child = parent.fork(parent.index + 1)
-        if not self.bm.num_free_state_slots:
+        if not self.bm.state_slots.num_free:
             with pytest.raises(RuntimeError, match="state slots"):
                 self.bm.fork(parent, child)
             assert not child.block_table and child.state_slot < 0  # refused before taking anything
@@ -377,7 +377,7 @@ class HybridBlockManagerMachine(BlockManagerMachine):
     def slots_follow_the_pages(self):
         held = [s.state_slot for s in self.seqs]
         assert all(slot >= 0 for slot in held) and len(held) == len(set(held)), "a live sequence without its own slot"
-        assert self.bm.num_free_state_slots + len(held) == self.SLOTS, "a slot lost or counted twice"
+        assert self.bm.state_slots.num_free + len(held) == self.SLOTS, "a slot lost or counted twice"
 
 
 HybridBlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
@@ -451,7 +451,7 @@ class HybridPrefixCachingMachine(HybridBlockManagerMachine):
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(self.seqs))
-        if self.bm.num_free_state_slots:
+        if self.bm.state_slots.num_free:
             child = parent.fork(parent.index + 1)
             self.bm.fork(parent, child)
             for src, dst in self.bm.take_state_copies():

@@ -63,7 +63,7 @@ def test_greedy_matches_hf(qwen35, setting):
     llm, got = generate(path, **SETTINGS[setting])
     assert got == want
     bm = llm.engine.block_manager
-    assert bm.num_free_state_slots == bm.num_state_slots == llm.engine.config.max_num_seqs  # every slot back
+    assert bm.state_slots.num_free == bm.num_state_slots == llm.engine.config.max_num_seqs  # every slot back
 
 
 def test_tight_budgets_really_preempt(qwen35):
@@ -87,14 +87,14 @@ def test_swap_moves_the_state_to_a_cpu_slot_and_back():
     device_slot = seq.state_slot
     assert bm.can_swap_out(seq)
     bm.swap_out(seq)  # its state goes to CPU slot 2 (after the two device slots); its device slot is free
-    assert bm.take_state_copies() == [(device_slot, 2)] and seq.state_slot == 2 and bm.num_free_state_slots == 2
+    assert bm.take_state_copies() == [(device_slot, 2)] and seq.state_slot == 2 and bm.state_slots.num_free == 2
     other = Sequence("b", None, [4], SamplingParams())
     assert not bm.can_swap_out(other)  # (no pages, and the one CPU state slot is taken)
     bm.swap_in(seq)
     bm.allocate(seq, 3)
     assert bm.take_state_copies() == [(2, seq.state_slot)] and 0 <= seq.state_slot < 2
     bm.free(seq)
-    assert bm.num_free_state_slots == 2 and list(bm.state_slots.cpu_free) == [2]
+    assert bm.state_slots.num_free == 2 and list(bm.state_slots.cpu_free) == [2]
 
 
 def test_state_moves_run_as_their_queue_says():
@@ -183,8 +183,8 @@ def test_prefix_caching_resumes_from_state_snapshots(hybrid):
     assert [o.num_cached_tokens for o in outs[1]] == [36, 44, 44] and [o.num_cached_tokens for o in outs[2]] == [44] * 3
     assert outs[2][0].outputs[0].token_ids == hf_greedy(hf, batches[1][0], MAX_TOKENS)
     bm = llm.engine.block_manager
-    assert bm.prefix_hits >= 0.5 * bm.prefix_queries and bm.snapshots.restored == 6
-    assert bm.num_free_state_slots == bm.num_state_slots  # every running slot back
+    assert bm.prefix_cache.hits >= 0.5 * bm.prefix_cache.queries and bm.snapshots.restored == 6
+    assert bm.state_slots.num_free == bm.num_state_slots  # every running slot back
 
 
 @pytest.mark.slow
@@ -208,7 +208,7 @@ def test_tensor_parallel_2_splits_the_deltanet_heads(qwen35):
         recurrent = llm.engine.runner.local.linear_states.recurrent[0]
         assert recurrent.shape[1] == 2  # this rank's two value heads of four
         bm = llm.engine.block_manager
-        assert bm.num_free_state_slots == bm.num_state_slots
+        assert bm.state_slots.num_free == bm.num_state_slots
     finally:
         llm.shutdown()
 
@@ -223,7 +223,7 @@ def test_forked_samples_continue_their_parents_state(qwen35):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2)
     pair = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs
     assert pair[0].token_ids == pair[1].token_ids == qwen35[1][2][:8]  # greedy forks agree with HF
-    assert len(forked) == 3 and llm.engine.block_manager.num_free_state_slots == llm.engine.config.max_num_seqs
+    assert len(forked) == 3 and llm.engine.block_manager.state_slots.num_free == llm.engine.config.max_num_seqs
 
 
 def test_what_hybrid_models_refuse_or_turn_off(qwen35, caplog):

@@ -142,7 +142,7 @@ def test_page_features_are_unchanged_by_quantization(tiny_models, kv):
     twice = llm.generate(
         [{"prompt_token_ids": shared + [9]}, {"prompt_token_ids": shared + [11]}], params, use_tqdm=False
     )
-    assert llm.engine.block_manager.prefix_hits > 0
+    assert llm.engine.block_manager.prefix_cache.hits > 0
     alone = [
         LLM(path, kv_cache_dtype=kv, num_blocks=200, enable_prefix_caching=False, **CPU32)
         .generate([{"prompt_token_ids": shared + [t]}], params, use_tqdm=False)[0]

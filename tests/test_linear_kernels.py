@@ -58,7 +58,7 @@ def test_fla_greedy_tokens_under_preemption_chunks_and_tensor_parallelism(hybrid
         runner = llm.engine.runner
         assert getattr(runner, "local", runner).linear_states.kernel == "fla"
         bm = llm.engine.block_manager
-        assert bm.num_free_state_slots == bm.num_state_slots
+        assert bm.state_slots.num_free == bm.num_state_slots
     finally:
         llm.shutdown()
 

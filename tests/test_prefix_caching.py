@@ -29,8 +29,10 @@ def test_cached_prefixes_change_nothing_but_the_work(tiny_models, backend, setup
     cached, bm = generate(path, backend, True, **setup)
     uncached, bm_off = generate(path, backend, False, **setup)
     assert cached == uncached == [hf_greedy(hf, p, 10) for p in PROMPTS]
-    assert bm.prefix_hits >= 3 * 32 and bm.prefix_queries == sum(map(len, PROMPTS))  # 2 pages each, the last 3
-    assert bm_off.prefix_hits == 0 and bm_off.num_cached_blocks == 0
+    assert bm.prefix_cache.hits >= 3 * 32 and bm.prefix_cache.queries == sum(
+        map(len, PROMPTS)
+    )  # 2 pages each, the last 3
+    assert bm_off.prefix_cache.hits == 0 and bm_off.prefix_cache.num_cached == 0
     assert bm.num_free_blocks == bm.num_blocks  # everything finished: all blocks free (some evictable)
 
 
@@ -75,7 +77,7 @@ def test_full_prompt_hit_still_computes_the_last_token(tiny_models):
     again = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
     assert first == again == hf_greedy(hf, prompt, 4)
     # The second run found page 0 only: page 1 holds the last prompt token, which must run again.
-    assert llm.engine.block_manager.prefix_hits == 16
+    assert llm.engine.block_manager.prefix_cache.hits == 16
 
 
 def test_reset_prefix_cache(tiny_models):
@@ -83,11 +85,11 @@ def test_reset_prefix_cache(tiny_models):
     llm = LLM(path, backend="sdpa", dtype="float32", device="cpu")
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
     bm = llm.engine.block_manager
-    assert bm.num_cached_blocks > 0
+    assert bm.prefix_cache.num_cached > 0
     llm.engine.reset_prefix_cache()
-    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    assert bm.prefix_cache.num_cached == 0 and bm.num_free_blocks == bm.num_blocks
     llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)
-    assert bm.prefix_hits == 0
+    assert bm.prefix_cache.hits == 0
 
 
 def sequence(i, tokens):
@@ -111,10 +113,10 @@ def test_lru_eviction_takes_the_least_recently_freed_first_and_hits_are_verified
         run_prefill(sched, seq)
         sched.finish(seq, "length")
     # Each left 2 full pages cached (evictable once free); sequences free their tails first.
-    assert bm.num_cached_blocks == 4 and bm.num_free_blocks == 6
+    assert bm.prefix_cache.num_cached == 4 and bm.num_free_blocks == 6
     c = sequence(2, [11, 12, 13, 14, 15])
     run_prefill(sched, c)  # 2 never-cached free blocks, then one eviction: a's second page
-    assert bm.num_cached_blocks == 3 + 2
+    assert bm.prefix_cache.num_cached == 3 + 2
     probe = sequence(3, [1, 2, 3, 4, 9])
     assert bm.match_prefix(probe) == 2  # a's first page survived, its second was evicted
     bm.free(probe)
@@ -128,7 +130,7 @@ def test_prefix_caching_off_never_registers():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     run_prefill(sched, sequence(0, [1, 2, 3, 4, 5]))
-    assert bm.num_cached_blocks == 0 and bm.match_prefix(sequence(1, [1, 2, 3, 4, 5])) == 0
+    assert bm.prefix_cache.num_cached == 0 and bm.match_prefix(sequence(1, [1, 2, 3, 4, 5])) == 0
 
 
 def test_a_step_that_raises_leaves_no_unwritten_page_in_the_cache(tiny_models, monkeypatch):
@@ -146,7 +148,7 @@ def test_a_step_that_raises_leaves_no_unwritten_page_in_the_cache(tiny_models, m
     monkeypatch.setattr(engine.runner, "run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    assert engine.block_manager.num_cached_blocks == 0
+    assert engine.block_manager.prefix_cache.num_cached == 0
     engine.abort_request("a")
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 10)

@@ -133,7 +133,7 @@ def test_greedy_is_identical_under_pressure(setup, backend, method):
     if "preemption" in setup:
         assert engine.stats.preemptions > 0
     if "no prefix" not in setup:
-        assert engine.block_manager.prefix_hits > 0
+        assert engine.block_manager.prefix_cache.hits > 0
     assert engine.stats.spec.num_accepted_tokens < engine.stats.spec.num_draft_tokens  # some rejected
     assert_no_leak(engine)
 

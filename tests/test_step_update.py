@@ -46,7 +46,7 @@ def test_update_from_output_frees_finished_trims_rejected_registers_computed_and
         ("pair", 1, False),
     ]
     assert done.finished and done.finish_reason == "length" and done.block_table == []  # freed...
-    assert bm.num_cached_blocks == 2 + 1  # ...its two full prompt pages kept in the prefix cache, beside pair's
+    assert bm.prefix_cache.num_cached == 2 + 1  # ...its two full prompt pages kept in the prefix cache, beside pair's
     assert len(pair.block_keys) == 1 and len(spec.block_keys) == 0  # full computed pages are registered
     assert requests["pair"].seqs == [pair, child] and child in sched.running
     assert child.block_table == pair.block_table and bm.pool.ref_counts[pair.block_table[0]] == 2  # pages shared

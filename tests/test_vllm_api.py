@@ -244,7 +244,7 @@ def test_warm_up_leaves_no_trace(tiny_models):
     seconds, compiling = engine.warm_up()
     assert seconds > 0 and compiling == 0  # sdpa compiles nothing
     assert not engine.requests and engine.stats.steps == 0 and engine.stats.generation_tokens == 0
-    assert engine.block_manager.num_used_blocks == 0 and engine.block_manager.num_cached_blocks == 0
+    assert engine.block_manager.num_used_blocks == 0 and engine.block_manager.prefix_cache.num_cached == 0
     engine.add_request({"prompt_token_ids": [5, 6, 7, 8]}, params, request_id="real")
     with pytest.raises(ValueError, match="warm_up runs on an idle engine"):
         engine.warm_up()

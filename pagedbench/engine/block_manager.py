@@ -107,27 +107,9 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self.prefix_cache.cached)
-
-    @property
-    def prefix_queries(self) -> int:
-        """Prompt tokens looked up in the prefix cache."""
-        return self.prefix_cache.queries
-
-    @property
-    def prefix_hits(self) -> int:
-        """Prompt tokens found in the prefix cache."""
-        return self.prefix_cache.hits
-
-    @property
     def num_shared_blocks(self) -> int:
         """Blocks read by more than one sequence right now."""
         return self.pool.num_shared
-
-    @property
-    def num_free_state_slots(self) -> int:
-        return len(self.state_slots.free)
 
     def _shared_writes(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Indices in `seq`'s block table of shared blocks that tokens up to `num_tokens` write into."""

@@ -142,8 +142,8 @@ class LLMEngine:
         """Start counting a run: stats, device spans, prefix-cache and compile counters from zero."""
         self.stats.reset()
         self.timer.reset()
-        bm = self.block_manager
-        self._counted_from = (bm.prefix_queries, bm.prefix_hits, self.backend.compile_seconds, dynamo_seconds())
+        cache = self.block_manager.prefix_cache
+        self._counted_from = (cache.queries, cache.hits, self.backend.compile_seconds, dynamo_seconds())
 
     def run_counters(self) -> RunCounters:
         """The counters since reset_counters()."""
@@ -153,8 +153,8 @@ class LLMEngine:
         return RunCounters(
             self.stats,
             self.timer.totals(),
-            bm.prefix_queries - queries,
-            bm.prefix_hits - hits,
+            bm.prefix_cache.queries - queries,
+            bm.prefix_cache.hits - hits,
             backend,
             # torch.compile's time in this process, less a compiling backend's own (flex's kernels)
             max(0.0, dynamo_seconds() - dynamo - backend) if self.executor.compiled else 0.0,

@@ -37,6 +37,11 @@ class PrefixCache:
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of which found cached
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered (held or evictable)."""
+        return len(self.cached)
+
     def take(self, key: BlockKey) -> int | None:
         """The block holding `key`'s content (no longer evictable), or None."""
         block = self.cached.get(key)

@@ -15,6 +15,10 @@ class StateSlots:
         self.cpu_free: deque[int] = deque(range(first_cpu_slot, first_cpu_slot + num_cpu_slots))
         self.pending_copies: list[tuple[int, int]] = []  # (source slot, slot), for the engine
 
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
     def on_device(self, seq: Sequence) -> bool:
         """Whether `seq` holds a device slot (not none, not a swapped-out state's CPU slot)."""
         return 0 <= seq.state_slot < self.first_cpu_slot

@@ -147,8 +147,8 @@ def gauges(scheduler, stats: EngineStats, speculating: bool) -> dict[str, float]
         "prompt_tokens": st.prompt_tokens,
         "generation_tokens": st.generation_tokens,
         "preemptions": st.preemptions,
-        "prefix_queries": bm.prefix_queries,
-        "prefix_hits": bm.prefix_hits,
+        "prefix_queries": bm.prefix_cache.queries,
+        "prefix_hits": bm.prefix_cache.hits,
     }
 
 
