@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from einops import rearrange
 from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant
-from pagedbench.backends.cascade import CascadeAttention, CascadeState
+from pagedbench.backends.cascade import CascadeAttention, CascadeState, cap_scores
 from pagedbench.backends.flex_compile import (
     MIN_KV_BLOCK,
     attend,
@@ -103,7 +103,8 @@ class FlexBackend(CascadeAttention, AttentionBackend):
     name = "flex"
     latent_values = True  # flex takes a value head dim other than the keys' (a strided view of their pages)
     # Cascade: the suffixes through its own paged calls; a group's prefix one flex call over its stacked rows
-    # returning the log-sum-exp (compiled on CUDA; eager on CPU, whose compiled flex has none in torch 2.13).
+    # returning the log-sum-exp (compiled on CUDA; compiled CPU flex has none in torch 2.13: there one GEMM +
+    # logsumexp gives it, compiled too; eager flex where flex runs eager).
     cascade_attention = True
     sparse_selection = True  # each query's picks gathered, or a BlockMask of their pages (flex_sparse.py)
     quantized_kv_reason = (
@@ -195,8 +196,11 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         qg = rearrange(q_rows, "r (hk g) d -> 1 hk (r g) d", g=group)
         k, v = (rearrange(x, "p hk d -> 1 hk p d") for x in (k, v))
-        call = _prefix_compiled if self.compiled and self.device.type == "cuda" else _prefix_flex
-        o, lse = call(qg, k, v, self.scale, self.score_mod)
+        if self.compiled and self.device.type != "cuda":  # compiled CPU flex has no LSE: it comes from one GEMM
+            o = _prefix_out_compiled(qg, k, v, self.scale, self.score_mod)
+            lse = _prefix_lse_compiled(qg, k, self.scale, self.variant.softcap)
+        else:
+            o, lse = (_prefix_compiled if self.compiled else _prefix_flex)(qg, k, v, self.scale, self.score_mod)
         return rearrange(o, "1 hk (r g) d -> r (hk g) d", g=group), rearrange(lse, "1 hk (r g) -> r (hk g)", g=group)
 
     @classmethod
@@ -332,6 +336,8 @@ class FlexBackend(CascadeAttention, AttentionBackend):
         row, its real query rows x (full blocks x kv_block + kept slots of its masked blocks), over
         its real query rows x (full + masked blocks) x kv_block; from the BlockMasks as built. A sparse
         step's: its last layer's selected slots over the slots of the blocks listed for them."""
+        if isinstance(state, CascadeState):  # its suffix pass's calls (the prefix pass is one dense call)
+            return self.tile_efficiency(state.flat)
         if state.sparse_share is not None:
             return state.sparse_share()
         kept = computed = 0
@@ -349,4 +355,17 @@ def _prefix_flex(q, k, v, scale, score_mod):
     return out, aux.lse
 
 
+def _prefix_out(q, k, v, scale, score_mod):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, score_mod, scale=scale)
+
+
+def _prefix_lse(q, k, scale, softcap):
+    """The log-sum-exp of q's scores over k [B, H, Q]: what compiled CPU flex cannot return."""
+    return torch.logsumexp(cap_scores((q @ k.transpose(-1, -2)) * scale, softcap), dim=-1)
+
+
 _prefix_compiled = torch.compile(_prefix_flex, dynamic=True)  # CUDA: Triton flex returns the log-sum-exp
+_prefix_out_compiled = torch.compile(_prefix_out, dynamic=True)
+_prefix_lse_compiled = torch.compile(_prefix_lse, dynamic=True)

@@ -2,6 +2,7 @@
 LSE merge, refusals, and the engine's greedy tokens equal to Hugging Face's with cascade on."""
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -147,3 +148,17 @@ def test_parallel_sampling_with_prefix_caching_and_cascade_matches_hf(tiny_model
     assert counts.cascade_steps > 0 and counts.shared_kv_tokens > 0
     if "num_blocks" in setup:
         assert llm.engine.stats.preemptions > 0, "the setup must preempt"
+
+
+def test_kernels_cascade_variant_times_each_backend_flat_and_cascaded():
+    from pagedbench.bench.kernels import GRID_PRESETS, run_kernels
+
+    grid = replace(GRID_PRESETS["cpu"], variants=["cascade"], batch_sizes=[1, 4], context_lens=[64], phases=["decode"],
+                   heads=[(4, 2)], suffix_lens=[16], warmup=0, repeats=1)  # fmt: skip
+    rows = run_kernels(["reference", "sdpa"], grid, "cpu", "float32")
+    assert [(r["backend"], r["batch_size"], r["cascade"], r["status"]) for r in rows] == [
+        (name, group, on, "ok") for group in (1, 4) for name in ("reference", "sdpa") for on in ("off", "on")
+    ]
+    flat, cascaded = (next(r for r in rows if r["batch_size"] == 4 and r["cascade"] == on) for on in ("off", "on"))
+    assert cascaded["kv_bytes"] == flat["kv_bytes"] * (64 + 4 * 2 * 16) // (4 * (64 + 16))  # the prefix read once
+    assert cascaded["cascade_share"] == 0.8 and flat["cascade_share"] == 0.0

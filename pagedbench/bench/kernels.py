@@ -27,6 +27,7 @@ from pagedbench.backends.base import (
 from pagedbench.backends.reference import ReferenceBackend
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.environment import environment
+from pagedbench.bench.kernels_cascade import CASCADE, cascade_rows
 from pagedbench.bench.kernels_non_attention import GDN, gdn_rows, indexer_columns
 from pagedbench.bench.problems import PLACEMENTS, causal_mask, error_columns, random_attention_batch
 from pagedbench.bench.ranks import gather_rows, grid_world
@@ -84,9 +85,11 @@ class KernelGrid:
     placement: str = "random"
     # EngineConfig.batch_invariant: each backend in its batch-invariant form; one without it is unavailable.
     batch_invariant: bool = False
+    # Variant cascade: each sequence's own tokens after the group's shared prefix (kernels_cascade.py).
+    suffix_lens: list[int] = field(default_factory=lambda: [64])
 
     def validate(self) -> None:
-        for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
+        for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens", "suffix_lens"):
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be a non-empty list of integers >= 1, got {values}")
@@ -95,8 +98,9 @@ class KernelGrid:
                 raise ValueError(f"heads {num_heads}/{num_kv_heads}: query heads must be a multiple of KV heads")
         for kv in self.kv_cache_dtypes:
             kv_storage_dtype(kv, torch.float32)  # an unknown name fails here, naming the known ones
-        if not self.variants or set(self.variants) - {*VARIANTS, GDN}:
-            raise ValueError(f"variants must be among {', '.join([*VARIANTS, GDN])}, got {', '.join(self.variants)}")
+        if not self.variants or set(self.variants) - {*VARIANTS, GDN, CASCADE}:
+            known = ", ".join([*VARIANTS, GDN, CASCADE])
+            raise ValueError(f"variants must be among {known}, got {', '.join(self.variants)}")
         if GDN in self.variants and (
             not self.linear_kernels or set(self.linear_kernels) - set(LINEAR_ATTENTION_KERNELS)
         ):
@@ -131,6 +135,8 @@ class KernelGrid:
         ):
             if point[1] == "prefill" and point[2] != 1 or point[2] > point[5]:
                 continue
+            if point[0] == CASCADE and point[1] != "decode":
+                continue  # a group's decodes (multi-token too) over its shared prefix
             if point[0] == GDN and (point[2] != 1 or point[4] != self.block_sizes[0]):
                 continue  # a DeltaNet layer has no pages, and speculative decoding is refused on hybrid models
             if point[1] == "prefill" and VARIANTS.get(point[0], PLAIN).topk is not None:
@@ -242,6 +248,8 @@ def run_kernels(
         if variant == GDN:
             shape = (phase, batch_size, context_len, num_heads, num_kv_heads)
             out += gdn_rows(spec, shape, grid, dev, dt, columns)
+        elif variant == CASCADE:
+            cascade_rows(point, backends, grid, dev, dt, columns, out, (_shape_columns, _cascade_row))
         else:
             _attention_rows(point, spec, backends, grid, dev, dt, columns, out)
     if world > 1:
@@ -367,6 +375,11 @@ def _backend_row(cls, batch, head: dict, grid: KernelGrid, device, dtype, varian
         return {**head, "status": "mismatch", "reason": "; ".join(filter(None, [mismatch, caveat])), **timed,
                 **counts, **errors}  # fmt: skip
     return {**head, "status": "ok", "reason": caveat or "", **timed, **counts, **errors}
+
+
+def _cascade_row(cls, batch, head: dict, grid: KernelGrid, device, dtype, expected) -> dict:
+    """A cascade point's backend row (plain attention, pages as the batch's): timed and checked as any other."""
+    return _backend_row(cls, batch, head, grid, device, dtype, PLAIN, float("nan"), None, expected)
 
 
 def _shape_columns(

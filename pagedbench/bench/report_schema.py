@@ -163,6 +163,10 @@ KERNEL_COLUMNS = ENVIRONMENT + [
     "kv_cache_dtype",
     "batch_size",
     "context_len",
+    "prefix_len",  # variant cascade: the group's shared prefix (tokens), then each sequence's own suffix
+    "suffix_len",
+    "cascade",  # variant cascade: off (flat) or on (the prefix read once per group)
+    "cascade_share",  # the share of the KV rows' reads the prefix pass served
     "block_size",
     "placement",  # where a problem's pages lie (random, contiguous) and the cache's pages (--cache-blocks)
     "cache_blocks",

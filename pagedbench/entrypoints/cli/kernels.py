@@ -42,7 +42,7 @@ def cmd_kernels(args) -> None:
     device, _ = resolve_device_dtype(args.device, args.dtype)
     warn_if_busy(device)
     grid = dataclasses.replace(GRID_PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")])
-    for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens"):
+    for name in ("batch_sizes", "context_lens", "block_sizes", "query_lens", "suffix_lens"):
         if getattr(args, name):
             setattr(grid, name, int_list(getattr(args, name), name))
     if args.heads:
@@ -380,12 +380,16 @@ def register_kernels(sub) -> None:
     kern.add_argument(
         "--query-lens", help="query tokens per decoding sequence, e.g. 1,2,4,8 (k + 1 when verifying k speculated)"
     )
+    kern.add_argument(
+        "--suffix-lens", help="variant cascade: each sequence's own tokens after the shared prefix, e.g. 64,512"
+    )
     kern.add_argument("--heads", help="query/KV heads, e.g. 16/8,32/8")
     kern.add_argument("--phases", help="among decode,prefill,mixed")
     kern.add_argument(
         "--variants",
         help="attention variants, among plain,window-1024,softcap-50,sinks,gpt-oss,latent-512,dsa (default: plain); "
-        "gdn: a hybrid model's gated DeltaNet layer instead (--heads as value/key heads) per --linear-kernels",
+        "gdn: a hybrid model's gated DeltaNet layer instead (--heads as value/key heads) per --linear-kernels; "
+        "cascade: a group of --batch-sizes decodes sharing a --context-lens prefix, flat and cascaded",
     )
     kern.add_argument(
         "--linear-kernels",
