@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from pagedbench.bench import gpu_ledger as ledger_mod
 from pagedbench.bench import gpu_suite as suite
 from pagedbench.entrypoints.cli.main import build_parser, main
 
@@ -16,7 +17,7 @@ def test_every_pagedbench_step_parses(tmp_path):
     """A typo in a step's flags would cost device minutes: every step's command parses here."""
     parser = build_parser()
     steps = suite.default_steps(tmp_path / "reports")
-    assert [s.name for s in steps][:3] == ["environment", "pytest-cuda-failed-before", "profile-graphs"]
+    assert [s.name for s in steps][:3] == ["environment", "compare-mixed", "compare-mixed-async"]
     assert [s.needs_fa4 for s in steps][-3:] == [True, True, True], "FA4 steps come last"
     for step in steps:
         if step.argv[1:3] == ["-m", "pagedbench"]:
@@ -58,6 +59,10 @@ def test_steps_run_under_limits_and_land_in_the_tarball(tmp_path, capsys):
     rows = list(csv.DictReader((work / "summary.csv").open()))
     assert [r["status"] for r in rows] == ["ok", "failed", "cut", "skipped", "skipped"]
     assert "cut at its time limit" in (work / "logs" / "02-hangs.log").read_text()
+    ledger = list(csv.DictReader((work / "ledger.csv").open()))  # the steps that ran, with their code's hash
+    assert [(r["step"], r["status"]) for r in ledger] == [("fine", "ok"), ("broken", "failed"), ("hangs", "cut")]
+    assert {r["code_hash"] for r in ledger} == {ledger_mod.code_hash(suite.ENGINE_CODE)}
+    assert "Not measured in this draw" in (work / "summary.md").read_text()
 
 
 @pytest.mark.slow
@@ -121,3 +126,70 @@ def test_kernels_cuda_graphs_is_refused_without_cuda(capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err == "pagedbench: error: --cuda-graphs captures CUDA graphs: it needs a CUDA device (device is cpu)"
+
+
+def _ledger(tmp_path, rows):
+    """A committed run's ledger under reports/<card>/runN/."""
+    run = tmp_path / "nvidia-h200" / f"run{len(list(tmp_path.rglob('ledger.csv'))) + 1}"
+    run.mkdir(parents=True)
+    ledger_mod.write_ledger([ledger_mod.LedgerRow(*r) for r in rows], run)
+    return tmp_path / "nvidia-h200"
+
+
+def test_next_takes_the_steps_without_a_result_on_the_code_as_it_is(tmp_path):
+    steps = suite.default_steps(tmp_path / "reports")
+    engine, kernels = ledger_mod.code_hash(suite.ENGINE_CODE), ledger_mod.code_hash(suite.KERNEL_CODE)
+    cards = _ledger(
+        tmp_path,
+        [
+            ("environment", "ok", 7, engine, "abc", "2026-11-27T10:00:00Z"),  # always runs
+            ("compare-mixed", "ok", 108, engine, "abc", "2026-11-27T10:01:00Z"),  # measured: left out
+            ("compare-mixed-async", "cut", 200, engine, "abc", "2026-11-27T10:04:00Z"),  # cut: no result
+            ("profile-graphs", "ok", 131, "0123456789abcdef", "old", "2026-11-20T10:00:00Z"),  # older code
+            ("kernels-decode-graphs", "failed", 98, kernels, "abc", "2026-11-27T10:09:00Z"),  # fails again here
+        ],
+    )
+    due, done = suite.due_steps(steps, ledger_mod.read_ledgers(cards))
+    names = [s.name for s in due]
+    assert names[:4] == ["environment", "compare-mixed-async", "profile-graphs", "profile-graphs-async"]
+    assert "compare-mixed" not in names and "kernels-decode-graphs" not in names
+    assert names == [s.name for s in steps if s.name not in ("compare-mixed", "kernels-decode-graphs")]
+    assert done == [
+        "compare-mixed: ok on this code already (2026-11-27T10:01:00Z, abc)",
+        "kernels-decode-graphs: failed on this code already (2026-11-27T10:09:00Z, abc)",
+    ]
+
+
+def test_a_changed_source_file_makes_its_steps_due_again(tmp_path):
+    (tmp_path / "backends").mkdir()
+    source = tmp_path / "backends" / "triton.py"
+    source.write_text("x = 1\n")
+    (tmp_path / "backends" / "notes.txt").write_text("not source")
+    before = ledger_mod.code_hash(("backends",), tmp_path)
+    (tmp_path / "backends" / "notes.txt").write_text("still not source")
+    assert ledger_mod.code_hash(("backends",), tmp_path) == before
+    source.write_text("x = 2\n")
+    assert ledger_mod.code_hash(("backends",), tmp_path) != before
+    assert ledger_mod.gpu_slug("NVIDIA H200") == "nvidia-h200" and ledger_mod.gpu_slug("NVIDIA H100 80GB HBM3") == (
+        "nvidia-h100-80gb-hbm3"
+    )
+
+
+def test_a_step_reading_an_earlier_steps_files_gets_them_or_is_skipped(tmp_path):
+    replay = next(s for s in suite.default_steps(tmp_path / "reports") if s.name == "kernels-replay")
+    assert suite.with_inputs(replay, tmp_path)[1].startswith("no compare-mixed/*-steps.jsonl")
+    recorded = tmp_path / "reports" / "compare-mixed"
+    recorded.mkdir(parents=True)
+    for backend in ("triton", "flex"):
+        (recorded / f"compare-mixed-{backend}-steps.jsonl").write_text("{}\n")
+    step, skip = suite.with_inputs(replay, tmp_path)
+    assert skip is None and step.argv[step.argv.index("--replay") + 1] == ",".join(
+        str(recorded / f"compare-mixed-{b}-steps.jsonl") for b in ("flex", "triton")
+    )
+
+
+def test_next_without_cuda_needs_its_ledger_dir(tmp_path, capsys):
+    if suite.cuda_available():
+        pytest.skip("this machine has CUDA: reports/<card>/ is found")
+    assert main(["gpu-suite", "--next", "--work", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "--ledger-dir" in capsys.readouterr().err

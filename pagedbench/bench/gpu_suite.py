@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedbench import envs
+from pagedbench.bench.environment import git_sha
+from pagedbench.bench.gpu_ledger import LedgerRow, code_hash, measured, today, write_ledger
 
 STASH = Path(envs.get("PAGEDBENCH_GPU_STASH"))  # survives between calls while warm
 MIN_STEP_SECONDS = 20  # a step with less time than this left is skipped, not started
@@ -26,6 +28,13 @@ KILL_GRACE_SECONDS = 5  # between SIGTERM to a step's process group and SIGKILL
 TARBALL = "gpu-suite.tar.gz"
 LAST_FAILED = ["tests/test_check.py", "tests/test_cuda_graphs.py"]  # files of the last draw's failures
 EARLY_FAILURES = {"PAGEDBENCH_EARLY_FAILURES": "1"}  # tests/conftest.py prints each failure as it happens
+
+
+# The source a step's result depends on (gpu_ledger.code_hash): a change there makes it due again.
+ENGINE_CODE = ("pagedbench", "backends")
+TEST_CODE = (*ENGINE_CODE, "tests")
+KERNEL_CODE = ("backends", *(f"pagedbench/bench/{m}.py" for m in ("kernels", "problems", "timing", "replay")))
+CHECK_CODE = ("backends", *(f"pagedbench/bench/{m}.py" for m in ("check", "check_determinism", "problems")))
 
 
 @dataclass(slots=True)
@@ -36,6 +45,11 @@ class SuiteStep:
     needs_cuda: bool = True
     needs_fa4: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    code: tuple[str, ...] = ENGINE_CODE
+    always: bool = False  # runs on every draw (the environment), whatever the ledger says
+    # A glob under the suite's reports whose matches (comma-joined) replace "{inputs}" in argv: files an
+    # earlier step of this draw wrote (a recording to replay); none there, the step is skipped.
+    inputs: str | None = None
 
 
 @dataclass(slots=True)
@@ -72,9 +86,11 @@ def compare_mixed(model: str, scale: str, *more: str) -> list[str]:
 
 
 def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) -> list[SuiteStep]:
-    """The suite's steps, most valuable first (FA4, which needs its wheels installed, last). The
-    engine's flex tunes each decode batch bucket it captures (nine of them): the suite gives that
-    search 6 s a shape (PAGEDBENCH_FLEX_TUNE_SECONDS, unless set) so that it fits a 15-minute draw."""
+    """The suite's steps, most valuable first (issue 71's order: the end-to-end comparison and its
+    async twin, the step profile, the replay of the comparison's recorded steps, determinism, the
+    CUDA tests; FA4, which needs its wheels installed, last). The engine's flex tunes each decode
+    batch bucket it captures (nine of them): the suite gives that search 6 s a shape
+    (PAGEDBENCH_FLEX_TUNE_SECONDS, unless set) so that it fits a 15-minute draw."""
 
     def bench(name: str, limit: int, argv: list[str], out: str | None = None, **options) -> SuiteStep:
         """A pagedbench command writing its reports to reports/<out, else the step's name>."""
@@ -82,43 +98,104 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
 
     compare = compare_mixed("qwen3-0.6b", str(scale), "--num-blocks", str(num_blocks))
     torch_and_triton = "sdpa,flex,triton"  # the backends that need no extra wheels
+    quarter = compare_mixed("qwen3-0.6b", "0.25")
     return [
-        SuiteStep("environment", [sys.executable, "-m", "pagedbench.bench.gpu_suite", "environment"], 60, False),
-        # The cases that failed on the last draw, first, with their tracebacks.
+        SuiteStep(
+            "environment", [sys.executable, "-m", "pagedbench.bench.gpu_suite", "environment"], 60, False, always=True
+        ),
+        bench("compare-mixed", 200, [*compare, "--backends", "triton,flex", "--record-steps", "200"]),
+        # Async scheduling (docs/async-scheduling.md): the same runs and decode steps with the host run ahead.
+        bench("compare-mixed-async", 200, [*compare, "--backends", "triton,flex", "--async-scheduling"]),
+        bench("profile-graphs", 150, [*PROFILE, "--compile"]),
+        bench("profile-graphs-async", 150, [*PROFILE, "--compile", "--async-scheduling"]),
+        # The served shapes (docs/benchmarks.md): compare-mixed's recorded steps through each backend.
+        bench(
+            "kernels-replay",
+            150,
+            ["kernels", "--replay", "{inputs}", "--backends", torch_and_triton],
+            inputs="compare-mixed/*-steps.jsonl",
+            code=KERNEL_CODE,
+        ),
+        bench("kernels-decode-graphs", 120, kernels_decode("16", torch_and_triton, "--cuda-graphs"), code=KERNEL_CODE),
+        bench(
+            "check-determinism",
+            120,
+            ["check", "--determinism", "--device", "cuda", "--dtypes", "bf16", "--backends", torch_and_triton],
+            code=CHECK_CODE,
+        ),
+        # The cases that failed on the last draw, first, with their tracebacks; then the rest.
         SuiteStep(
             "pytest-cuda-failed-before",
             [*PYTEST, "--tb=long", "-k", "cuda and (MLA or graph)", *LAST_FAILED],
             120,
             env=EARLY_FAILURES,
+            code=TEST_CODE,
         ),
-        bench("profile-graphs", 150, [*PROFILE, "--compile"]),
-        bench("compare-mixed", 200, [*compare, "--backends", "triton,flex"]),
-        # Async scheduling (docs/async-scheduling.md): the same runs and decode steps with the host run ahead.
-        bench("compare-mixed-async", 200, [*compare, "--backends", "triton,flex", "--async-scheduling"]),
-        bench("profile-graphs-async", 150, [*PROFILE, "--compile", "--async-scheduling"]),
-        bench("kernels-dsa", 100, [*DSA, "--backends", torch_and_triton]),
+        SuiteStep(
+            "pytest-cuda", [*PYTEST, "-k", "cuda and not flash", "tests"], 240, env=EARLY_FAILURES, code=TEST_CODE
+        ),
+        # Shared prefixes read once (docs/cascade.md), and outputs alone vs batched with batch_invariant off and on.
+        bench(
+            "kernels-cascade",
+            120,
+            ["kernels", "--variants", "cascade", "--backends", torch_and_triton],
+            code=KERNEL_CODE,
+        ),
+        bench("compare-alone", 150, [*quarter, "--backends", "triton,flex", "--alone-check", "16"]),
+        bench(
+            "compare-alone-invariant",
+            150,
+            [*quarter, "--backends", "triton,flex", "--alone-check", "16", "--batch-invariant"],
+        ),
+        bench("kernels-dsa", 100, [*DSA, "--backends", torch_and_triton], code=KERNEL_CODE),
         # Hybrids' gated delta rule on CUDA: the torch forms and fla's kernels against the float64 oracle.
-        bench("check-gdn", 60, ["check", "--device", "cuda", "--backends", "gdn-torch,gdn-fla"]),
-        bench("kernels-decode-graphs", 120, kernels_decode("16", torch_and_triton, "--cuda-graphs")),
+        bench("check-gdn", 60, ["check", "--device", "cuda", "--backends", "gdn-torch,gdn-fla"], code=CHECK_CODE),
         bench("profile-eager", 90, [*PROFILE, "--enforce-eager"]),
-        SuiteStep("pytest-cuda", [*PYTEST, "-k", "cuda and not flash", "tests"], 240, env=EARLY_FAILURES),
-        bench("kernels-decode", 180, kernels_decode("16,64,128", torch_and_triton)),
+        bench("kernels-decode", 180, kernels_decode("16,64,128", torch_and_triton), code=KERNEL_CODE),
         bench(
             "kernels-flex-untuned",
             90,
             kernels_decode("16,64,128", "flex"),
             "kernels-decode-flex-untuned",
             env={"PAGEDBENCH_FLEX_TUNE": "0"},
+            code=KERNEL_CODE,
         ),
         # Hybrid (Qwen3.5's shape): what the DeltaNet layers' host loop costs beside attention on a GPU.
         bench("compare-hybrid", 150, [*compare_mixed("qwen3.5-0.8b", "0.25"), "--backends", "triton,flex"]),
         # sdpa runs mixed at scale 1 in minutes (a seventh of triton's rate at 0.25): after the rest.
         bench("compare-mixed-sdpa", 240, [*compare, "--backends", "sdpa"]),
-        bench("compare-hf-peer", 150, [*compare_mixed("qwen3-0.6b", "0.25"), "--backends", "triton", "--peer", "hf"]),
-        bench("fa4-kernels", 120, kernels_decode("16,128", "flash-attn"), "kernels-decode-fa4", needs_fa4=True),
+        bench("compare-hf-peer", 150, [*quarter, "--backends", "triton", "--peer", "hf"]),
+        bench(
+            "fa4-kernels",
+            120,
+            kernels_decode("16,128", "flash-attn"),
+            "kernels-decode-fa4",
+            needs_fa4=True,
+            code=KERNEL_CODE,
+        ),
         bench("fa4-compare", 150, [*compare, "--backends", "flash-attn"], "compare-mixed-fa4", needs_fa4=True),
-        SuiteStep("fa4-pytest", [*PYTEST, "-k", "cuda and flash", "tests"], 150, needs_fa4=True, env=EARLY_FAILURES),
+        SuiteStep(
+            "fa4-pytest",
+            [*PYTEST, "-k", "cuda and flash", "tests"],
+            150,
+            needs_fa4=True,
+            env=EARLY_FAILURES,
+            code=TEST_CODE,
+        ),
     ]
+
+
+def due_steps(steps: list[SuiteStep], ledger: list[LedgerRow]) -> tuple[list[SuiteStep], list[str]]:
+    """`--next`: the steps without a result on the code as it is now (and those that always run), in
+    the suite's order; with a line for each step left out (when and on which commit it was measured)."""
+    due, done = [], []
+    for step in steps:
+        row = None if step.always else measured(ledger, step.name, code_hash(step.code))
+        if row is None:
+            due.append(step)
+        else:
+            done.append(f"{step.name}: {row.status} on this code already ({row.date}, {row.commit[:12]})")
+    return due, done
 
 
 def cuda_available() -> bool:
@@ -204,7 +281,9 @@ def write_summary(results: list[StepResult], work: Path) -> str:
             writer.writerow([getattr(r, c) for c in columns])
     df = pd.DataFrame([[r.name, r.status, round(r.seconds, 1), r.limit_s, r.detail] for r in results])
     table = markdown(df.set_axis(["step", "status", "seconds", "limit s", "detail"], axis=1)) if results else ""
-    (work / "summary.md").write_text(f"# GPU suite summary\n\n{table}\n")
+    left = [r.name for r in results if r.status in ("cut", "skipped")]
+    remains = f"\nNot measured in this draw (the next `--next` takes them): {', '.join(left)}\n" if left else ""
+    (work / "summary.md").write_text(f"# GPU suite summary\n\n{table}\n{remains}")
     return table
 
 
@@ -233,15 +312,17 @@ def run_suite(
     cuda = cuda_available() if cuda is None else cuda
     (work / "logs").mkdir(parents=True, exist_ok=True)
     results: list[StepResult] = []
+    ledger: list[LedgerRow] = []
     fa4_ok = None if fa4 is None else fa4
+    commit = git_sha()
     for i, step in enumerate(steps):
         left = int(deadline - time.monotonic())
         limit = min(step.limit_s, left)
+        step, skip = with_inputs(step, work)
         command = " ".join(step.argv)
-        skip = None
-        if step.needs_cuda and not cuda:
+        if skip is None and step.needs_cuda and not cuda:
             skip = "no CUDA device"
-        elif step.needs_fa4:
+        elif skip is None and step.needs_fa4:
             fa4_ok = fa4_available(env) if fa4_ok is None else fa4_ok
             skip = None if fa4_ok else "FA4 not importable (pass --fa4-parts with its wheel halves)"
         if skip is None and limit < min(step.limit_s, MIN_STEP_SECONDS):
@@ -253,10 +334,25 @@ def run_suite(
             t0 = time.monotonic()
             status, detail = run_step(step, limit, work / "logs" / f"{i:02d}-{step.name}.log", env | step.env)
             results.append(StepResult(step.name, status, time.monotonic() - t0, limit, detail, command))
+            ledger.append(
+                LedgerRow(step.name, status, round(results[-1].seconds, 1), code_hash(step.code), commit, today())
+            )
             print(f"=== {step.name}: {status} ({detail}) in {results[-1].seconds:.0f} s", flush=True)
         write_summary(results, work)
+        write_ledger(ledger, work)
         pack(work, out)
     return results
+
+
+def with_inputs(step: SuiteStep, work: Path) -> tuple[SuiteStep, str | None]:
+    """`step` with "{inputs}" replaced by its input files under work/reports, or why it cannot run."""
+    if step.inputs is None:
+        return step, None
+    found = sorted(str(p) for p in (work / "reports").glob(step.inputs))
+    if not found:
+        return step, f"no {step.inputs} under the reports (the step that writes it did not run in this draw)"
+    argv = [",".join(found) if a == "{inputs}" else a for a in step.argv]
+    return SuiteStep(step.name, argv, step.limit_s, step.needs_cuda, step.needs_fa4, step.env, step.code), None
 
 
 def environment() -> None:

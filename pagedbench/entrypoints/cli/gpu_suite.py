@@ -5,6 +5,7 @@ import os
 import sys
 from pathlib import Path
 
+from pagedbench.bench.gpu_ledger import gpu_slug, read_ledgers
 from pagedbench.entrypoints.cli.common import NothingMeasured
 
 
@@ -21,6 +22,10 @@ def cmd_gpu_suite(args) -> int:
         if unknown:
             raise ValueError(f"unknown suite step {unknown[0]!r}; known: {', '.join(known)}")
         steps = [s for s in steps if s.name in wanted]
+    if args.next:
+        steps, done = suite.due_steps(steps, read_ledgers(ledger_dir(args.ledger_dir)))
+        for line in done:
+            print(f"pagedbench: gpu-suite --next leaves out {line}")
     if args.budget <= 0:
         raise ValueError(f"--budget must be > 0 seconds, got {args.budget:g}")
     work.mkdir(parents=True, exist_ok=True)
@@ -42,6 +47,17 @@ def cmd_gpu_suite(args) -> int:
     return 0 if all(r.status in ("ok", "skipped") for r in results) else 1
 
 
+def ledger_dir(given: str | None) -> Path:
+    """Where --next reads the ledgers: --ledger-dir, else reports/<this card> (reports/nvidia-h200)."""
+    if given:
+        return Path(given)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("--next reads reports/<card>/: pass --ledger-dir on a machine without CUDA")
+    return Path("reports") / gpu_slug(torch.cuda.get_device_name(0))
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "gpu-suite",
@@ -51,6 +67,13 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="where the tarball goes (default: $OUT, else ./gpu-suite)")
     p.add_argument("--work", default="gpu-suite-work", help="directory of the logs and reports being packed")
     p.add_argument("--steps", default=None, help="comma-separated subset of the steps, in the suite's order")
+    p.add_argument(
+        "--next",
+        action="store_true",
+        help="only the steps without a result on the code as it is now, by the ledgers committed under "
+        "reports/<card>/ (gpu_ledger.py); --steps then picks among those",
+    )
+    p.add_argument("--ledger-dir", default=None, help="--next's ledgers (default: reports/<this card's name>)")
     p.add_argument("--scale", type=float, default=1.0, help="the compare step's scale of the mixed scenario")
     p.add_argument("--num-blocks", type=int, default=16384, help="the KV budget of every backend in compare")
     p.add_argument(
