@@ -306,20 +306,21 @@ def compiled_cuda_timer(args_for: Callable[[dict], tuple], recompile_limit: int)
     return seconds
 
 
-def eager_wall_timer(
+def eager_cpu_timer(
     args_for: Callable[[dict], tuple], recompile_limit: int, repeats: int = 5
 ) -> Callable[[dict], float]:
-    """Each candidate run by eager flex, its least wall time of `repeats` (a CPU's real timing; the
-    CPU kernel takes no options, so candidates differ only by noise)."""
+    """Each candidate run by eager flex, its least CPU time of `repeats` (a CPU's real timing, in the
+    process's CPU seconds: time other processes take from shared cores is not counted; the CPU kernel
+    takes no options, so candidates differ only by noise)."""
 
     def seconds(options: dict) -> float:
         args = args_for(options)
-        attend(*args)  # the first call of a shape pays for eager flex's set-up
+        attend(*args)  # a shape's first call pays for eager flex's set-up
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = time.process_time()
             attend(*args)
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
         return min(times)
 
     return seconds

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = FlexBackend(heads, kv_heads, args.head_dim, args.head_dim**-0.5, args.page_size, device, dtype)
     tuner = backend.decode_tuner
     if not cuda:
-        tuner.measure = flex_tune.eager_wall_timer
+        tuner.measure = flex_tune.eager_cpu_timer
     slots = args.cache_pages * args.page_size
     k = torch.zeros(1, kv_heads, slots, args.head_dim, device=device, dtype=dtype)
     problem = DecodeProblem(args.batch, 1, context_class(args.context, args.page_size), args.cache_pages)
