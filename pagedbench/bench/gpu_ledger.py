@@ -40,8 +40,12 @@ def code_hash(paths: tuple[str, ...], root: Path = REPO) -> str:
         base = root / rel
         files = [base] if base.is_file() else sorted(base.rglob("*")) if base.is_dir() else []
         for f in files:
-            if f.is_file() and f.suffix in SOURCE_SUFFIXES and "__pycache__" not in f.parts:
-                digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+            if f.suffix in SOURCE_SUFFIXES and "__pycache__" not in f.parts:
+                try:
+                    content = f.read_bytes()
+                except (FileNotFoundError, IsADirectoryError):  # gone since listed (an editor's temporary file)
+                    continue
+                digest.update(f.relative_to(root).as_posix().encode() + b"\0" + content + b"\0")
     return digest.hexdigest()[:16]
 
 

@@ -8,6 +8,7 @@ reason; the rest (environment, packing, limits) runs the same, which is how the 
 """
 
 import csv
+import functools
 import os
 import shutil
 import signal
@@ -92,13 +93,23 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
     batch bucket it captures (nine of them): the suite gives that search 6 s a shape
     (PAGEDBENCH_FLEX_TUNE_SECONDS, unless set) so that it fits a 15-minute draw."""
 
-    def bench(name: str, limit: int, argv: list[str], out: str | None = None, **options) -> SuiteStep:
-        """A pagedbench command writing its reports to reports/<out, else the step's name>."""
-        return SuiteStep(name, pagedbench_cmd(*argv, "--out", f"{reports}/{out or name}"), limit, **options)
-
+    bench = functools.partial(_bench, reports)
     compare = compare_mixed("qwen3-0.6b", str(scale), "--num-blocks", str(num_blocks))
-    torch_and_triton = "sdpa,flex,triton"  # the backends that need no extra wheels
-    quarter = compare_mixed("qwen3-0.6b", "0.25")
+    return [*_first_steps(bench, compare), *_later_steps(bench, compare)]
+
+
+def _bench(reports: Path, name: str, limit: int, argv: list[str], out: str | None = None, **options) -> SuiteStep:
+    """A pagedbench command writing its reports to reports/<out, else the step's name>."""
+    return SuiteStep(name, pagedbench_cmd(*argv, "--out", f"{reports}/{out or name}"), limit, **options)
+
+
+TORCH_AND_TRITON = "sdpa,flex,triton"  # the backends that need no extra wheels
+QUARTER = compare_mixed("qwen3-0.6b", "0.25")
+
+
+def _first_steps(bench, compare: list[str]) -> list[SuiteStep]:
+    """The environment, the end-to-end comparison off/on async, profiles, replay, determinism, CUDA tests."""
+    torch_and_triton = TORCH_AND_TRITON
     return [
         SuiteStep(
             "environment", [sys.executable, "-m", "pagedbench.bench.gpu_suite", "environment"], 60, False, always=True
@@ -134,6 +145,13 @@ def default_steps(reports: Path, scale: float = 1.0, num_blocks: int = 16384) ->
         SuiteStep(
             "pytest-cuda", [*PYTEST, "-k", "cuda and not flash", "tests"], 240, env=EARLY_FAILURES, code=TEST_CODE
         ),
+    ]
+
+
+def _later_steps(bench, compare: list[str]) -> list[SuiteStep]:
+    """Cascade, alone-check, DSA, hybrids, the untuned and wider kernel grids, sdpa at scale 1, the HF peer, FA4."""
+    torch_and_triton, quarter = TORCH_AND_TRITON, QUARTER
+    return [
         # Shared prefixes read once (docs/cascade.md), and outputs alone vs batched with batch_invariant off and on.
         bench(
             "kernels-cascade",
