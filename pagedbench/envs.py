@@ -58,7 +58,6 @@ KNOBS = {
             "1",
             "0 keeps the startup heap in Python's collector (1: frozen once an engine is built, as vLLM does)",
             ("0", "1"),
-            True,
         ),
         Knob("PAGEDBENCH_DEBUG", "", "1: worker and replica processes print their full tracebacks"),
         Knob("PAGEDBENCH_GPU_STASH", "/tmp/pagedbench-gpu", "gpu-suite's files kept between calls on a warm machine"),
