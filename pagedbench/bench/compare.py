@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from pagedbench.backends.cascade import CascadeCounts
 from pagedbench.backends.registry import resolve
 from pagedbench.bench.alone_check import add_alone_columns
 from pagedbench.bench.environment import environment, synchronize
@@ -139,6 +140,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
     """One run of `requests` (an LLMEngine, or a DataParallelEngine: its replicas' counters merged)."""
     engine.reset_prefix_cache()  # every run starts cold, as the warmup did: repeats measure the same thing
     engine.reset_counters()
+    cascade_before = dataclasses.replace(cascade_counts(engine))
     duration, outputs = drive(engine, requests, desc)
     counters = engine.run_counters()
     device, st = counters.device, counters.stats
@@ -175,6 +177,7 @@ def measure(engine: LLMEngine, requests: list[Request], desc: str) -> Measuremen
         **snapshot_columns(engine),
         "peak_shared_blocks": st.peak_shared_blocks,
         "block_copies": st.block_copies,  # copy-on-write page copies (forked samples)
+        **cascade_columns(engine, cascade_before),
         "mean_kv_utilization": st.used_block_steps / max(st.steps, 1) / engine.num_blocks,
         "mean_wasted_slots": st.wasted_slot_steps / max(st.wasted_slot_samples, 1),  # internal fragmentation
         "peak_wasted_slots": st.peak_wasted_slots,
@@ -203,6 +206,24 @@ def snapshot_columns(engine) -> dict:
         "mamba_block_size": plan.interval,
         "state_snapshots": plan.count,
         "state_snapshot_bytes": plan.count * per_snapshot,
+    }
+
+
+def cascade_counts(engine) -> CascadeCounts:
+    """The cascade counters of the engine's worker (backends/cascade.py; empty ones in front of replicas)."""
+    runner = getattr(getattr(engine, "executor", None), "runner", None)
+    tables = getattr(runner, "block_tables", None) or getattr(getattr(runner, "runner", None), "block_tables", None)
+    return tables.cascade_counts if tables is not None else CascadeCounts()
+
+
+def cascade_columns(engine, before: CascadeCounts) -> dict:
+    """How many of the run's steps cascaded (none where the backend has no cascade path) and the share of the
+    decode rows' KV reads (query rows x keys) its prefix passes served."""
+    now = cascade_counts(engine)
+    decode = now.decode_kv_tokens - before.decode_kv_tokens
+    return {
+        "cascade_steps": now.cascade_steps - before.cascade_steps,
+        "cascade_share": (now.shared_kv_tokens - before.shared_kv_tokens) / decode if decode else 0.0,
     }
 
 

@@ -85,6 +85,8 @@ SERVING_COLUMNS = ENVIRONMENT + [
     "state_snapshot_bytes",
     "peak_shared_blocks",
     "block_copies",
+    "cascade_steps",  # steps of the run that cascaded (backends/cascade.py; cascade_attention: the setting asked)
+    "cascade_share",  # the share of the decode rows' KV reads that cascade's prefix passes served
     "mean_kv_utilization",
     "mean_wasted_slots",
     "peak_wasted_slots",

@@ -388,7 +388,7 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
         {
             "backend": ok["backend"],
             "device": ok["device_name"],
-            "variant": ok["variant"] if "variant" in ok else "plain",  # CSVs before variants are plain
+            "variant": _variant_names(ok),
             "phase": ok["phase"],
             "query len": _column(ok, "query_len").fillna(1).astype("Int64"),  # CSVs before it: 1
             "KV pages": ok["kv_cache_dtype"].astype(object).fillna("auto") if "kv_cache_dtype" in ok else "auto",
@@ -415,6 +415,17 @@ def kernel_table(kernels: pd.DataFrame) -> pd.DataFrame:
         }
         | _indexer_ms(ok)
     )
+
+
+def _variant_names(df: pd.DataFrame) -> pd.Series | str:
+    """Each row's variant (CSVs before variants: plain); a cascade row's with off/on and its suffix."""
+    if "variant" not in df:
+        return "plain"
+    if "cascade" not in df:
+        return df["variant"]
+    cascade = df["cascade"].astype(object)
+    suffix = _column(df, "suffix_len").astype("Int64").astype(str)
+    return (df["variant"].astype(str) + " " + cascade.astype(str) + " +" + suffix).where(cascade.notna(), df["variant"])
 
 
 def _indexer_ms(df: pd.DataFrame) -> dict[str, pd.Series]:
