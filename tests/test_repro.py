@@ -16,6 +16,7 @@ from pagedbench.entrypoints.cli.run import WORKLOAD_OVERRIDES
 
 KERNEL_GRID = ["variant", "phase", "query_len", "batch_size", "context_len", "block_size", "num_heads"]
 KERNEL_GRID += ["num_kv_heads", "head_dim", "kv_cache_dtype", "backend", "device", "dtype", "warmup", "repeats"]
+KERNEL_GRID += ["cache_blocks", "placement"]
 CHECK_GRID = ["case", "batch", "heads", "head_dim", "block_size", "variant", "backend", "dtype", "device"]
 
 
@@ -75,7 +76,10 @@ def test_kernel_row_command_is_its_grid_point():
     assert words[:4] == ["pagedbench", "kernels", "--backends", "sdpa"]
     assert words[words.index("--heads") + 1] == "16/8"
     assert words[words.index("--max-kv-tokens") + 1] == str(4 * 1024)  # the point itself passes every limit
-    assert "--cuda-graphs" not in words
+    assert "--cuda-graphs" not in words and "--cache-blocks" not in words  # a row without them: the defaults
+    placed = shlex.split(kernel_repro({**row, "cache_blocks": 4096, "placement": "contiguous"}))
+    assert placed[placed.index("--cache-blocks") + 1] == "4096"
+    assert placed[placed.index("--placement") + 1] == "contiguous"
     gdn = {**row, "backend": "gdn-torch", "variant": "gdn", "linear_attention_kernel": "torch"}
     del gdn["block_size"], gdn["warmup"], gdn["repeats"]  # a DeltaNet row has no pages; an unavailable one no timing
     words = shlex.split(kernel_repro(gdn))
@@ -103,8 +107,10 @@ def test_run_row_reproduces_its_settings(tmp_path):
 def test_kernels_row_reproduces_its_grid_point(tmp_path):
     args = ["kernels", "--backends", "sdpa", "--batch-sizes", "1,2", "--context-lens", "32", "--block-sizes", "16"]
     args += ["--heads", "2/1", "--head-dim", "16", "--phases", "decode", "--warmup", "0", "--repeats", "1"]
+    args += ["--cache-blocks", "64", "--placement", "contiguous"]
     assert main([*args, "--device", "cpu", "--out", str(tmp_path / "first")]) == 0
     row = report(tmp_path / "first").query("backend == 'sdpa' and batch_size == 2").iloc[0]
+    assert "--cache-blocks 64" in row["repro"] and "--placement contiguous" in row["repro"]
     again = rerun(row["repro"], tmp_path / "again")
     assert len(again) == 2  # the point's dense yardstick and its backend row
     assert again.query("backend == 'sdpa'").iloc[0][KERNEL_GRID].to_dict() == row[KERNEL_GRID].to_dict()

@@ -83,8 +83,9 @@ def serving_repro(row: dict, scenario_flags: list[str]) -> str:
 
 def kernel_repro(row: dict) -> str:
     """A kernels row's command: that one grid point (variant, phase, query length, batch, context,
-    heads, head dim, page size, page dtype) on that backend, with its warmup and repeats; the dense
-    yardstick's with sdpa (it runs beside any backend), a gated DeltaNet row's by its kernel."""
+    heads, head dim, page size, page dtype, the cache's pages and their placement) on that backend,
+    with its warmup and repeats; the dense yardstick's with sdpa (it runs beside any backend), a
+    gated DeltaNet row's by its kernel."""
     backend, variant = str(row["backend"]), str(row["variant"])
     spec = batch_spec(str(row["phase"]), int(row["batch_size"]), int(row["context_len"]), int(row["query_len"]))
     if variant == GDN:
@@ -94,6 +95,7 @@ def kernel_repro(row: dict) -> str:
     words += ["--variants", variant, "--heads", f"{row['num_heads']}/{row['num_kv_heads']}"]
     flags = {"phases": "phase", "query_lens": "query_len", "batch_sizes": "batch_size", "context_lens": "context_len"}
     flags |= {"head_dim": "head_dim", "block_sizes": "block_size", "warmup": "warmup", "repeats": "repeats"}
+    flags |= {"cache_blocks": "cache_blocks", "placement": "placement"}  # where its pages lie
     if variant != GDN and backend != DENSE:
         flags["kv_cache_dtype"] = "kv_cache_dtype"
     for name, column in flags.items():  # what a row has (a DeltaNet row no pages, an unavailable one no timing)
