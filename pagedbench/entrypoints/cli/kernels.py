@@ -408,12 +408,20 @@ def register_kernels(sub) -> None:
         help="time each forward captured in a CUDA graph and replayed, as the engine's decode graphs run it "
         "(rows say cuda_graphs; a backend that cannot be captured is timed eagerly and says why)",
     )
-    kern.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="each backend in its batch-invariant form (EngineConfig.batch_invariant); one without it is "
-        "unavailable, saying why",
-    )
+    kern.add_argument("--batch-invariant", action="store_true", help="each backend in its batch-invariant form "
+                      "(EngineConfig.batch_invariant); one without it is unavailable, saying why")  # fmt: skip
+    add_engine_shape_flags(kern)
+    kern.add_argument("--device", default=None)
+    kern.add_argument("--dtype", default=None)
+    kern.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
+    add_overwrite_flag(kern)
+    add_threads_flag(kern)
+    kern.set_defaults(func=cmd_kernels)
+
+
+def add_engine_shape_flags(kern) -> None:
+    """kernels' flags that make its problems the engine's: the cache's pages and where a problem's
+    pages lie, or the steps a run recorded, replayed."""
     kern.add_argument(
         "--cache-blocks",
         type=int,
@@ -442,12 +450,6 @@ def register_kernels(sub) -> None:
         help="--replay on a CPU: read a buffer twice the last-level cache before each timed forward, as the rest "
         "of the model evicts it between a layer's attention calls in the engine (on CUDA the L2 is always flushed)",
     )
-    kern.add_argument("--device", default=None)
-    kern.add_argument("--dtype", default=None)
-    kern.add_argument("--out", default="reports", help="directory for the CSV, markdown and PNG reports")
-    add_overwrite_flag(kern)
-    add_threads_flag(kern)
-    kern.set_defaults(func=cmd_kernels)
 
 
 def register_check(sub) -> None:
