@@ -217,11 +217,14 @@ def cascade_counts(engine) -> CascadeCounts:
 
 
 def cascade_columns(engine, before: CascadeCounts) -> dict:
-    """How many of the run's steps cascaded (none where the backend has no cascade path) and the share of the
-    decode rows' KV reads (query rows x keys) its prefix passes served."""
+    """cascade_attention as the engine resolved it ("auto": the heuristic), how many of the run's steps
+    cascaded and the share of the decode rows' KV reads (query rows x keys) its prefix passes served."""
     now = cascade_counts(engine)
     decode = now.decode_kv_tokens - before.decode_kv_tokens
+    runner = getattr(getattr(engine, "executor", None), "runner", None)
+    resolved = getattr(getattr(runner, "block_tables", None), "cascade", engine.config.cascade_attention)
     return {
+        "cascade_attention": "auto" if resolved is None else resolved,  # as resolved: False where the backend has none
         "cascade_steps": now.cascade_steps - before.cascade_steps,
         "cascade_share": (now.shared_kv_tokens - before.shared_kv_tokens) / decode if decode else 0.0,
     }
