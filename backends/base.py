@@ -286,6 +286,8 @@ class AttentionBackend(ABC):
     # split or a padded length chosen from the batch), or None when it never does: batch-invariant
     # (`check --determinism` fails a backend that claims it and is not).
     batch_invariant_reason: ClassVar[str | None] = "not stated by the backend"
+    # Whether the backend has a batch-invariant form, built with batch_invariant=True (EngineConfig's).
+    batch_invariant_form: ClassVar[bool] = False
     # Decode graphs only at power-of-two batch sizes of at least 2 (what the kernel compiles for).
     cuda_graph_powers_of_two: ClassVar[bool] = False
     # kv_cache_dtype values beyond "auto" that forward() reads (given kv_scales), and why not the others.
@@ -339,8 +341,9 @@ class AttentionBackend(ABC):
         """Why a sequence's output may change, bitwise, with its batch or its pages under these settings
         (`unavailable_reason`'s), or None: batch-invariant. With `batch_invariant` (the engine setting,
         passed to the constructor too) a backend that has a batch-invariant form answers for it; the engine
-        refuses a backend that still gives a reason. By default the class's `batch_invariant_reason`."""
-        return cls.batch_invariant_reason
+        refuses a backend that still gives a reason. By default the class's `batch_invariant_reason`, or
+        None under `batch_invariant` where it has a `batch_invariant_form`."""
+        return None if batch_invariant and cls.batch_invariant_form else cls.batch_invariant_reason
 
     @classmethod
     def kv_cache_reason(cls, kv_cache_dtype: str = "auto", **_) -> str | None:

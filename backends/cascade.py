@@ -312,7 +312,13 @@ def with_cascade(meta: AttentionMetadata, setting: bool | None = True, min_membe
 
 def cascade_setting(backends: list, setting: bool | None) -> bool | None:
     """The setting the engine plans with for these backends (every layer's): False where one has no
-    cascade path and it was left to the heuristic; a ValueError with its reason where it was asked for."""
+    cascade path and it was left to the heuristic; a ValueError with its reason where it was asked for.
+    Off under batch_invariant: which sequences share a prefix pass depends on the batch."""
+    if any(getattr(b, "batch_invariant", False) for b in backends):
+        if setting:
+            raise ValueError("cascade_attention=True cannot run with batch_invariant: a shared prefix read once per "
+                             "group makes a sequence's sums depend on the batch")  # fmt: skip
+        return False
     lacking = [b for b in backends if not b.cascade_attention]
     if not lacking:
         return setting

@@ -62,11 +62,7 @@ class SDPABackend(CascadeAttention, AttentionBackend):
     # Cascade: suffixes as below; a group's prefix one SDPA call over its stacked rows that returns the
     # log-sum-exp (the CPU flash kernel, CUDA's memory-efficient one; explicit scores with a window or soft-cap).
     cascade_attention = True
-
-    @classmethod
-    def batch_invariance(cls, device, batch_invariant=False, **settings) -> str | None:
-        """With batch_invariant each sequence is a call of its own, over exactly its own keys."""
-        return None if batch_invariant else cls.batch_invariant_reason
+    batch_invariant_form = True  # each sequence a call of its own, over exactly its own keys (_groups)
 
     @classmethod
     def unavailable_reason(cls, device, dtype, head_dim, block_size, **kwargs) -> str | None:

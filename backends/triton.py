@@ -242,11 +242,14 @@ class TritonBackend(CascadeAttention, AttentionBackend):
     quantized_kv = QUANTIZED_KV  # dequantized in the kernel, tile by tile
     cuda_graph_reason = None
     batch_invariant_reason = "split-KV: its number of key segments is chosen from the batch (sequences, longest one)"
+    batch_invariant_form = True  # one query-tile shape for every launch, no split-KV (_launch)
+
     latent_values = True  # V tiles read the first value_dim dims of the key pages (V_DIM)
     sparse_selection = True  # the latent kernel reads the selected slots (SPARSE)
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant=PLAIN):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant)
+    def __init__(self, num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant=PLAIN,
+                 batch_invariant=False):  # fmt: skip
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, device, dtype, variant, batch_invariant)
         reason = self.unavailable_reason(device, dtype, head_dim, block_size, num_heads=num_heads, **variant.settings())
         if reason:
             raise ValueError(f"triton backend: {reason}")
@@ -317,14 +320,14 @@ class TritonBackend(CascadeAttention, AttentionBackend):
         """Tile sizes and key segments for one launch, from host counts only (graph-stable)."""
         group_p2 = _pow2(self.group)
         t = self.tuning
-        short = max_query_len <= SHORT_QUERY
+        short = max_query_len <= SHORT_QUERY and not self.batch_invariant  # batch-invariant: one shape, unsplit
         block_m = max(16, group_p2 * _pow2(max_query_len)) if short else max(t.prefill_block_m, group_p2)
         block_m = min(block_m, max(t.prefill_block_m, group_p2))
         block_q = block_m // group_p2
         if self.latent:  # a program per token and block of heads; only decodes are split
             block_m, block_q, short = min(t.latent_block_h, max(16, group_p2)), 1, max_query_len == 1
         segments = 1
-        if short:
+        if short and not self.batch_invariant:  # batch-invariant: every row's keys in one pass
             programs = (num_seqs + (num_tokens - num_seqs) // block_q) * self.num_kv_heads
             if self.latent:
                 programs = num_tokens * -(-self.num_heads // block_m)
