@@ -104,7 +104,7 @@ def greedy_alone_and_in_a_batch(batch_invariant: bool, backend: str = "sdpa"):
     return (alone.token_ids, batched.token_ids), logprobs
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["sdpa", "reference", pytest.param("triton", marks=pytest.mark.slow)])
 def test_a_prompt_alone_and_in_a_batch_gets_bitwise_the_same_tokens_and_logprobs(backend):
     (alone, batched), (lp_alone, lp_batched) = greedy_alone_and_in_a_batch(True, backend)
     assert alone == batched and lp_alone == lp_batched
