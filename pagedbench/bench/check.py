@@ -150,8 +150,8 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
     top-64 sparse form (16 heads: decode, prefill, mixed),
     gpt-oss's layers (64/8 heads of 64, sinks, with and without its 128-token window: decode, mixed,
     one long sequence), then each variant on the mixed batch (and the window on the chunked-prefill and shared-prefix
-    ones). --full: the whole cross product, then every variant, latent configuration and gpt-oss's
-    windowed layer on every batch."""
+    ones), then cascade's (_cascade_cases). --full: the whole cross product, then every variant, latent
+    configuration and gpt-oss's windowed layer on every batch, then cascade's."""
     cases = []
     for dtype in dtypes:
         if full:
@@ -170,6 +170,7 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **GPT_OSS))
             for batch, (seqs, shared) in _batches(SPARSE["block_size"], 4096).items():
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **SPARSE))
+            cases += _cascade_cases(dtype)
             continue
         for batch, (seqs, shared) in _batches(16, 2048).items():
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared))
@@ -188,12 +189,12 @@ def build_cases(dtypes: list[torch.dtype], full: bool) -> list[CheckCase]:
             seqs, shared = _batches(16, 2048)[batch]
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **GPT_OSS))
             cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, **(GPT_OSS | {"variant": SINKS_ONLY})))
-        cases += _cascade_cases(dtype)
         batches = _batches(16, 2048)
         for name, variant in VARIANTS.items():
             for batch in ("mixed", "chunked prefill", "shared prefix") if name == "window" else ("mixed",):
                 seqs, shared = batches[batch]
                 cases.append(CheckCase(batch, seqs, dtype=dtype, shared=shared, variant=variant))
+        cases += _cascade_cases(dtype)
     return cases
 
 
