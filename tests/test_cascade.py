@@ -162,3 +162,20 @@ def test_kernels_cascade_variant_times_each_backend_flat_and_cascaded():
     flat, cascaded = (next(r for r in rows if r["batch_size"] == 4 and r["cascade"] == on) for on in ("off", "on"))
     assert cascaded["kv_bytes"] == flat["kv_bytes"] * (64 + 4 * 2 * 16) // (4 * (64 + 16))  # the prefix read once
     assert cascaded["cascade_share"] == 0.8 and flat["cascade_share"] == 0.0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "triton"])
+def test_cascade_reads_quantized_pages_as_flat_does(backend, kv_cache_dtype):
+    from pagedbench.bench.kernels import quantized_pages
+
+    cls = get_backend(backend)
+    if probe(cls, torch.device("cpu"), torch.float32, 32, PAGE, kv_cache_dtype=kv_cache_dtype)[1]:
+        pytest.skip(probe(cls, torch.device("cpu"), torch.float32, 32, PAGE, kv_cache_dtype=kv_cache_dtype)[1])
+    seqs = [(8 * PAGE + 1 + (5 * i) % 40, 1) for i in range(16)]
+    batch = place(random_problem(seqs, 8, 2, 32, shared={b: (0, 8 * PAGE) for b in range(1, 16)}, seed=4), PAGE)
+    k, v, scales = quantized_pages(batch, kv_cache_dtype)
+    b = cls(8, 2, 32, 32**-0.5, PAGE, torch.device("cpu"), torch.float32)
+    flat = b.forward(batch.q, k, v, b.plan(batch.metadata), kv_scales=scales)
+    out = b.forward(batch.q, k, v, b.plan(with_cascade(batch.metadata, True)), kv_scales=scales)
+    assert float((out - flat).abs().max()) <= 1e-5 * float(flat.abs().max())
