@@ -181,6 +181,7 @@ class _GroupRows:
     prefix_slots: torch.Tensor  # [P] cache slots of the shared prefix
     prefix_pages: torch.Tensor  # [P / block_size] int32: its pages
     prefix_len: int
+    first_pos: int  # the group's earliest query position (host: whether a window leaves the prefix behind)
 
 
 @dataclass(slots=True)
@@ -189,9 +190,8 @@ class CascadeState:
 
     flat: object
     groups: list[_GroupRows]
-    members: torch.Tensor  # [M] flat query tokens of every member
-    member_seq: torch.Tensor  # [M] their sequences
-    suffix: AttentionMetadata
+    suffix: AttentionMetadata  # the step's metadata with the members' prefixes cut off
+    longest_suffix: int  # keys of the longest member suffix (what suffix_lse gathers per row)
 
 
 def suffix_metadata(meta: AttentionMetadata, plan: CascadePlan) -> AttentionMetadata:
@@ -221,7 +221,7 @@ class CascadeAttention:
     def plan_cascade_step(self, meta: AttentionMetadata, plan_flat) -> CascadeState:
         plan, qsl, device = meta.cascade, meta.query_start_loc_cpu, meta.block_table.device
         suffix = suffix_metadata(meta, plan)
-        groups, members, member_seq = [], [], []
+        groups = []
         for g in plan.groups:
             rows = np.concatenate([np.arange(qsl[m], qsl[m + 1]) for m in g.members])
             seqs = np.concatenate([np.full(qsl[m + 1] - qsl[m], m) for m in g.members])
@@ -231,12 +231,11 @@ class CascadeAttention:
             as_tensor = lambda a: torch.from_numpy(a.astype(np.int64)).to(device)
             q_pos = np.asarray(meta.context_lens_cpu)[seqs] + rows - np.asarray(qsl)[seqs]
             pages = torch.tensor(g.prefix_pages, dtype=torch.int32).to(device)
-            groups.append(_GroupRows(as_tensor(rows), as_tensor(q_pos), as_tensor(slots), pages, prefix_len))
-            members.append(rows)
-            member_seq.append(seqs)
+            fields = (as_tensor(rows), as_tensor(q_pos), as_tensor(slots), pages, prefix_len, int(q_pos.min()))
+            groups.append(_GroupRows(*fields))
         flat = plan_flat(suffix)
-        cat = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
-        return CascadeState(flat, groups, cat(members), cat(member_seq), suffix)
+        longest = max(suffix.seq_lens_cpu[m] for g in plan.groups for m in g.members)
+        return CascadeState(flat, groups, suffix, longest)
 
     def cascade_forward(self, q, k_cache, v_cache, state: CascadeState, flat_forward, sinks=None, kv_scales=None):
         """Suffix pass (the backend's `flat_forward(q, state.flat)`, sinks included), prefix passes, merge."""
@@ -246,7 +245,7 @@ class CascadeAttention:
         rows, prefix_out, prefix_lse = [], [], []
         for g in state.groups:
             window = self.variant.sliding_window
-            if window is not None and int(g.q_pos.min()) - window >= g.prefix_len - 1:
+            if window is not None and g.first_pos - window >= g.prefix_len - 1:
                 continue  # every member's window starts past the prefix
             o, lse = self.prefix_pass(q, k_cache, v_cache, g, kv_scales)
             rows.append(g.rows)
@@ -288,8 +287,7 @@ class CascadeAttention:
         """[len(rows), H] log-sum-exp of each member row over its suffix keys (and its sink), fp32."""
         meta, group = state.suffix, self.num_heads // self.num_kv_heads
         token_seq = meta.token_seq_idx.long()[rows]
-        longest = max(meta.seq_lens_cpu[m] for m in state.member_seq.unique().tolist())
-        pos = torch.arange(longest, device=q.device)
+        pos = torch.arange(state.longest_suffix, device=q.device)
         pages = meta.block_table[token_seq][:, pos // meta.block_size].long()
         k = read_kv(k_cache, pages * meta.block_size + pos % meta.block_size, k_scale, torch.float32)  # [R, S, hk, d]
         q_pos = (meta.context_lens[token_seq] + rows - meta.query_start_loc[token_seq]).long()
