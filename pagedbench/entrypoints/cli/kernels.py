@@ -85,6 +85,8 @@ def cmd_replay(args) -> None:
     from pagedbench.bench.report_tables import markdown
 
     paths = [p.strip() for p in args.replay.split(",") if p.strip()]
+    if args.export_flashinfer_bench:
+        return export_workloads(paths, args.export_flashinfer_bench)
     options = ReplayOptions(args.warmup if args.warmup is not None else 1, args.repeats or 3, args.device, args.dtype)
     options.cold = args.cold_caches
     if min(options.warmup, options.repeats - 1) < 0:
@@ -99,6 +101,15 @@ def cmd_replay(args) -> None:
     print(f"reports: {', '.join(map(str, written))}")
     if not (frame["status"] == "ok").any():
         raise NothingMeasured("kernels --replay timed no backend")
+
+
+def export_workloads(paths: list[str], out_dir: str) -> None:
+    """`kernels --replay ... --export-flashinfer-bench DIR` (bench/replay_export.py)."""
+    from pagedbench.bench.replay_export import export_flashinfer_bench
+
+    for path in paths:
+        written, count = export_flashinfer_bench(path, out_dir)
+        print(f"{path}: {count} decode steps as workloads in {written}")
 
 
 def backends_or_kernels(text: str | None, kernels: list[str]) -> list[str]:
@@ -442,6 +453,14 @@ def add_engine_shape_flags(kern) -> None:
         metavar="STEPS_JSONL",
         help="instead of the grid: the steps `run/compare --record-steps` recorded (comma-separated files) "
         "rebuilt exactly and timed per backend (--warmup, default 1; --repeats, default 3)",
+    )
+    kern.add_argument(
+        "--export-flashinfer-bench",
+        default=None,
+        metavar="DIR",
+        help="with --replay, instead of timing: write the recordings' decode steps as flashinfer-bench workloads "
+        "of its gqa_paged_decode_h*_kv*_d*_ps1 definition (DIR/workloads/gqa_paged/<definition>.jsonl, blobs "
+        "under DIR/blob)",
     )
     kern.add_argument(
         "--cold-caches",
