@@ -80,10 +80,9 @@ def _split(table: np.ndarray, full: np.ndarray, rows: np.ndarray, depth: int, mi
     found, saved = [], 0
     if len(deeper) >= min_members:
         pages = table[deeper, common]
-        for page in np.unique(pages):
-            sub = deeper[pages == page]
-            if len(sub) >= min_members:
-                saved += _split(table, full, sub, common + 1, min_members, found)
+        values, counts = np.unique(pages, return_counts=True)
+        for page in values[counts >= min_members]:  # (no Python loop over a batch of distinct prompts)
+            saved += _split(table, full, deeper[pages == page], common + 1, min_members, found)
     if saved > whole:
         out.extend(found)
         return saved
