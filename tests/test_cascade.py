@@ -179,3 +179,21 @@ def test_cascade_reads_quantized_pages_as_flat_does(backend, kv_cache_dtype):
     flat = b.forward(batch.q, k, v, b.plan(batch.metadata), kv_scales=scales)
     out = b.forward(batch.q, k, v, b.plan(with_cascade(batch.metadata, True)), kv_scales=scales)
     assert float((out - flat).abs().max()) <= 1e-5 * float(flat.abs().max())
+
+
+@pytest.mark.slow  # starts a tensor-parallel worker process
+def test_parallel_sampling_with_cascade_at_tp2_matches_hf(tiny_models):
+    path, hf = tiny_models["llama"]
+    prompt = [random.Random(2).randrange(3, VOCAB) for _ in range(41)]
+    expected = hf_greedy(hf, prompt, 8)
+    llm = LLM(path, backend="sdpa", device="cpu", dtype="float32", enable_prefix_caching=True, block_size=8,
+              cascade_attention=True, tensor_parallel_size=2)  # fmt: skip
+    try:
+        params = SamplingParams(n=4, temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False)
+        assert [c.token_ids for o in outs for c in o.outputs] == [expected] * 8
+        # rank 0 plans each step; the plan rides in the StepBatch the worker runs (its metadata's cascade)
+        counts = llm.engine.executor.runner.local.block_tables.cascade_counts
+        assert counts.cascade_steps > 0 and counts.shared_kv_tokens > 0
+    finally:
+        llm.shutdown()
