@@ -50,7 +50,6 @@ def _triton() -> Any:
 
 
 @functools.cache
-@functools.cache
 def _cascade_kernel(device_type: str) -> Any:
     import triton
     from pagedbench.backends.triton_cascade_kernels import cascade_prefix

@@ -10,6 +10,7 @@ log-sum-exp (natural log) for the merge with the suffix pass.
 """
 
 import triton.language as tl
+from pagedbench.backends.triton_kernels import kv_tile, softmax_step, tile_scores
 
 
 def cascade_prefix(
@@ -76,48 +77,15 @@ def cascade_prefix(
         pos_ok = pos < prefix_len
         page = tl.load(pages_ptr + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
         slot = pos % PAGE_SIZE
-        k = tl.load(  # [HEAD_DIM_P2, BLOCK_N]
-            k_cache_ptr + page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
-            + dims[:, None],
-            mask=pos_ok[None, :] & dim_ok[:, None],
-            other=0.0,
+        k, v = kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, q_ptr, page, slot, pos_ok, kv_head,
+            dims, dim_ok, vdims, vdim_ok, stride_k_block, stride_k_slot, stride_k_head,
+            stride_v_block, stride_v_slot, stride_v_head, stride_scale_block, stride_scale_slot,
+            KV_SCALES, FP32_DOTS,
         )  # fmt: skip
-        v = tl.load(  # [BLOCK_N, V_DIM_P2]
-            v_cache_ptr + page[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
-            + vdims[None, :],
-            mask=pos_ok[:, None] & vdim_ok[None, :],
-            other=0.0,
-        )  # fmt: skip
-        if KV_SCALES == 1:
-            k = k.to(tl.float32) * tl.load(k_scale_ptr)
-            v = v.to(tl.float32) * tl.load(v_scale_ptr)
-        if KV_SCALES == 2:
-            at = page * stride_scale_block + slot * stride_scale_slot + kv_head
-            k = k.to(tl.float32) * tl.load(k_scale_ptr + at, mask=pos_ok, other=0.0).to(tl.float32)[None, :]
-            v = v.to(tl.float32) * tl.load(v_scale_ptr + at, mask=pos_ok, other=0.0).to(tl.float32)[:, None]
-        if KV_SCALES > 0 and not FP32_DOTS:
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
-        if FP32_DOTS:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            scores = tl.dot(q, k, input_precision="ieee")
-        else:
-            scores = tl.dot(q, k)
-        scores = scores * scale
-        if SOFTCAP > 0:
-            scores = SOFTCAP * (1.0 - 2.0 / (tl.exp2(scores * (2.8853900817779268 / SOFTCAP)) + 1.0))
+        scores = tile_scores(q, k, scale, FP32_DOTS, SOFTCAP)
         scores = tl.where(pos_ok[None, :], scores * 1.4426950408889634, float("-inf"))  # log2 units
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.exp2(scores - shift[:, None])
-        alpha = tl.exp2(row_max - shift)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        if FP32_DOTS:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        row_max = new_max
+        row_max, row_sum, acc = softmax_step(scores, v, row_max, row_sum, acc, FP32_DOTS)
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     at = row.to(tl.int64) * num_heads + head
     tl.store(out_ptr + at[:, None] * V_DIM + vdims[None, :], out, mask=row_ok[:, None] & vdim_ok[None, :])

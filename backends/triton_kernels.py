@@ -11,8 +11,13 @@ in parallel ("flash-decoding") and `combine_segments` merges them; prefill launc
 Query tiles of a launch over sequences s0..s0+n-1 are numbered without host work: sequence j's
 tiles start at `(qsl[s0+j] - qsl[s0] - j) // BLOCK_Q + j`, which never undercounts the tiles of
 the sequences before it, and a program finds its sequence by binary search over that.
+
+`kv_tile`, `tile_scores` and `softmax_step` (one K/V tile read and dequantized, its scores, one
+online-softmax step) are `triton.jit` helpers the kernels call, this one and cascade's prefix pass
+(triton_cascade_kernels.py) alike; the code generator inlines them.
 """
 
+import triton
 import triton.language as tl
 
 
@@ -131,58 +136,18 @@ def paged_attention(
             pos_ok = pos < kv_len
             page = tl.load(table_row + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
             slot = pos % PAGE_SIZE
-            k = tl.load(  # [HEAD_DIM_P2, BLOCK_N]
-                k_cache_ptr
-                + page[None, :] * stride_k_block
-                + slot[None, :] * stride_k_slot
-                + kv_head * stride_k_head
-                + dims[:, None],
-                mask=pos_ok[None, :] & dim_ok[:, None],
-                other=0.0,
-            )
-            v = tl.load(  # [BLOCK_N, V_DIM_P2]
-                v_cache_ptr
-                + page[:, None] * stride_v_block
-                + slot[:, None] * stride_v_slot
-                + kv_head * stride_v_head
-                + vdims[None, :],
-                mask=pos_ok[:, None] & vdim_ok[None, :],
-                other=0.0,
-            )
-            if KV_SCALES == 1:  # dequantized in registers: the pages stay 1 byte per value in memory
-                k = k.to(tl.float32) * tl.load(k_scale_ptr)
-                v = v.to(tl.float32) * tl.load(v_scale_ptr)
-            if KV_SCALES == 2:
-                at = page * stride_scale_block + slot * stride_scale_slot + kv_head
-                k = k.to(tl.float32) * tl.load(k_scale_ptr + at, mask=pos_ok, other=0.0).to(tl.float32)[None, :]
-                v = v.to(tl.float32) * tl.load(v_scale_ptr + at, mask=pos_ok, other=0.0).to(tl.float32)[:, None]
-            if KV_SCALES > 0 and not FP32_DOTS:
-                k = k.to(q_ptr.dtype.element_ty)
-                v = v.to(q_ptr.dtype.element_ty)
-            if FP32_DOTS:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                scores = tl.dot(q, k, input_precision="ieee")
-            else:
-                scores = tl.dot(q, k)
-            scores = scores * scale
-            if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (e^2x + 1), exact at both infinities
-                scores = SOFTCAP * (1.0 - 2.0 / (tl.exp2(scores * (2.8853900817779268 / SOFTCAP)) + 1.0))
+            k, v = kv_tile(
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, q_ptr, page, slot, pos_ok, kv_head,
+                dims, dim_ok, vdims, vdim_ok, stride_k_block, stride_k_slot, stride_k_head,
+                stride_v_block, stride_v_slot, stride_v_head, stride_scale_block, stride_scale_slot,
+                KV_SCALES, FP32_DOTS,
+            )  # fmt: skip
+            scores = tile_scores(q, k, scale, FP32_DOTS, SOFTCAP)
             visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
             if WINDOW > 0:
                 visible = visible & (q_pos[:, None] - pos[None, :] < WINDOW)
             scores = tl.where(visible, scores * 1.4426950408889634, float("-inf"))  # log2(e): exp2 below
-            new_max = tl.maximum(row_max, tl.max(scores, 1))
-            # A row that has seen no key yet keeps max -inf; subtracting 0 keeps exp2 finite.
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            p = tl.exp2(scores - shift[:, None])
-            alpha = tl.exp2(row_max - shift)
-            row_sum = row_sum * alpha + tl.sum(p, 1)
-            if FP32_DOTS:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            row_max = new_max
+            row_max, row_sum, acc = softmax_step(scores, v, row_max, row_sum, acc, FP32_DOTS)
 
         if NUM_SEGMENTS == 1:
             out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # 0 only in rows never stored
@@ -233,3 +198,70 @@ def combine_segments(
         out.to(out_ptr.dtype.element_ty),
         mask=head_ok[:, None] & (dims[None, :] < HEAD_DIM),
     )
+
+
+@triton.jit
+def kv_tile(
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, q_ptr, page, slot, pos_ok, kv_head,
+    dims, dim_ok, vdims, vdim_ok, stride_k_block, stride_k_slot, stride_k_head,
+    stride_v_block, stride_v_slot, stride_v_head, stride_scale_block, stride_scale_slot,
+    KV_SCALES: tl.constexpr, FP32_DOTS: tl.constexpr,
+):  # fmt: skip
+    """The K tile [HEAD_DIM_P2, BLOCK_N] and V tile [BLOCK_N, V_DIM_P2] of the keys at (page, slot) of
+    one KV head, read in place and dequantized in registers (the pages stay 1 byte per value in
+    memory), in the dots' dtype: q's, or fp32 with FP32_DOTS."""
+    k = tl.load(
+        k_cache_ptr + page[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
+        + dims[:, None],
+        mask=pos_ok[None, :] & dim_ok[:, None],
+        other=0.0,
+    )  # fmt: skip
+    v = tl.load(
+        v_cache_ptr + page[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
+        + vdims[None, :],
+        mask=pos_ok[:, None] & vdim_ok[None, :],
+        other=0.0,
+    )  # fmt: skip
+    if KV_SCALES == 1:
+        k = k.to(tl.float32) * tl.load(k_scale_ptr)
+        v = v.to(tl.float32) * tl.load(v_scale_ptr)
+    if KV_SCALES == 2:
+        at = page * stride_scale_block + slot * stride_scale_slot + kv_head
+        k = k.to(tl.float32) * tl.load(k_scale_ptr + at, mask=pos_ok, other=0.0).to(tl.float32)[None, :]
+        v = v.to(tl.float32) * tl.load(v_scale_ptr + at, mask=pos_ok, other=0.0).to(tl.float32)[:, None]
+    if KV_SCALES > 0 and not FP32_DOTS:
+        k = k.to(q_ptr.dtype.element_ty)
+        v = v.to(q_ptr.dtype.element_ty)
+    if FP32_DOTS:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def tile_scores(q, k, scale, FP32_DOTS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q . k^T times `scale`, soft-capped (tanh(x) = 1 - 2 / (e^2x + 1), exact at both infinities)."""
+    if FP32_DOTS:
+        scores = tl.dot(q, k, input_precision="ieee")
+    else:
+        scores = tl.dot(q, k)
+    scores = scores * scale
+    if SOFTCAP > 0:
+        scores = SOFTCAP * (1.0 - 2.0 / (tl.exp2(scores * (2.8853900817779268 / SOFTCAP)) + 1.0))
+    return scores
+
+
+@triton.jit
+def softmax_step(scores, v, row_max, row_sum, acc, FP32_DOTS: tl.constexpr):
+    """One online-softmax step over a tile's masked scores (log2 units): the new (row_max, row_sum, acc)."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    # A row that has seen no key yet keeps max -inf; subtracting 0 keeps exp2 finite.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.exp2(scores - shift[:, None])
+    alpha = tl.exp2(row_max - shift)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    if FP32_DOTS:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return new_max, row_sum, acc
