@@ -292,7 +292,9 @@ class CascadeAttention:
         q_pos = (meta.context_lens[token_seq] + rows - meta.query_start_loc[token_seq]).long()
         seen = visible(q_pos[:, None], pos, self.variant.sliding_window) & (pos < meta.seq_lens[token_seq, None])
         qg = rearrange(q[rows].float(), "r (hk g) d -> r hk g d", g=group)
-        scores = cap_scores(torch.einsum("rhgd,rshd->rhgs", qg, k) * self.scale, self.variant.softcap)
+        # per KV head: k[:, :, h] is a strided matrix matmul takes as it is (a head-major copy costs more)
+        scores = torch.stack([qg[:, h] @ k[:, :, h].transpose(1, 2) for h in range(k.shape[2])], 1)
+        scores = cap_scores(scores * self.scale, self.variant.softcap)
         lse = torch.logsumexp(scores.masked_fill(~seen[:, None, None, :], float("-inf")), dim=-1).flatten(1)
         return lse if sinks is None else torch.logaddexp(lse, sinks.float())
 

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from einops import rearrange
 from pagedbench.backends.base import PLAIN, AttentionBackend, AttentionMetadata, AttentionVariant
-from pagedbench.backends.cascade import CascadeAttention, CascadeState, cap_scores
+from pagedbench.backends.cascade import CascadeAttention, CascadeState
+from pagedbench.backends.flex_cascade import prefix_attention as flex_prefix
 from pagedbench.backends.flex_compile import (
     MIN_KV_BLOCK,
     attend,
@@ -195,12 +196,7 @@ class FlexBackend(CascadeAttention, AttentionBackend):
             return super().prefix_attention(q_rows, k, v, q_pos)
         group = self.num_heads // self.num_kv_heads
         qg = rearrange(q_rows, "r (hk g) d -> 1 hk (r g) d", g=group)
-        k, v = (rearrange(x, "p hk d -> 1 hk p d") for x in (k, v))
-        if self.compiled and self.device.type != "cuda":  # compiled CPU flex has no LSE: it comes from one GEMM
-            o = _prefix_out_compiled(qg, k, v, self.scale, self.score_mod)
-            lse = _prefix_lse_compiled(qg, k, self.scale, self.variant.softcap)
-        else:
-            o, lse = (_prefix_compiled if self.compiled else _prefix_flex)(qg, k, v, self.scale, self.score_mod)
+        o, lse = flex_prefix(qg, k, v, self.scale, self.variant.softcap, self.score_mod, self.compiled)
         return rearrange(o, "1 hk (r g) d -> r (hk g) d", g=group), rearrange(lse, "1 hk (r g) -> r (hk g)", g=group)
 
     @classmethod
@@ -345,27 +341,3 @@ class FlexBackend(CascadeAttention, AttentionBackend):
             call_kept, call_computed = self._masks.tile_counts(call.block_mask, call.kind, call.real_rows)
             kept, computed = kept + call_kept, computed + call_computed
         return kept / computed if computed else 1.0
-
-
-def _prefix_flex(q, k, v, scale, score_mod):
-    """Dense flex with its log-sum-exp: (out, lse [B, H, Q])."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # (kept out of the shared imports)
-
-    out, aux = flex_attention(q, k, v, score_mod, scale=scale, return_aux=AuxRequest(lse=True))
-    return out, aux.lse
-
-
-def _prefix_out(q, k, v, scale, score_mod):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention(q, k, v, score_mod, scale=scale)
-
-
-def _prefix_lse(q, k, scale, softcap):
-    """The log-sum-exp of q's scores over k [B, H, Q]: what compiled CPU flex cannot return."""
-    return torch.logsumexp(cap_scores((q @ k.transpose(-1, -2)) * scale, softcap), dim=-1)
-
-
-_prefix_compiled = torch.compile(_prefix_flex, dynamic=True)  # CUDA: Triton flex returns the log-sum-exp
-_prefix_out_compiled = torch.compile(_prefix_out, dynamic=True)
-_prefix_lse_compiled = torch.compile(_prefix_lse, dynamic=True)

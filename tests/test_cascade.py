@@ -197,3 +197,24 @@ def test_parallel_sampling_with_cascade_at_tp2_matches_hf(tiny_models):
         assert counts.cascade_steps > 0 and counts.shared_kv_tokens > 0
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow  # compiles CPU flex
+@pytest.mark.parametrize(
+    "softcap,logit_scale", [(None, 1.0), (30.0, 1.0), (None, 40.0)], ids=["plain", "capped", "huge"]
+)
+def test_flex_cpu_prefix_log_sum_exp_from_its_extra_key_equals_explicit(softcap, logit_scale):
+    # "huge": scores ~100 above the mean key's underflow the extra key's share: the exact two-call path takes it.
+    from pagedbench.backends.cascade import attention_with_lse
+    from pagedbench.backends.flex_cascade import lse_from_extra_key, prefix_attention
+    from pagedbench.backends.flex_compile import softcap_score_mod
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 24, 16, generator=gen) * logit_scale
+    k, v = torch.randn(300, 2, 16, generator=gen), torch.randn(300, 2, 16, generator=gen)
+    score_mod = None if softcap is None else softcap_score_mod(softcap, torch.device("cpu"))
+    out, lse = prefix_attention(q, k, v, 0.25, softcap, score_mod, compiled=True)
+    assert (lse_from_extra_key(q, k, v, 0.25, softcap, score_mod) is None) == (logit_scale > 1)
+    want_out, want_lse = attention_with_lse(q[0], k.transpose(0, 1), v.transpose(0, 1), 0.25, softcap, None)
+    assert float((out[0] - want_out).abs().max()) <= 1e-5 * float(want_out.abs().max())
+    assert float((lse[0] - want_lse).abs().max()) <= 1e-5 * float(want_lse.abs().max())
