@@ -1,6 +1,6 @@
-"""`kernels --replay ... --export-flashinfer-bench DIR`: a recording's decode steps become workloads of
-flashinfer-bench's paged GQA decode definition, whose reference computation over the exported indices
-gives the attention the engine's metadata gives for that step."""
+"""`kernels --replay ... --export-flashinfer-bench DIR` (bench/replay_export.py): a recording's decode
+steps become workloads of flashinfer-bench's paged GQA decode definition, whose reference computation
+over the exported indices gives the attention the engine's metadata gives for that step."""
 
 import json
 
@@ -9,8 +9,8 @@ from pagedbench.backends.registry import resolve
 from safetensors.torch import load_file
 
 from pagedbench.bench.replay import replay_metadata
+from pagedbench.bench.replay_export import export_flashinfer_bench
 from pagedbench.bench.step_record import read_recording
-from pagedbench.entrypoints.cli.main import main
 from tests.test_step_record import recorded_run
 
 DEFINITION = "gqa_paged_decode_h8_kv4_d32_ps1"  # tiny-llama: 8 query heads, 4 KV heads, head dim 32
@@ -32,12 +32,11 @@ def definition_reference(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale):
 def test_decode_steps_export_as_workloads_of_the_definition(tmp_path):
     _, path, _ = recorded_run("reference", tmp_path)
     header, steps = read_recording(path)
-    export = ["--export-flashinfer-bench", str(tmp_path / "fib"), "--out", str(tmp_path)]
-    assert main(["kernels", "--replay", str(path), *export]) == 0
-    jsonl = tmp_path / "fib" / "workloads" / "gqa_paged" / f"{DEFINITION}.jsonl"
+    jsonl, count = export_flashinfer_bench(path, tmp_path / "fib")
+    assert jsonl == tmp_path / "fib" / "workloads" / "gqa_paged" / f"{DEFINITION}.jsonl"
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     decodes = [s for s in steps if max(s.query_lens) == 1]
-    assert len(lines) == len(decodes) > 0 and len(decodes) < len(steps)  # prefill and mixed steps left out
+    assert len(lines) == len(decodes) == count > 0 and len(decodes) < len(steps)  # prefill and mixed steps left out
     assert len({line["workload"]["uuid"] for line in lines}) == len(lines)
     impl = resolve("reference", "cpu", torch.float32, 32, 16, num_heads=8, num_kv_heads=4).cls(
         8, 4, 32, 32**-0.5, 16, torch.device("cpu"), torch.float32
