@@ -61,7 +61,7 @@ def workload(step: RecordedStep, header: dict, spec: dict, key: str, out_dir: Pa
 
 
 def export_flashinfer_bench(recording: str | Path, out_dir: str | Path) -> tuple[Path, int]:
-    """Write `<out_dir>/workloads/gqa_paged/<definition>.jsonl` (appending to one already there, other
+    """Write `<out_dir>/workloads/gqa_paged/<definition>.jsonl` (beside the lines already there: other
     recordings' steps) and a safetensors blob per step -> (the JSONL's path, workloads written)."""
     header, steps = read_recording(recording)
     kinds = [k for k in header["layer_kinds"] if not any(k.get(f) for f in PLAIN_FIELDS) and not k.get("sinks")]
@@ -75,6 +75,8 @@ def export_flashinfer_bench(recording: str | Path, out_dir: str | Path) -> tuple
     ]
     path = out / "workloads" / "gqa_paged" / f"{definition_name(spec)}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.writelines(line + "\n" for line in lines)
+    ours = {json.loads(line)["workload"]["uuid"] for line in lines}  # exported again: replaced, not doubled
+    kept = [line for line in (path.read_text().splitlines() if path.is_file() else [])
+            if json.loads(line)["workload"]["uuid"] not in ours]  # fmt: skip
+    path.write_text("".join(line + "\n" for line in [*kept, *lines]))
     return path, len(lines)
