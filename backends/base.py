@@ -303,6 +303,9 @@ class AttentionBackend(ABC):
     # per group), and why not; a backend without it is refused under cascade_attention=True.
     cascade_attention: ClassVar[bool] = False
     cascade_attention_reason: ClassVar[str] = "not implemented: each sequence reads its shared prefix itself"
+    # Why the default heuristic (cascade_attention=None) leaves a backend that has the path flat: where it was
+    # measured slower end to end (None: the heuristic applies).
+    cascade_not_by_default: ClassVar[str | None] = None
 
     def __init__(
         self,

@@ -320,6 +320,8 @@ def cascade_setting(backends: list, setting: bool | None) -> bool | None:
         return False
     lacking = [b for b in backends if not b.cascade_attention]
     if not lacking:
+        if setting is None and any(b.cascade_not_by_default for b in backends):
+            return False  # the heuristic leaves a backend measured slower with it flat (asked for, it runs)
         return setting
     if setting:
         name, reason = lacking[0].name, lacking[0].cascade_reason(True)

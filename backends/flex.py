@@ -107,6 +107,10 @@ class FlexBackend(CascadeAttention, AttentionBackend):
     # returning the log-sum-exp (compiled on CUDA; compiled CPU flex has none in torch 2.13: there one GEMM +
     # logsumexp gives it, compiled too; eager flex where flex runs eager).
     cascade_attention = True
+    cascade_not_by_default = (
+        "measured 2.5x slower end to end with cascade on (CPU, tiny-llama, shared-prefix: its prefix pass "
+        "recompiles per K layout and costs more per layer than the reads it saves; docs/cascade.md)"
+    )
     sparse_selection = True  # each query's picks gathered, or a BlockMask of their pages (flex_sparse.py)
     quantized_kv_reason = (
         "FlexAttention reads K/V in the query's dtype; over a paged cache it would have to dequantize "

@@ -218,3 +218,11 @@ def test_flex_cpu_prefix_log_sum_exp_from_its_extra_key_equals_explicit(softcap,
     want_out, want_lse = attention_with_lse(q[0], k.transpose(0, 1), v.transpose(0, 1), 0.25, softcap, None)
     assert float((out[0] - want_out).abs().max()) <= 1e-5 * float(want_out.abs().max())
     assert float((lse[0] - want_lse).abs().max()) <= 1e-5 * float(want_lse.abs().max())
+
+
+def test_the_heuristic_leaves_a_backend_measured_slower_with_cascade_flat():
+    make = lambda name: get_backend(name)(4, 2, 16, 0.25, PAGE, torch.device("cpu"), torch.float32)
+    flex, sdpa = make("flex"), make("sdpa")
+    assert "slower end to end" in flex.cascade_not_by_default and sdpa.cascade_not_by_default is None
+    assert cascade_setting([flex], None) is False and cascade_setting([sdpa], None) is None  # None: the heuristic
+    assert cascade_setting([flex], True) is True  # asked for, it runs
