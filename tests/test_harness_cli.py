@@ -97,6 +97,7 @@ def test_compare_csv_has_exactly_the_schema(compared):
     own = {"dataset_name", "dataset_path"}  # empty without a dataset of the user's
     own |= {"busy_share", "cuda_version", "driver_version"}  # empty on a CPU (no device timer, no CUDA)
     own |= {"flash_attn_version", "flashinfer_version"}  # empty where not installed
+    own |= {"identical_alone"}  # empty without --alone-check
     own |= {"tokenizer", "pipeline_layer_partition", "num_state_snapshots", "structured_outputs_config"}  # unset
     assert (
         ok[sorted(set(SERVING_COLUMNS) - {"reason", "request_rate"} - spec - moe - interval - own)].notna().all().all()
