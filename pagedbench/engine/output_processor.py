@@ -100,7 +100,10 @@ class OutputProcessor:
         outputs = []
         for p in progressed:
             group = p.group
-            group.token_times += [now] * p.num_new_tokens
+            if p.num_new_tokens == 1:
+                group.token_times.append(now)
+            else:
+                group.token_times += [now] * p.num_new_tokens
             kind = getattr(group.params, "output_kind", RequestOutputKind.CUMULATIVE)  # beam search: cumulative
             if kind is RequestOutputKind.DELTA:
                 outputs.append(self.delta_output(group))

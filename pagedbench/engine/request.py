@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from pagedbench.engine.beam_search import BeamSearch
-from pagedbench.engine.sequence import Sequence
+from pagedbench.engine.sequence import Sequence, SequenceStatus
 from pagedbench.sample.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -32,6 +32,8 @@ class SequenceGroup:
     def finished(self) -> bool:
         if self.beam is not None:
             return self.beam.done
+        if len(self.seqs) == 1:  # (every step, every request: one sample is the common case)
+            return self.params.width == 1 and self.seqs[0].status is SequenceStatus.FINISHED
         return len(self.seqs) == self.params.width and all(s.finished for s in self.seqs)
 
     @property

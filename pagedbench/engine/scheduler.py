@@ -101,9 +101,10 @@ class Scheduler:
         if out.num_preempted == made_room:
             self._schedule_waiting(out, scheduled, budget, reserved)
         # Decodes first in the batch (a one-token prefill chunk is a decode to attention).
-        order = sorted(range(len(out.seqs)), key=lambda i: out.num_tokens[i] != 1)
-        out.seqs = [out.seqs[i] for i in order]
-        out.num_tokens = [out.num_tokens[i] for i in order]
+        if out.num_tokens.count(1) != len(out.num_tokens):
+            order = sorted(range(len(out.seqs)), key=lambda i: out.num_tokens[i] != 1)
+            out.seqs = [out.seqs[i] for i in order]
+            out.num_tokens = [out.num_tokens[i] for i in order]
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
