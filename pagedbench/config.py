@@ -118,7 +118,8 @@ class EngineConfig:
         None,
         "cascade attention: decoding sequences whose block tables begin with the same full pages (prefix caching, "
         "n > 1 samples) read that shared prefix once per group, merged with each suffix by log-sum-exp; True: every "
-        "group of 2+, False: never, None: vLLM's rule, a group of 8+ sequences sharing 256+ tokens (docs/cascade.md)",
+        "group of 2+, False: never, None: vLLM's rule, a group of 8+ sequences sharing 256+ tokens, where the backend "
+        "is not measured slower with it (flex stays flat; docs/cascade.md)",
         workload=False,
     )
     device: str | None = setting(None, "cuda if available, else cpu", workload=False)
