@@ -214,15 +214,19 @@ class SamplerOutput:
     def host_copy(self) -> HostCopy:
         """Every field in one device-to-host copy, started (the ids and ranks travel as float64, exact
         below 2^53); `from_host` reads it."""
-        return HostCopy(torch.cat([t.reshape(-1).double() for t in self._fields().values()]))
+        fields = list(self._fields().values())
+        if not any(t.is_floating_point() for t in fields):  # ids only (greedy, no logprobs): int64 as they are
+            return HostCopy(torch.cat([t.reshape(-1).long() for t in fields]))
+        return HostCopy(torch.cat([t.reshape(-1).double() for t in fields]))
 
     def from_host(self, copy: HostCopy) -> "SamplerOutput":
         """The fields of `host_copy()`'s copy as Python lists (waits for it)."""
-        flat, host, start = copy.wait().tolist(), {}, 0
+        copied = copy.wait()
+        flat, host, start, as_floats = copied.tolist(), {}, 0, copied.is_floating_point()
         for name, t in self._fields().items():
             values = flat[start : start + t.numel()]
             start += t.numel()
-            if not t.is_floating_point():
+            if as_floats and not t.is_floating_point():
                 values = [int(v) for v in values]
             if t.dim() == 2:  # [L, k] -> L lists of k
                 values = [values[i : i + t.shape[1]] for i in range(0, len(values), t.shape[1])]

@@ -139,7 +139,8 @@ def step_batch(
 ) -> StepBatch:
     """Flat host inputs for running `num_new[i]` more tokens of `seqs[i]` (decodes first); `tables`:
     the worker's persistent block table (else each sequence's page list is copied whole)."""
-    context = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+    computed = [s.num_computed_tokens for s in seqs]
+    context = np.array(computed, dtype=np.int64)
     q_lens = np.array(num_new, dtype=np.int64)
     seq_lens = context + q_lens
     qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -148,9 +149,7 @@ def step_batch(
     token_seq = np.repeat(np.arange(len(seqs)), q_lens)
     positions = np.arange(num_tokens) - qsl[token_seq] + context[token_seq]
     input_ids = np.fromiter(
-        (t for s, c, n in zip(seqs, context, q_lens) for t in _tokens(s, c + n)[c : c + n]),
-        dtype=np.int64,
-        count=num_tokens,
+        (t for s, c, n in zip(seqs, computed, num_new) for t in _new_tokens(s, c, n)), dtype=np.int64, count=num_tokens
     )
     max_blocks = -(-int(seq_lens.max()) // block_size)
     block_table = copy_block_tables(seqs, max_blocks) if tables is None else tables.gather(seqs, max_blocks)
@@ -297,6 +296,14 @@ class BlockTables:
     def _widen(self, width: int) -> None:
         rows, current = self.table.shape
         self.table = np.pad(self.table, ((0, 0), (0, max(width, 2 * current) - current)))
+
+
+def _new_tokens(seq: ScheduledSequence, computed: int, n: int):
+    """The `n` tokens of `seq` the step runs after its first `computed` (a decode's one read in place)."""
+    ids = seq.token_ids
+    if n == 1 and computed < len(ids):
+        return (ids[computed],)
+    return _tokens(seq, computed + n)[computed : computed + n]
 
 
 def _tokens(seq: ScheduledSequence, end: int) -> list[int]:
