@@ -151,6 +151,9 @@ class Tuning:
     combine_heads: int  # heads per program of the segment merge (0: all)
     latent_block_h: int = 16  # latent attention: query heads per program ...
     latent_block_n: int = 32  # ... and keys per inner step (a [block_n, 512 + 64] latent tile)
+    # batch_invariant: decodes split into segments of this many keys (a multiple of block_n), however many
+    # that makes: a row's segments then depend on its own length only, not on the batch
+    invariant_segment_keys: int = 2048
 
     def describe(self) -> str:
         return (
@@ -200,6 +203,7 @@ def tuning(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: 
     # The interpreter runs programs one by one: big tiles, and splits only as deep as tests need to cover them.
     return Tuning(
         block_n=64, prefill_block_m=64, target_programs=64, min_segment_keys=64, max_segments=4, combine_heads=0,
+        invariant_segment_keys=128,
         latent_block_h=64, latent_block_n=64,
     )  # fmt: skip
 
@@ -218,11 +222,31 @@ class Launch:
     num_warps: int
     # Scratch of the split: partial outputs, maxima and sums (None when the launch is not split).
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(compare=False)
+    segment_steps: int = 0  # BLOCK_N steps per segment (batch_invariant); 0: the keys split evenly
 
     @property
     def num_tiles(self) -> int:
         """Query tiles the launch numbers (an upper bound: surplus programs exit at once)."""
         return (self.num_tokens - self.num_seqs) // self.block_q + self.num_seqs
+
+
+def keys_read(variant, max_seq_len: int, max_query_len: int) -> int:
+    """The most keys one query tile of a launch reads: its longest row's, capped by a window or a top-k."""
+    keys = max_seq_len
+    if variant.topk:
+        keys = min(keys, variant.topk)
+    if variant.sliding_window:
+        keys = min(keys, variant.sliding_window + max_query_len - 1)
+    return keys
+
+
+def split_scratch(rows: tuple[int, int, int], value_dim: int, device) -> tuple | None:
+    """A split launch's partial outputs, maxima and sums ([segments, tokens, heads(, value_dim)] fp32);
+    None for one segment."""
+    if rows[0] == 1:
+        return None
+    f32 = dict(dtype=torch.float32, device=device)
+    return torch.empty(*rows, value_dim, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32)
 
 
 @dataclass(slots=True)
@@ -241,7 +265,9 @@ class TritonBackend(CascadeAttention, AttentionBackend):
     quantized_kv = QUANTIZED_KV  # dequantized in the kernel, tile by tile
     cuda_graph_reason = None
     batch_invariant_reason = "split-KV: its number of key segments is chosen from the batch (sequences, longest one)"
-    batch_invariant_form = True  # one query-tile shape for every launch, no split-KV (_launch)
+    # batch_invariant: decodes in their own fixed tile, split into segments of a fixed number of keys; longer
+    # query rows in one tile shape, unsplit (_launch)
+    batch_invariant_form = True
 
     latent_values = True  # V tiles read the first value_dim dims of the key pages (V_DIM)
     sparse_selection = True  # the latent kernel reads the selected slots (SPARSE)
@@ -319,31 +345,28 @@ class TritonBackend(CascadeAttention, AttentionBackend):
         """Tile sizes and key segments for one launch, from host counts only (graph-stable)."""
         group_p2 = _pow2(self.group)
         t = self.tuning
-        short = max_query_len <= SHORT_QUERY and not self.batch_invariant  # batch-invariant: one shape, unsplit
+        # batch-invariant: decodes keep their fixed tile (a launch of decodes only); longer rows take one shape
+        short = max_query_len <= SHORT_QUERY and (not self.batch_invariant or max_query_len == 1)
         block_m = max(16, group_p2 * _pow2(max_query_len)) if short else max(t.prefill_block_m, group_p2)
         block_m = min(block_m, max(t.prefill_block_m, group_p2))
         block_q = block_m // group_p2
         if self.latent:  # a program per token and block of heads; only decodes are split
             block_m, block_q, short = min(t.latent_block_h, max(16, group_p2)), 1, max_query_len == 1
-        segments = 1
-        if short and not self.batch_invariant:  # batch-invariant: every row's keys in one pass
+        segments, segment_steps = 1, 0
+        keys = keys_read(self.variant, meta.max_seq_len, max_query_len)
+        if short and self.batch_invariant:  # segments of fixed length: the count follows the longest row
+            segment_steps = max(1, t.invariant_segment_keys // t.block_n)
+            segments = _pow2(-(-keys // (segment_steps * t.block_n)))
+        elif short:
             programs = (num_seqs + (num_tokens - num_seqs) // block_q) * self.num_kv_heads
             if self.latent:
                 programs = num_tokens * -(-self.num_heads // block_m)
             wanted = _pow2(-(-t.target_programs // programs))
-            keys = meta.max_seq_len  # the most keys one query tile reads; a window or a top-k caps it
-            if self.variant.topk:
-                keys = min(keys, self.variant.topk)
-            if self.variant.sliding_window:
-                keys = min(keys, self.variant.sliding_window + max_query_len - 1)
             segments = min(wanted, t.max_segments, _floor_pow2(keys // t.min_segment_keys))
-        partials = None
-        if segments > 1:
-            rows = (segments, num_tokens, self.num_heads)
-            f32 = dict(dtype=torch.float32, device=meta.seq_lens.device)
-            partials = (torch.empty(*rows, self.value_dim, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32))
+        partials = split_scratch((segments, num_tokens, self.num_heads), self.value_dim, meta.seq_lens.device)
         warps = 8 if block_m >= 128 else 4
-        return Launch(seq_start, num_seqs, token_start, num_tokens, block_m, block_q, segments, warps, partials)
+        return Launch(seq_start, num_seqs, token_start, num_tokens, block_m, block_q, segments, warps, partials,
+                      segment_steps)  # fmt: skip
 
     def forward(self, q, k_cache, v_cache, state, sinks=None, kv_scales=None, selected=None):
         if isinstance(state, CascadeState) and selected is None:
@@ -373,6 +396,7 @@ class TritonBackend(CascadeAttention, AttentionBackend):
             V_DIM_P2=max(16, _pow2(self.value_dim)),
             PAGE_SIZE=page_size,
             NUM_SEGMENTS=launch.num_segments,
+            SEGMENT_STEPS=launch.segment_steps,
             WINDOW=self.variant.sliding_window or 0,
             SOFTCAP=float(self.variant.softcap or 0.0),
             HAS_SINKS=self.variant.sinks,

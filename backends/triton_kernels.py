@@ -63,6 +63,7 @@ def paged_attention(
     V_DIM_P2: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    SEGMENT_STEPS: tl.constexpr,  # BLOCK_N steps per segment; 0: the keys split evenly into NUM_SEGMENTS
     WINDOW: tl.constexpr,  # sliding window in keys (0: none): a query at p sees p - WINDOW + 1 .. p
     SOFTCAP: tl.constexpr,  # scores -> SOFTCAP * tanh(scores / SOFTCAP) (0: none)
     HAS_SINKS: tl.constexpr,
@@ -117,7 +118,10 @@ def paged_attention(
         if WINDOW > 0:
             first_step = tl.maximum(context_len + (tile_q_start - q_begin) - WINDOW + 1, 0) // BLOCK_N
         num_steps = (kv_len + BLOCK_N - 1) // BLOCK_N - first_step
-        steps_per_segment = (num_steps + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        if SEGMENT_STEPS > 0:  # fixed-length segments (batch_invariant): a row's split is its own
+            steps_per_segment = SEGMENT_STEPS
+        else:
+            steps_per_segment = (num_steps + NUM_SEGMENTS - 1) // NUM_SEGMENTS
         step_lo = first_step + segment * steps_per_segment
         step_hi = tl.minimum(first_step + num_steps, step_lo + steps_per_segment)
 

@@ -268,3 +268,22 @@ def spilled_bytes(cubin: bytes, folder) -> int:
     tool = os.path.join(os.path.dirname(_ptxas()), "cuobjdump")
     usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
     return sum(int(n) for n in re.findall(r"STACK:(\d+)", usage))
+
+
+def test_batch_invariant_decodes_split_in_fixed_length_segments():
+    """Under batch_invariant a decode's keys split into segments of a fixed length (128 keys on the
+    interpreter), however many that makes: the count follows the batch's longest row, and each row's
+    output is bitwise the same alone, beside a longer row (more, empty, segments) and against the oracle."""
+    invariant = lambda: get_backend("triton")(
+        8, 2, 64, 64**-0.5, 16, torch.device("cpu"), torch.float32, batch_invariant=True
+    )
+    problem = random_problem([(300, 1), (700, 1), (50, 1)], 8, 2, 64, seed=4)
+    together = place(problem, 16, layout_seed=2)
+    out, state = attend(invariant(), together, torch.float32)
+    assert state.launches[0].num_segments == 8 and state.launches[0].segment_steps == 2  # 701 keys / 128
+    torch.testing.assert_close(out.double(), attend_dense(problem, 64**-0.5, torch.float64), atol=2e-4, rtol=2e-4)
+    for i, seq in enumerate(problem.seqs):
+        alone = replace(problem, seqs=[seq], q=problem.q[i : i + 1], k=[problem.k[i]], v=[problem.v[i]])
+        single, single_state = attend(invariant(), place(alone, 16, layout_seed=7), torch.float32)
+        assert single_state.launches[0].num_segments == {0: 4, 1: 8, 2: 1}[i]
+        assert torch.equal(single[0], out[i]), f"row {i} differs alone"
