@@ -159,12 +159,29 @@ def _later_steps(bench, compare: list[str]) -> list[SuiteStep]:
             ["kernels", "--variants", "cascade", "--backends", torch_and_triton],
             code=KERNEL_CODE,
         ),
-        bench("compare-alone", 150, [*quarter, "--backends", "triton,flex", "--alone-check", "16"]),
+        # triton alone: flex on CUDA refuses batch_invariant (its SPLIT_KV is tuned per batch)
+        bench("compare-alone", 150, [*quarter, "--backends", "triton", "--alone-check", "16"]),
         bench(
             "compare-alone-invariant",
             150,
-            [*quarter, "--backends", "triton,flex", "--alone-check", "16", "--batch-invariant"],
+            [*quarter, "--backends", "triton", "--alone-check", "16", "--batch-invariant"],
         ),
+        bench(
+            "check-determinism-invariant",
+            120,
+            [
+                "check",
+                "--determinism",
+                "--batch-invariant",
+                "--device",
+                "cuda",
+                "--dtypes",
+                "bf16",
+                "--backends",
+                "sdpa,triton",
+            ],
+            code=CHECK_CODE,
+        ),  # fmt: skip
         bench("kernels-dsa", 100, [*DSA, "--backends", torch_and_triton], code=KERNEL_CODE),
         # Hybrids' gated delta rule on CUDA: the torch forms and fla's kernels against the float64 oracle.
         bench("check-gdn", 60, ["check", "--device", "cuda", "--backends", "gdn-torch,gdn-fla"], code=CHECK_CODE),
