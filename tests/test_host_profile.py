@@ -68,3 +68,23 @@ def test_an_engine_freezes_the_startup_heap_and_its_shutdown_thaws_it(monkeypatc
     finally:
         llm.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_an_engine_dropped_without_shutdown_is_collected_when_the_next_is_built(monkeypatch):
+    import gc
+    import weakref
+
+    from pagedbench import LLM
+
+    monkeypatch.setenv("PAGEDBENCH_GC_FREEZE", "1")
+    settings = dict(backend="sdpa", device="cpu", dtype="float32", num_blocks=64, max_model_len=64)
+    first = LLM("tiny-llama", **settings)
+    cache = weakref.ref(first.engine.runner.kv_cache)  # the first engine's whole KV cache
+    scheduler = weakref.ref(first.engine.scheduler)  # in a reference cycle with its StepUpdate: frozen with the heap
+    del first
+    second = LLM("tiny-llama", **settings)
+    try:
+        assert scheduler() is None and cache() is None  # collected before the second sized its cache
+        assert gc.get_freeze_count() > 0
+    finally:
+        second.shutdown()

@@ -19,7 +19,7 @@ from pagedbench.engine.async_scheduling import async_scheduling
 from pagedbench.engine.block_manager import BlockManager
 from pagedbench.engine.engine_core import EngineCore
 from pagedbench.engine.executor import Executor
-from pagedbench.engine.heap import freeze_startup_heap, thaw_heap
+from pagedbench.engine.heap import collect_dropped_engines, freeze_startup_heap, thaw_heap
 from pagedbench.engine.input_processor import InputProcessor, engine_logits_processors
 from pagedbench.engine.output_processor import OutputProcessor
 from pagedbench.engine.outputs import RequestOutput
@@ -43,6 +43,7 @@ class LLMEngine:
         with no arguments) that see every sampling row each step, after each request's own.
         `model`: config.model as the command already resolved it (else resolved here)."""
         config.validate()
+        collect_dropped_engines()
         logits_processors = engine_logits_processors(logits_processors)
         if config.seed is None:  # one fresh seed, shared with the tensor-parallel workers
             config = dataclasses.replace(config, seed=secrets.randbelow(2**31))
