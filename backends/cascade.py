@@ -180,7 +180,6 @@ class _GroupRows:
     prefix_slots: torch.Tensor  # [P] cache slots of the shared prefix
     prefix_pages: torch.Tensor  # [P / block_size] int32: its pages
     prefix_len: int
-    first_pos: int  # the group's earliest query position (host: whether a window leaves the prefix behind)
 
 
 @dataclass(slots=True)
@@ -188,7 +187,8 @@ class CascadeState:
     """A backend's plan of a cascade step: its own flat plan of the suffixes, and the groups' rows."""
 
     flat: object
-    groups: list[_GroupRows]
+    groups: list[_GroupRows]  # those whose prefix the window (if any) still reaches: each has a prefix pass
+    rows: torch.Tensor | None  # their rows, concatenated in group order (None: no group)
     suffix: AttentionMetadata  # the step's metadata with the members' prefixes cut off
     longest_suffix: int  # keys of the longest member suffix (what suffix_lse gathers per row)
 
@@ -230,32 +230,24 @@ class CascadeAttention:
             as_tensor = lambda a: torch.from_numpy(a.astype(np.int64)).to(device)
             q_pos = np.asarray(meta.context_lens_cpu)[seqs] + rows - np.asarray(qsl)[seqs]
             pages = torch.tensor(g.prefix_pages, dtype=torch.int32).to(device)
-            fields = (as_tensor(rows), as_tensor(q_pos), as_tensor(slots), pages, prefix_len, int(q_pos.min()))
-            groups.append(_GroupRows(*fields))
+            window = self.variant.sliding_window
+            if window is not None and int(q_pos.min()) - window >= prefix_len - 1:
+                continue  # every member's window starts past the prefix: the suffix pass is all it sees
+            groups.append(_GroupRows(as_tensor(rows), as_tensor(q_pos), as_tensor(slots), pages, prefix_len))
         flat = plan_flat(suffix)
         longest = max(suffix.seq_lens_cpu[m] for g in plan.groups for m in g.members)
-        return CascadeState(flat, groups, suffix, longest)
+        rows = torch.cat([g.rows for g in groups]) if groups else None
+        return CascadeState(flat, groups, rows, suffix, longest)
 
     def cascade_forward(self, q, k_cache, v_cache, state: CascadeState, flat_forward, sinks=None, kv_scales=None):
         """Suffix pass (the backend's `flat_forward(q, state.flat)`, sinks included), prefix passes, merge."""
         out = flat_forward(q, state.flat)
         if not state.groups:
             return out
-        rows, prefix_out, prefix_lse = [], [], []
-        for g in state.groups:
-            window = self.variant.sliding_window
-            if window is not None and g.first_pos - window >= g.prefix_len - 1:
-                continue  # every member's window starts past the prefix
-            o, lse = self.prefix_pass(q, k_cache, v_cache, g, kv_scales)
-            rows.append(g.rows)
-            prefix_out.append(o)
-            prefix_lse.append(lse)
-        if not rows:
-            return out
-        rows = torch.cat(rows)
-        suffix_lse = self.suffix_lse(q, k_cache, state, rows, sinks, (kv_scales or (None, None))[0])
-        merged = merge_states(out.index_select(0, rows), suffix_lse, torch.cat(prefix_out), torch.cat(prefix_lse))
-        return out.index_copy_(0, rows, merged)
+        prefix_out, prefix_lse = zip(*(self.prefix_pass(q, k_cache, v_cache, g, kv_scales) for g in state.groups))
+        suffix_lse = self.suffix_lse(q, k_cache, state, state.rows, sinks, (kv_scales or (None, None))[0])
+        merged = merge_states(out.index_select(0, state.rows), suffix_lse, torch.cat(prefix_out), torch.cat(prefix_lse))
+        return out.index_copy_(0, state.rows, merged)
 
     def prefix_pass(self, q, k_cache, v_cache, g: _GroupRows, kv_scales) -> tuple[torch.Tensor, torch.Tensor]:
         """A group's prefix pass: its prefix K/V gathered once (dequantized), then `prefix_attention`;
