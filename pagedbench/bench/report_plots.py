@@ -160,6 +160,8 @@ def _kernel_labels(rows: pd.DataFrame, *, pages: bool = True) -> pd.Series:
         label = label + " · " + rows["variant"].astype(str)
     if "cuda_graphs" in rows and rows["cuda_graphs"].nunique(dropna=False) > 1:
         label = label + rows["cuda_graphs"].map({True: " · graphed"}).fillna("")
+    if "cascade" in rows and rows["cascade"].nunique(dropna=False) > 1:  # kernels --variants cascade: flat, cascaded
+        label = label + " · cascade " + rows["cascade"].astype(str)
     if pages and rows["block_size"].nunique() > 1:
         label = label + " · page " + rows["block_size"].astype("Int64").astype(str)
     heads = rows["num_heads"].astype("Int64").astype(str) + "/" + rows["num_kv_heads"].astype("Int64").astype(str)
